@@ -1,0 +1,44 @@
+# Set-up and the two commands. `make demo` and `make test` work from a fresh clone.
+#
+# TORCH_SPEC picks the torch build installed into the venv. The default pins the
+# CPU wheel this project's machines keep on disk; elsewhere override it, e.g.
+#   make test TORCH_SPEC=torch
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: all venv demo test lint typecheck bench clean
+
+all: test
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/eventbus-debug demo --log-dir debug_logs
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check eventbus_debug sinks tests examples benchmarks
+	$(BIN)/ruff format --check eventbus_debug sinks tests examples benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) debug_logs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1017 @@
+"""The event bus: one cheap buffer on the publisher's side, fan-out in a dispatcher task.
+
+Publishing appends to one list and wakes the dispatcher at most once per burst; the dispatcher
+stamps sequence numbers and offers each event to the bounded queue of every matching
+subscription; one task per subscription drains its queue into the sink. A slow, raising or
+hanging sink therefore only ever affects its own queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import math
+import time
+import traceback
+import warnings
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from types import TracebackType
+from typing import Any, Final, final
+
+import anyio
+import anyio.lowlevel
+import structlog
+from anyio.abc import TaskGroup
+from typing_extensions import Self
+
+from .events import (
+    SELF_EXCLUDING,
+    Delivery,
+    Event,
+    EventsDropped,
+    EventsUndelivered,
+    SinkDisabled,
+    SinkFailed,
+    refresh_rank,
+)
+from .exceptions import BusClosedError, SubscriptionError
+
+__all__ = ("BusStatistics", "EventBus", "Subscription", "SubscriptionStatistics")
+
+_log = structlog.get_logger("eventbus_debug")
+
+DEFAULT_CAPACITY: Final = 1024
+DEFAULT_CLOSE_TIMEOUT: Final = 30.0
+DEFAULT_MAX_CONSECUTIVE_FAILURES: Final = 5
+DEFAULT_DROP_REPORT_INTERVAL: Final = 1.0
+MAX_BATCH: Final = 4096
+
+
+class _State(Enum):
+    NEW = "new"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriptionStatistics:
+    """A snapshot of one subscription's counters.
+
+    Attributes:
+        name: the subscription's name.
+        capacity: its queue bound (incidents may exceed it; they are never shed).
+        queued: events waiting in its queue now.
+        delivered: events its sink handled without raising.
+        failed: events whose handling raised.
+        shed: telemetry events dropped from its full queue.
+        discarded: events not delivered because the sink was disabled.
+        undelivered: events lost because the sink did not finish within the close timeout.
+        disabled: whether the sink was disabled after repeated failures.
+    """
+
+    name: str
+    capacity: int
+    queued: int
+    delivered: int
+    failed: int
+    shed: int
+    discarded: int
+    undelivered: int
+    disabled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BusStatistics:
+    """A snapshot of the bus: ``published`` counts every accepted event."""
+
+    published: int
+    dispatched: int
+    pending: int
+    closed: bool
+    subscriptions: tuple[SubscriptionStatistics, ...]
+
+    @property
+    def shed(self) -> int:
+        """Total telemetry shed over all subscriptions."""
+        return sum(s.shed for s in self.subscriptions)
+
+
+_QueueItem = tuple[int, Event, bool]  # (seq, event, is_incident)
+
+
+class _Adapter:
+    """How the bus talks to one sink, resolved once at subscribe time."""
+
+    __slots__ = ("aclose", "handle", "handle_batch", "start")
+
+    def __init__(self, sink: object, name: str) -> None:
+        self.handle: Callable[[Event], Awaitable[Any]] | None = None
+        self.handle_batch: Callable[[Sequence[Event]], Awaitable[Any]] | None = None
+        self.start: Callable[[], Awaitable[Any]] | None = None
+        self.aclose: Callable[[], Any] | None = None
+        if inspect.isclass(sink):
+            msg = f"sink {name!r} is a class ({sink.__qualname__}); pass an instance of it"
+            raise SubscriptionError(msg)
+        batch = getattr(sink, "handle_batch", None)
+        single = getattr(sink, "handle", None)
+        if batch is not None or single is not None:
+            for attr, fn in (("handle_batch", batch), ("handle", single)):
+                if fn is not None and not _is_async_callable(fn):
+                    msg = (
+                        f"sink {name!r}: {attr} must be an `async def` method, got {fn!r}; "
+                        "blocking work belongs in a worker thread (anyio.to_thread.run_sync)"
+                    )
+                    raise SubscriptionError(msg)
+            self.handle_batch = batch
+            self.handle = single
+            start = getattr(sink, "start", None)
+            if start is not None:
+                if not _is_async_callable(start):
+                    msg = f"sink {name!r}: start must be an `async def` method, got {start!r}"
+                    raise SubscriptionError(msg)
+                self.start = start
+            self.aclose = getattr(sink, "aclose", None) or getattr(sink, "close", None)
+            return
+        if callable(sink):
+            if not _is_async_callable(sink):
+                msg = (
+                    f"{sink!r} is not an async function; pass an `async def handler(event)` or "
+                    "an object with an async handle(event) / handle_batch(events) method"
+                )
+                raise SubscriptionError(msg)
+            self.handle = sink  # type: ignore[assignment]
+            return
+        msg = (
+            f"{sink!r} is not a sink: pass an `async def handler(event)` or an object with an "
+            "async handle(event) / handle_batch(events) method"
+        )
+        raise SubscriptionError(msg)
+
+
+def _is_async_callable(fn: object) -> bool:
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(fn, "__call__", None)  # noqa: B004 - instances with an async __call__
+    return call is not None and inspect.iscoroutinefunction(call)
+
+
+@final
+class Subscription:
+    """One sink's connection to a bus: its filter, bounded queue, task and counters.
+
+    Returned by :meth:`EventBus.subscribe`. Cancel it with :meth:`cancel` (or use it as a
+    context manager) to stop delivery; events already queued are dropped and counted.
+    """
+
+    __slots__ = (
+        "_adapter",
+        "_bus",
+        "_cancel_scope",
+        "_consecutive",
+        "_done",
+        "_input_closed",
+        "_inflight_min_seq",
+        "_inflight_n",
+        "_queue",
+        "_sink_closed",
+        "_waiter",
+        "__weakref__",
+        "capacity",
+        "delivered",
+        "disabled",
+        "discarded",
+        "event_types",
+        "failed",
+        "name",
+        "shed",
+        "shed_by_kind",
+        "shed_unreported",
+        "sink",
+        "undelivered",
+    )
+
+    def __init__(
+        self,
+        bus: EventBus,
+        sink: object,
+        adapter: _Adapter,
+        event_types: tuple[type[Event], ...],
+        name: str,
+        capacity: int,
+    ) -> None:
+        self._bus: EventBus | None = bus
+        self.sink = sink
+        self._adapter = adapter
+        self.event_types = event_types
+        self.name = name
+        self.capacity = capacity
+        self._queue: collections.deque[_QueueItem] = collections.deque()
+        self._waiter: anyio.Event | None = None
+        self._input_closed = False
+        self._inflight_min_seq = -1
+        self._inflight_n = 0
+        self._consecutive = 0
+        self._cancel_scope: anyio.CancelScope | None = None
+        self._done: anyio.Event | None = None
+        self._sink_closed = False
+        self.delivered = 0
+        self.failed = 0
+        self.shed = 0
+        self.shed_unreported = 0
+        self.shed_by_kind: dict[str, int] = {}
+        self.discarded = 0
+        self.undelivered = 0
+        self.disabled = False
+
+    def __repr__(self) -> str:
+        return f"<Subscription {self.name!r} types={[t.__name__ for t in self.event_types]}>"
+
+    def accepts(self, cls: type[Event]) -> bool:
+        """Whether events of class *cls* are routed to this subscription."""
+        return not self.event_types or issubclass(cls, self.event_types)
+
+    def statistics(self) -> SubscriptionStatistics:
+        """A snapshot of this subscription's counters."""
+        return SubscriptionStatistics(
+            name=self.name,
+            capacity=self.capacity,
+            queued=len(self._queue) + self._inflight_n,
+            delivered=self.delivered,
+            failed=self.failed,
+            shed=self.shed,
+            discarded=self.discarded,
+            undelivered=self.undelivered,
+            disabled=self.disabled,
+        )
+
+    def cancel(self) -> None:
+        """Stop delivering to this sink; queued events are discarded (and counted). Idempotent.
+
+        The sink's ``aclose`` is not called: the caller owns a sink it unsubscribed.
+        """
+        bus = self._bus
+        if bus is not None:
+            bus._unsubscribe(self)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cancel()
+
+    # -- internals used by the bus ----------------------------------------------------------
+
+    def _offer(self, seq: int, event: Event, incident: bool) -> int:
+        """Queue *event*; returns the number of events shed to make room (0 or 1)."""
+        queue = self._queue
+        shed = 0
+        if len(queue) >= self.capacity:
+            victim = -1
+            for i, item in enumerate(queue):
+                if not item[2]:
+                    victim = i
+                    break
+            if victim >= 0:
+                old = queue[victim][1]
+                del queue[victim]
+                self._count_shed(old)
+                shed = 1
+            elif not incident:
+                self._count_shed(event)
+                return 1
+        queue.append((seq, event, incident))
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            waiter.set()
+        return shed
+
+    def _count_shed(self, event: Event) -> None:
+        self.shed += 1
+        self.shed_unreported += 1
+        kind = event.kind
+        self.shed_by_kind[kind] = self.shed_by_kind.get(kind, 0) + 1
+
+    def _idle_up_to(self, target: int) -> bool:
+        if self.disabled:
+            return True
+        if self._inflight_n and self._inflight_min_seq <= target:
+            return False
+        queue = self._queue
+        return not queue or queue[0][0] > target
+
+
+@final
+class EventBus:
+    """Routes published events to subscribers; one bounded queue and task per subscriber.
+
+    Use it as ``async with EventBus() as bus:``. Leaving the block stops accepting events,
+    drains every queue, then closes sinks in reverse subscription order, each bounded by
+    *close_timeout*.
+
+    Example::
+
+        async with EventBus() as bus:
+            async def show(event: StepCompleted) -> None:
+                print(event.step, event.loss)
+
+            bus.subscribe(show, StepCompleted)
+            bus.publish_nowait(StepCompleted(step=1, loss=0.5))
+            await bus.drain()
+
+    Args:
+        capacity: default queue bound per subscription (overridable in :meth:`subscribe`).
+        close_timeout: seconds granted to drain all queues at close, and to each sink's close.
+        max_consecutive_failures: a sink raising this many times in a row is disabled.
+        drop_report_interval: at most one :class:`EventsDropped` per sink per this many seconds.
+
+    Raises:
+        ValueError: if an argument is out of range (the message names it).
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity: int = DEFAULT_CAPACITY,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+        max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
+        drop_report_interval: float = DEFAULT_DROP_REPORT_INTERVAL,
+    ) -> None:
+        _check_positive_int("capacity", capacity)
+        _check_positive_int("max_consecutive_failures", max_consecutive_failures)
+        _check_positive_float("close_timeout", close_timeout)
+        _check_positive_float("drop_report_interval", drop_report_interval)
+        self._capacity = capacity
+        self._close_timeout = float(close_timeout)
+        self._max_failures = max_consecutive_failures
+        self._drop_interval = float(drop_report_interval)
+
+        self._state = _State.NEW
+        self._buffer: list[Event] = []
+        self._published = 0
+        self._seq = 0
+        self._wake: anyio.Event | None = None
+        self._wake_pending = False
+        self._thread_queue: collections.deque[Event] = collections.deque()
+        self._thread_wake_pending = False
+        self._call_soon_threadsafe: Callable[[Callable[[], object]], object] | None = None
+        self._subs: list[Subscription] = []
+        self._routes: dict[type[Event], tuple[tuple[Subscription, ...], bool, bool]] = {}
+        self._tg: TaskGroup | None = None
+        self._progress: anyio.Event | None = None
+        self._last_drop_report = 0.0
+        self._dispatcher_done: anyio.Event | None = None
+        self._names: set[str] = set()
+        self._stop_dispatcher = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._state is not _State.NEW:
+            msg = "an EventBus can be entered once; create a new one"
+            raise RuntimeError(msg)
+        refresh_rank()
+        self._call_soon_threadsafe = _threadsafe_scheduler()
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        self._state = _State.RUNNING
+        self._dispatcher_done = anyio.Event()
+        tg.start_soon(self._dispatch_loop, name="eventbus-dispatcher")
+        for sub in self._subs:
+            self._start_pump(sub)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        await self.aclose()
+        tg = self._tg
+        if tg is not None:
+            self._tg = None
+            return await tg.__aexit__(exc_type, exc, tb)
+        return None
+
+    async def aclose(self) -> None:
+        """Stop accepting events, deliver everything queued, close the sinks. Idempotent.
+
+        Every queue gets *close_timeout* seconds in total to drain; a sink still busy then is
+        cancelled, and what it had left is reported as an :class:`EventsUndelivered` incident
+        to the other sinks, in ``statistics()`` and in the library's log. Each sink's close is
+        then bounded by the same timeout, in reverse order of subscription. Runs shielded from
+        cancellation, so cancelling the training task does not lose queued events.
+        """
+        if self._state in (_State.CLOSING, _State.CLOSED):
+            return
+        if self._state is _State.NEW:
+            self._state = _State.CLOSED
+            return
+        self._state = _State.CLOSING
+        started = time.monotonic()
+        with anyio.CancelScope(shield=True):
+            hung = await self._drain_for_close()
+            if hung:
+                await self._report_undelivered(hung)
+            # Stop the pumps (hung ones are cancelled) and the dispatcher.
+            for sub in self._subs:
+                sub._input_closed = True
+                self._wake_sub(sub)
+                if sub in hung and sub._cancel_scope is not None:
+                    sub._cancel_scope.cancel()
+            self._stop_dispatcher = True
+            self._wake_dispatcher()
+            if self._dispatcher_done is not None:
+                await self._dispatcher_done.wait()
+            for sub in self._subs:
+                if sub._done is not None:
+                    await sub._done.wait()
+            await self._close_sinks()
+        self._state = _State.CLOSED
+        elapsed = time.monotonic() - started
+        if elapsed > 1.0:
+            _log.info("bus_close_slow", seconds=round(elapsed, 3))
+
+    def __del__(self) -> None:
+        if getattr(self, "_state", None) in (_State.RUNNING, _State.CLOSING):
+            warnings.warn(
+                f"{self!r} was garbage-collected without being closed; queued events may be lost",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
+    def __repr__(self) -> str:
+        return f"<EventBus {self._state.value} subscriptions={len(self._subs)}>"
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`aclose` began; publishing then raises :class:`BusClosedError`."""
+        return self._state in (_State.CLOSING, _State.CLOSED)
+
+    @property
+    def running(self) -> bool:
+        """True between entering the bus and the start of its close."""
+        return self._state is _State.RUNNING
+
+    # -- subscribing ---------------------------------------------------------------------------
+
+    def subscribe(
+        self,
+        sink: object,
+        /,
+        *event_types: type[Event],
+        name: str | None = None,
+        capacity: int | None = None,
+    ) -> Subscription:
+        """Deliver events of *event_types* (all events when none are given) to *sink*.
+
+        *sink* is an ``async def handler(event)`` or an object with an async ``handle(event)``
+        and/or ``handle_batch(events)``, and optionally async ``start()`` and ``aclose()``.
+        Types match by subclass, so ``subscribe(sink, Event)`` receives everything.
+
+        Raises:
+            SubscriptionError: if *sink* is not usable, a type is not an :class:`Event`
+                subclass, *capacity* is not a positive int, or *name* is already used.
+            BusClosedError: if the bus is closing or closed.
+        """
+        if self.closed:
+            msg = "cannot subscribe: the bus is closed"
+            raise BusClosedError(msg)
+        for tp in event_types:
+            if not (isinstance(tp, type) and issubclass(tp, Event)):
+                msg = (
+                    f"event_types must be Event subclasses, got {tp!r}; "
+                    "pass classes such as StepCompleted (or Event for everything)"
+                )
+                raise SubscriptionError(msg)
+        if capacity is None:
+            capacity = self._capacity
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            msg = f"capacity must be a positive integer, got {capacity!r}"
+            raise SubscriptionError(msg)
+        if name is None:
+            name = _default_name(sink)
+            base, n = name, 2
+            while name in self._names:
+                name, n = f"{base}-{n}", n + 1
+        elif not isinstance(name, str) or not name:
+            msg = f"name must be a non-empty string, got {name!r}"
+            raise SubscriptionError(msg)
+        elif name in self._names:
+            msg = f"a subscription named {name!r} already exists; pass another name"
+            raise SubscriptionError(msg)
+        adapter = _Adapter(sink, name)
+        types = tuple(t for t in event_types if t is not Event)
+        if len(types) < len(event_types):
+            types = ()
+        sub = Subscription(self, sink, adapter, types, name, capacity)
+        self._subs.append(sub)
+        self._names.add(name)
+        self._routes.clear()
+        if self._state is _State.RUNNING:
+            self._start_pump(sub)
+        return sub
+
+    def _unsubscribe(self, sub: Subscription) -> None:
+        if sub not in self._subs:
+            return
+        self._subs.remove(sub)
+        self._names.discard(sub.name)
+        self._routes.clear()
+        sub._bus = None
+        sub.discarded += len(sub._queue)
+        sub._queue.clear()
+        sub._input_closed = True
+        if sub._cancel_scope is not None:
+            sub._cancel_scope.cancel()
+        self._wake_sub(sub)
+
+    @property
+    def subscriptions(self) -> tuple[Subscription, ...]:
+        """The live subscriptions, in subscription order."""
+        return tuple(self._subs)
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    def publish_nowait(self, event: Event, /) -> None:
+        """Accept *event* for delivery; never blocks, never awaits, O(1) whatever the fan-out.
+
+        Delivery happens when the event loop next runs the dispatcher (at your next ``await``).
+
+        Raises:
+            BusClosedError: if the bus is not running (not entered yet, closing or closed).
+            TypeError: if *event* is not an :class:`Event`.
+        """
+        if self._state is not _State.RUNNING:
+            raise BusClosedError(self._closed_message())
+        if not isinstance(event, Event):
+            raise TypeError(_not_event_message(event))
+        self._buffer.append(event)
+        self._published += 1
+        if not self._wake_pending:
+            self._wake_pending = True
+            wake = self._wake
+            if wake is not None:
+                wake.set()
+
+    def publish_many_nowait(self, events: Iterable[Event], /) -> None:
+        """Accept a batch of events, in order, with one wake-up of the dispatcher.
+
+        Raises:
+            BusClosedError: if the bus is not running.
+            TypeError: if an item is not an :class:`Event` (nothing of the batch is accepted).
+        """
+        if self._state is not _State.RUNNING:
+            raise BusClosedError(self._closed_message())
+        batch = list(events)
+        for event in batch:
+            if not isinstance(event, Event):
+                raise TypeError(_not_event_message(event))
+        self._buffer.extend(batch)
+        self._published += len(batch)
+        self._wake_dispatcher()
+
+    async def publish(self, event: Event, /) -> None:
+        """Like :meth:`publish_nowait`, plus a checkpoint so that subscribers get to run."""
+        self.publish_nowait(event)
+        await anyio.lowlevel.checkpoint()
+
+    def publish_threadsafe(self, event: Event, /, *, wake: bool = True) -> None:
+        """Accept *event* from any thread (autograd engine threads, a sync training loop).
+
+        Never blocks and never waits for the event loop: the event goes into a thread-safe
+        queue that the dispatcher empties in batches; a burst of publishes costs one
+        cross-thread wake-up. With ``wake=False`` the event waits for the next wake-up (the next
+        publish with ``wake=True``, :meth:`wake_threadsafe`, or any dispatch).
+
+        Raises:
+            BusClosedError: if the bus is not running.
+            TypeError: if *event* is not an :class:`Event`.
+        """
+        if self._state is not _State.RUNNING:
+            raise BusClosedError(self._closed_message())
+        if not isinstance(event, Event):
+            raise TypeError(_not_event_message(event))
+        self._thread_queue.append(event)
+        if wake and not self._thread_wake_pending:
+            self.wake_threadsafe()
+
+    def wake_threadsafe(self) -> None:
+        """From any thread: have the dispatcher pick up the events published from threads."""
+        self._thread_wake_pending = True
+        schedule = self._call_soon_threadsafe
+        if schedule is None:
+            return
+        try:
+            schedule(self._wake_dispatcher)
+        except RuntimeError:  # the event loop is gone: the bus is closing or closed
+            self._thread_wake_pending = False
+            raise BusClosedError(self._closed_message()) from None
+
+    # -- waiting -------------------------------------------------------------------------------
+
+    async def drain(self, *subscriptions: Subscription, timeout: float | None = None) -> None:
+        """Return once every event published before the call was handled by every subscriber.
+
+        "Handled" means the sink returned or raised (a failure counts as handled), or the event
+        was shed. Disabled sinks are skipped. Pass subscriptions to wait for those only (a
+        recovery safe point waits for its engine, not for a slow report writer).
+
+        Raises:
+            TimeoutError: if *timeout* seconds pass first.
+            BusClosedError: if the bus was never started.
+        """
+        if self._state is _State.NEW:
+            msg = "drain() needs a running bus; use `async with EventBus() as bus:`"
+            raise BusClosedError(msg)
+        self._pull_thread_events()
+        target = self._seq + len(self._buffer)
+        subs = subscriptions or None
+        with anyio.fail_after(timeout):
+            while not self._drained_up_to(target, subs):
+                if self._state is _State.CLOSED:
+                    return
+                progress = self._progress
+                if progress is None:
+                    progress = self._progress = anyio.Event()
+                self._wake_dispatcher()
+                await progress.wait()
+        await anyio.lowlevel.checkpoint()
+
+    def _drained_up_to(self, target: int, subs: tuple[Subscription, ...] | None) -> bool:
+        if self._seq < target:
+            return False
+        for sub in subs if subs is not None else self._subs:
+            if not sub._idle_up_to(target):
+                return False
+        return True
+
+    def statistics(self) -> BusStatistics:
+        """A snapshot of the bus's counters and of every subscription's."""
+        return BusStatistics(
+            published=self._published + len(self._thread_queue),
+            dispatched=self._seq,
+            pending=len(self._buffer) + len(self._thread_queue),
+            closed=self.closed,
+            subscriptions=tuple(s.statistics() for s in self._subs),
+        )
+
+    # -- the dispatcher ------------------------------------------------------------------------
+
+    def _wake_dispatcher(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
+            wake = self._wake
+            if wake is not None:
+                wake.set()
+
+    def _wake_sub(self, sub: Subscription) -> None:
+        waiter = sub._waiter
+        if waiter is not None:
+            sub._waiter = None
+            waiter.set()
+
+    def _signal_progress(self) -> None:
+        progress = self._progress
+        if progress is not None:
+            self._progress = None
+            progress.set()
+
+    def _pull_thread_events(self) -> None:
+        self._thread_wake_pending = False
+        tq = self._thread_queue
+        if tq:
+            n = len(tq)
+            buf = self._buffer
+            for _ in range(n):
+                buf.append(tq.popleft())
+            self._published += n
+
+    def _publish_internal(self, event: Event) -> None:
+        """Publish from inside the bus (failures, drop reports), also while closing."""
+        if self._state is _State.CLOSED:
+            return
+        self._buffer.append(event)
+        self._published += 1
+        self._wake_dispatcher()
+
+    async def _dispatch_loop(self) -> None:
+        try:
+            while True:
+                self._pull_thread_events()
+                if self._buffer:
+                    self._dispatch()
+                    self._signal_progress()
+                    await anyio.lowlevel.checkpoint()
+                    continue
+                if self._stop_dispatcher:
+                    break
+                unreported = self._report_drops(force=self._state is not _State.RUNNING)
+                if self._buffer:
+                    continue
+                self._wake_pending = False
+                wake = self._wake = anyio.Event()
+                if unreported:
+                    with anyio.move_on_after(self._drop_interval):
+                        await wake.wait()
+                else:
+                    await wake.wait()
+                self._wake = None
+        finally:
+            if self._dispatcher_done is not None:
+                self._dispatcher_done.set()
+
+    def _dispatch(self) -> None:
+        batch = self._buffer
+        self._buffer = []
+        routes = self._routes
+        seq = self._seq
+        shed = 0
+        setattr_ = object.__setattr__
+        for event in batch:
+            seq += 1
+            setattr_(event, "seq", seq)
+            cls = event.__class__
+            route = routes.get(cls)
+            if route is None:
+                route = self._resolve(cls)
+            subs, incident, self_excluding = route
+            if self_excluding:
+                sink_name = event.sink  # type: ignore[attr-defined]
+                for sub in subs:
+                    if sub.name != sink_name:
+                        shed += sub._offer(seq, event, incident)
+            else:
+                for sub in subs:
+                    shed += sub._offer(seq, event, incident)
+        self._seq = seq
+        if shed:
+            self._report_drops(force=False)
+
+    def _resolve(self, cls: type[Event]) -> tuple[tuple[Subscription, ...], bool, bool]:
+        subs = tuple(s for s in self._subs if not s.disabled and s.accepts(cls))
+        route = (subs, cls.delivery is Delivery.INCIDENT, issubclass(cls, SELF_EXCLUDING))
+        self._routes[cls] = route
+        return route
+
+    def _report_drops(self, *, force: bool) -> bool:
+        """Publish coalesced EventsDropped reports; returns True if some are still due."""
+        pending = [s for s in self._subs if s.shed_unreported]
+        if not pending:
+            return False
+        now = time.monotonic()
+        if not force and now - self._last_drop_report < self._drop_interval:
+            return True
+        self._last_drop_report = now
+        for sub in pending:
+            if sub.shed == sub.shed_unreported:
+                _log.warning("events_shed", sink=sub.name, capacity=sub.capacity)
+            self._publish_internal(
+                EventsDropped(
+                    source="eventbus",
+                    sink=sub.name,
+                    dropped=sub.shed_unreported,
+                    total_dropped=sub.shed,
+                    by_kind=dict(sub.shed_by_kind),
+                )
+            )
+            sub.shed_unreported = 0
+            sub.shed_by_kind.clear()
+        return False
+
+    # -- the pumps -----------------------------------------------------------------------------
+
+    def _start_pump(self, sub: Subscription) -> None:
+        assert self._tg is not None
+        sub._done = anyio.Event()
+        self._tg.start_soon(self._pump, sub, name=f"eventbus-sink-{sub.name}")
+
+    async def _pump(self, sub: Subscription) -> None:
+        adapter = sub._adapter
+        queue = sub._queue
+        try:
+            with anyio.CancelScope() as scope:
+                sub._cancel_scope = scope
+                if adapter.start is not None:
+                    try:
+                        await adapter.start()
+                    except Exception as exc:
+                        self._record_failure(sub, exc, None)
+                while True:
+                    if not queue or sub.disabled:
+                        if sub.disabled and queue:
+                            sub.discarded += len(queue)
+                            queue.clear()
+                        self._signal_progress()
+                        if sub._input_closed:
+                            break
+                        waiter = sub._waiter = anyio.Event()
+                        await waiter.wait()
+                        continue
+                    if adapter.handle_batch is not None:
+                        n = min(len(queue), MAX_BATCH)
+                        items = [queue.popleft() for _ in range(n)]
+                        sub._inflight_min_seq = items[0][0]
+                        sub._inflight_n = n
+                        events = [item[1] for item in items]
+                        try:
+                            await adapter.handle_batch(events)
+                        except Exception as exc:
+                            sub.failed += n
+                            self._record_failure(sub, exc, events[0])
+                        else:
+                            sub.delivered += n
+                            sub._consecutive = 0
+                    else:
+                        handle = adapter.handle
+                        assert handle is not None
+                        seq, event, _ = queue.popleft()
+                        sub._inflight_min_seq = seq
+                        sub._inflight_n = 1
+                        try:
+                            await handle(event)
+                        except Exception as exc:
+                            sub.failed += 1
+                            self._record_failure(sub, exc, event)
+                        else:
+                            sub.delivered += 1
+                            sub._consecutive = 0
+                    sub._inflight_n = 0
+                    if self._progress is not None:
+                        self._signal_progress()
+                    # A sink that never awaits must still let the loop breathe.
+                    await anyio.lowlevel.checkpoint()
+        finally:
+            sub._inflight_n = 0
+            if sub._done is not None:
+                sub._done.set()
+            self._signal_progress()
+
+    def _record_failure(self, sub: Subscription, exc: Exception, event: Event | None) -> None:
+        sub._consecutive += 1
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        if sub._consecutive == 1:
+            _log.warning(
+                "sink_failed",
+                sink=sub.name,
+                error=f"{type(exc).__name__}: {exc}",
+                event_kind=event.kind if event is not None else "start",
+            )
+        self._publish_internal(
+            SinkFailed(
+                source="eventbus",
+                step=event.step if event is not None else None,
+                sink=sub.name,
+                error_type=type(exc).__qualname__,
+                message=str(exc),
+                traceback=tb,
+                event_kind=event.kind if event is not None else "",
+                event_seq=event.seq if event is not None else -1,
+                consecutive_failures=sub._consecutive,
+            )
+        )
+        if sub._consecutive >= self._max_failures and not sub.disabled:
+            sub.disabled = True
+            discarded = len(sub._queue)
+            sub.discarded += discarded
+            sub._queue.clear()
+            self._routes.clear()
+            reason = (
+                f"{sub._consecutive} consecutive failures, last: {type(exc).__name__}: {exc}"
+            )
+            _log.error("sink_disabled", sink=sub.name, reason=reason)
+            self._publish_internal(
+                SinkDisabled(
+                    source="eventbus",
+                    sink=sub.name,
+                    reason=reason,
+                    consecutive_failures=sub._consecutive,
+                    discarded=discarded,
+                )
+            )
+
+    # -- closing -------------------------------------------------------------------------------
+
+    async def _drain_for_close(self) -> list[Subscription]:
+        """Deliver everything; return the subscriptions still busy when the timeout fired."""
+        self._pull_thread_events()
+        with anyio.move_on_after(self._close_timeout):
+            while True:
+                self._pull_thread_events()
+                self._report_drops(force=True)
+                target = self._seq + len(self._buffer)
+                if self._drained_up_to(target, None) and not self._buffer:
+                    if not self._thread_queue and not any(s.shed_unreported for s in self._subs):
+                        return []
+                progress = self._progress
+                if progress is None:
+                    progress = self._progress = anyio.Event()
+                self._wake_dispatcher()
+                await progress.wait()
+        target = self._seq + len(self._buffer)
+        return [s for s in self._subs if not s._idle_up_to(target)]
+
+    async def _report_undelivered(self, hung: list[Subscription]) -> None:
+        healthy = [s for s in self._subs if s not in hung and not s.disabled]
+        for sub in hung:
+            lost = len(sub._queue) + sub._inflight_n
+            sub.undelivered += lost
+            sub._queue.clear()
+            _log.error(
+                "close_timed_out",
+                sink=sub.name,
+                undelivered=lost,
+                timeout_s=self._close_timeout,
+            )
+            self._publish_internal(
+                EventsUndelivered(
+                    source="eventbus",
+                    sink=sub.name,
+                    undelivered=lost,
+                    timeout_s=self._close_timeout,
+                )
+            )
+        # Give the healthy sinks a short grace to record the report.
+        with anyio.move_on_after(min(1.0, self._close_timeout)):
+            target = self._seq + len(self._buffer)
+            while not self._drained_up_to(target, tuple(healthy)):
+                progress = self._progress
+                if progress is None:
+                    progress = self._progress = anyio.Event()
+                self._wake_dispatcher()
+                await progress.wait()
+
+    async def _close_sinks(self) -> None:
+        for sub in reversed(self._subs):
+            aclose = sub._adapter.aclose
+            if aclose is None or sub._sink_closed:
+                continue
+            sub._sink_closed = True
+            with anyio.move_on_after(self._close_timeout) as scope:
+                try:
+                    result = aclose()
+                    if inspect.isawaitable(result):
+                        await result
+                except Exception as exc:
+                    _log.warning(
+                        "sink_close_failed",
+                        sink=sub.name,
+                        error=f"{type(exc).__name__}: {exc}",
+                        exc_info=True,
+                    )
+            if scope.cancelled_caught:
+                _log.error("sink_close_timed_out", sink=sub.name, timeout_s=self._close_timeout)
+
+    def _closed_message(self) -> str:
+        if self._state is _State.NEW:
+            return "the bus is not running yet; publish inside `async with EventBus() as bus:`"
+        return "the bus is closed; events can no longer be published to it"
+
+
+def _threadsafe_scheduler() -> Callable[[Callable[[], object]], object] | None:
+    """A non-blocking "run this on the bus's event loop soon" for the running backend."""
+    token = anyio.lowlevel.current_token().native_token
+    call_soon = getattr(token, "call_soon_threadsafe", None)  # asyncio loop
+    if call_soon is not None:
+        return call_soon  # type: ignore[no-any-return]
+    run_soon = getattr(token, "run_sync_soon", None)  # trio token
+    return run_soon  # type: ignore[no-any-return]
+
+
+def _default_name(sink: object) -> str:
+    name = getattr(sink, "name", None)
+    if isinstance(name, str) and name:
+        return name
+    qualname = getattr(sink, "__qualname__", None)
+    if isinstance(qualname, str):
+        return qualname
+    return type(sink).__name__
+
+
+def _not_event_message(obj: object) -> str:
+    return (
+        f"only Event instances can be published, got {type(obj).__name__}; "
+        "build a typed event (e.g. StepCompleted(step=..., loss=...))"
+    )
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"{name} must be a positive integer, got {value!r}"
+        raise ValueError(msg)
+
+
+def _check_positive_float(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        msg = f"{name} must be a positive number of seconds, got {value!r}"
+        raise ValueError(msg)

@@ -1,0 +1,280 @@
+"""The one JSON encoding of events: orjson, one object per line, NaN and ±Inf preserved.
+
+orjson writes non-finite floats as ``null``; this library exists to report NaN and Inf, so the
+encoder writes them as the strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"`` and the decoder,
+which knows every field's declared type, turns them back into floats. A line looks like::
+
+    {"kind":"step_completed","seq":7,"time_ns":...,"step":3,"rank":0,"source":"",
+     "severity":"debug","loss":"NaN","learning_rate":0.001,...}
+
+The check for non-finite values is resolved once per class (which fields can hold floats), so
+the common all-finite case is one ``orjson.dumps`` of the dataclass.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import enum
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+import orjson
+
+from .events import Event, event_types
+from .exceptions import EventDecodeError
+
+__all__ = ("decode_event", "encode_event")
+
+_NAN: Final = "NaN"
+_POS_INF: Final = "Infinity"
+_NEG_INF: Final = "-Infinity"
+
+_Convert = Callable[[Any], Any]
+
+
+def _float_token(value: float) -> float | str:
+    if value != value:
+        return _NAN
+    if value == math.inf:
+        return _POS_INF
+    if value == -math.inf:
+        return _NEG_INF
+    return value
+
+
+def _sanitize(value: Any) -> Any:
+    """A JSON-safe copy of *value* with non-finite floats replaced by their tokens."""
+    if isinstance(value, float):
+        return _float_token(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (tuple, list)):
+        return [_sanitize(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _sanitize(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _sanitize(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
+
+
+def _has_nonfinite(value: Any) -> bool:
+    if isinstance(value, float):
+        return value - value != 0.0
+    if isinstance(value, (tuple, list)):
+        return any(_has_nonfinite(v) for v in value)
+    if isinstance(value, Mapping):
+        return any(_has_nonfinite(v) for v in value.values())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return any(_has_nonfinite(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return False
+
+
+def _may_hold_float(tp: Any) -> bool:
+    if tp is float or tp is Any or tp is object:
+        return True
+    origin = typing.get_origin(tp)
+    if origin is not None:
+        return any(_may_hold_float(a) for a in typing.get_args(tp) if a is not Ellipsis)
+    if dataclasses.is_dataclass(tp):
+        return any(_may_hold_float(t) for t in typing.get_type_hints(tp).values())
+    return False
+
+
+def _is_plain_float(tp: Any) -> bool:
+    if tp is float:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args == [float]
+    return False
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, str):
+        return float(value)  # "NaN", "Infinity", "-Infinity" all parse
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    msg = f"expected a number, got {value!r}"
+    raise TypeError(msg)
+
+
+def _converter(tp: Any) -> _Convert:
+    """Build a function turning decoded JSON into a value of type *tp* (resolved once)."""
+    if tp is float:
+        return _to_float
+    if tp in (int, str, bool, Any, object, type(None)):
+        return _identity
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        hints = typing.get_type_hints(tp)
+        convs = {f.name: _converter(hints[f.name]) for f in dataclasses.fields(tp) if f.init}
+        cls = tp
+
+        def build(value: Any) -> Any:
+            return cls(**{k: convs[k](v) for k, v in value.items() if k in convs})
+
+        return build
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        inner = [_converter(a) for a in non_none]
+        if len(inner) == 1:
+            only = inner[0]
+            return lambda v: None if v is None else only(v)
+
+        def first_fit(value: Any) -> Any:
+            if value is None:
+                return None
+            for conv in inner:
+                try:
+                    return conv(value)
+                except (TypeError, ValueError):
+                    continue
+            return value
+
+        return first_fit
+    if origin is typing.Literal:
+        return _identity
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            item = _converter(args[0])
+            return lambda v: tuple(item(x) for x in v)
+        items = [_converter(a) for a in args]
+        return lambda v: tuple(c(x) for c, x in zip(items, v, strict=True))
+    if origin in (list, collections.abc.Sequence):
+        item = _converter(args[0]) if args else _identity
+        return lambda v: tuple(item(x) for x in v)
+    if origin in (dict, collections.abc.Mapping):
+        val = _converter(args[1]) if len(args) == 2 else _identity
+        return lambda v: {k: val(x) for k, x in v.items()}
+    return _identity
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Codec:
+    prefix: bytes
+    float_fields: tuple[str, ...]  # plain float / float | None fields: the cheap check
+    nested_fields: tuple[str, ...]  # containers or dataclasses that may hold floats
+    converters: Mapping[str, _Convert]
+    required: frozenset[str]
+
+
+_CODECS: dict[type[Event], _Codec] = {}
+
+
+def _codec(cls: type[Event]) -> _Codec:
+    codec = _CODECS.get(cls)
+    if codec is None:
+        hints = typing.get_type_hints(cls)
+        fields = [f for f in dataclasses.fields(cls)]
+        float_fields = tuple(f.name for f in fields if _is_plain_float(hints[f.name]))
+        nested = tuple(
+            f.name
+            for f in fields
+            if f.name not in float_fields and _may_hold_float(hints[f.name])
+        )
+        converters = {f.name: _converter(hints[f.name]) for f in fields if f.init}
+        required = frozenset(
+            f.name
+            for f in fields
+            if f.init
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        )
+        prefix = b'{"kind":' + orjson.dumps(cls.kind) + b","
+        codec = _Codec(prefix, float_fields, nested, converters, required)
+        _CODECS[cls] = codec
+    return codec
+
+
+def encode_event(event: Event, /) -> bytes:
+    """Encode *event* as one JSON line (ending in ``\\n``), NaN and ±Inf preserved.
+
+    Raises:
+        TypeError: if *event* is not an :class:`~eventbus_debug.Event`, or holds a value orjson
+            cannot serialize (events must carry plain host values, not tensors).
+    """
+    if not isinstance(event, Event):
+        msg = f"encode_event needs an Event, got {type(event).__name__}"
+        raise TypeError(msg)
+    codec = _codec(type(event))
+    dirty = False
+    for name in codec.float_fields:
+        v = getattr(event, name)
+        if v is not None and v - v != 0.0:
+            dirty = True
+            break
+    if not dirty:
+        for name in codec.nested_fields:
+            if _has_nonfinite(getattr(event, name)):
+                dirty = True
+                break
+    try:
+        if dirty:
+            body = orjson.dumps(
+                {f.name: _sanitize(getattr(event, f.name)) for f in dataclasses.fields(event)},
+                option=orjson.OPT_APPEND_NEWLINE,
+            )
+        else:
+            body = orjson.dumps(event, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError as exc:
+        msg = (
+            f"cannot encode {type(event).__name__}: {exc}; events must hold plain host values "
+            "(convert tensors with .item() or .tolist() before building the event)"
+        )
+        raise TypeError(msg) from None
+    return codec.prefix + body[1:]
+
+
+def decode_event(data: bytes | str | Mapping[str, Any], /) -> Event:
+    """Turn one encoded line (or its parsed JSON object) back into the same typed event.
+
+    Raises:
+        EventDecodeError: if the line is not valid JSON, names an unknown ``kind`` or lacks a
+            required field.
+    """
+    if isinstance(data, Mapping):
+        obj = dict(data)
+    else:
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            msg = f"not a JSON event line: {exc}"
+            raise EventDecodeError(msg) from None
+        if not isinstance(obj, dict):
+            msg = f"an event line must hold a JSON object, got {type(obj).__name__}"
+            raise EventDecodeError(msg)
+    kind = obj.pop("kind", None)
+    registry = event_types()
+    cls = registry.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        msg = (
+            f"unknown event kind {kind!r}; import the module that defines it before decoding "
+            f"(known kinds: {len(registry)})"
+        )
+        raise EventDecodeError(msg)
+    codec = _codec(cls)
+    missing = codec.required - obj.keys()
+    if missing:
+        msg = f"{kind} line lacks required field(s) {sorted(missing)}"
+        raise EventDecodeError(msg)
+    kwargs: dict[str, Any] = {}
+    try:
+        for name, value in obj.items():
+            conv = codec.converters.get(name)
+            if conv is not None:  # unknown fields (a newer writer) are ignored
+                kwargs[name] = conv(value)
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        msg = f"{kind} line has a bad field: {exc}"
+        raise EventDecodeError(msg) from None

@@ -1,0 +1,310 @@
+"""Typed events: the only thing that travels on the bus.
+
+Every event is an immutable, slotted dataclass with a common header (sequence number, wall time,
+step, rank, source, severity) and named fields. Events carry host-side numbers and strings only,
+never live tensors, so publishing one never synchronizes a device and never keeps memory alive.
+
+Each concrete event class declares a stable ``kind`` (the name written in the log) and whether it
+is an *incident* (rare, must always arrive) or *telemetry* (frequent, may be shed under sustained
+overload). Declare your own with :func:`event_type`::
+
+    from typing import ClassVar
+    from eventbus_debug import Delivery, Event, Severity, event_type
+
+    @event_type
+    class BatchSkipped(Event):
+        kind: ClassVar[str] = "my_project.batch_skipped"
+        delivery: ClassVar[Delivery] = Delivery.INCIDENT
+        severity: Severity = Severity.WARNING
+        batch_index: int
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import ClassVar, Final, TypeVar
+
+from typing_extensions import dataclass_transform
+
+__all__ = (
+    "Anomaly",
+    "Delivery",
+    "Event",
+    "EventsDropped",
+    "EventsUndelivered",
+    "SessionEnded",
+    "SessionStarted",
+    "Severity",
+    "SinkDisabled",
+    "SinkFailed",
+    "StepCompleted",
+    "current_rank",
+    "event_type",
+    "event_types",
+    "refresh_rank",
+)
+
+E = TypeVar("E", bound="Event")
+
+
+@functools.total_ordering
+class Severity(Enum):
+    """How much an event matters; ordered, so ``severity >= Severity.WARNING`` works."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+    CRITICAL = "critical"
+
+    @property
+    def level(self) -> int:
+        """The numeric level, as in :mod:`logging` (DEBUG=10 … CRITICAL=50)."""
+        return _SEVERITY_LEVELS[self]
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, Severity):
+            return NotImplemented
+        return _SEVERITY_LEVELS[self] < _SEVERITY_LEVELS[other]
+
+
+_SEVERITY_LEVELS: Final[Mapping[Severity, int]] = {
+    Severity.DEBUG: 10,
+    Severity.INFO: 20,
+    Severity.WARNING: 30,
+    Severity.ERROR: 40,
+    Severity.CRITICAL: 50,
+}
+
+
+class Delivery(Enum):
+    """The delivery guarantee of an event class.
+
+    Attributes:
+        INCIDENT: always queued, even to a full subscriber; never shed.
+        TELEMETRY: may be shed, oldest first, when a subscriber falls behind; every shed event is
+            counted and reported by an :class:`EventsDropped` incident.
+    """
+
+    INCIDENT = "incident"
+    TELEMETRY = "telemetry"
+
+
+# -- rank -------------------------------------------------------------------------------------
+
+_rank: int = 0
+
+
+def refresh_rank() -> int:
+    """Re-read this process's rank and return it.
+
+    The rank comes from ``torch.distributed`` when a process group is initialized, else from the
+    ``RANK`` environment variable, else 0. Buses call this when they start; call it yourself if
+    you initialize the process group after a bus started.
+    """
+    global _rank
+    rank: int | None = None
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank = int(dist.get_rank())
+    except ImportError:  # pragma: no cover - torch is a dependency
+        rank = None
+    if rank is None:
+        raw = os.environ.get("RANK", "0")
+        try:
+            rank = int(raw)
+        except ValueError:
+            rank = 0
+    _rank = rank
+    return rank
+
+
+def current_rank() -> int:
+    """The rank stamped on new events (cached; see :func:`refresh_rank`)."""
+    return _rank
+
+
+refresh_rank()
+
+
+# -- the base and the registry ----------------------------------------------------------------
+
+_REGISTRY: dict[str, type[Event]] = {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """Base class of every message on the bus.
+
+    Header fields, common to every event:
+
+    Attributes:
+        seq: sequence number, unique per bus, assigned when the bus dispatches the event
+            (``-1`` until then).
+        time_ns: wall-clock time of creation, ``time.time_ns()``.
+        step: the training step the event is about, if any.
+        rank: the distributed rank of the process that created it.
+        source: what produced it (a probe, a sink, the bus, a user's code).
+        severity: how much it matters (each class picks a sensible default).
+    """
+
+    kind: ClassVar[str] = "event"
+    delivery: ClassVar[Delivery] = Delivery.INCIDENT
+
+    seq: int = -1
+    time_ns: int = field(default_factory=time.time_ns)
+    step: int | None = None
+    rank: int = field(default_factory=current_rank)
+    source: str = ""
+    severity: Severity = Severity.INFO
+
+    @property
+    def is_incident(self) -> bool:
+        """True when this event must always arrive (see :class:`Delivery`)."""
+        return type(self).delivery is Delivery.INCIDENT
+
+
+@dataclass_transform(frozen_default=True, kw_only_default=True, field_specifiers=(field,))
+def event_type(cls: type[E]) -> type[E]:
+    """Class decorator that makes *cls* a frozen, slotted, keyword-only event and registers it.
+
+    The class must subclass :class:`Event` and declare its own ``kind``: a stable, unique name
+    used in logs (prefix your project's kinds, e.g. ``"myproj.batch_skipped"``). Registration
+    lets :func:`~eventbus_debug.decode_event` turn a log line back into the same class.
+
+    Raises:
+        TypeError: if *cls* is not an :class:`Event` subclass, or declares no ``kind`` of its own.
+        ValueError: if another class already registered the same ``kind``.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Event)):
+        msg = f"@event_type needs a subclass of Event, got {cls!r}"
+        raise TypeError(msg)
+    kind = cls.__dict__.get("kind")
+    if not isinstance(kind, str) or not kind:
+        msg = (
+            f"{cls.__qualname__} must declare its own `kind: ClassVar[str] = \"...\"`, "
+            "a stable name written in logs"
+        )
+        raise TypeError(msg)
+    existing = _REGISTRY.get(kind)
+    if existing is not None and existing.__qualname__ != cls.__qualname__:
+        msg = f"event kind {kind!r} is already used by {existing.__module__}.{existing.__qualname__}"
+        raise ValueError(msg)
+    new_cls = dataclass(frozen=True, slots=True, kw_only=True)(cls)
+    _REGISTRY[kind] = new_cls
+    return new_cls
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Anomaly(Event):
+    """Base class of every incident that reports something wrong with training itself.
+
+    Probes publish subclasses of it (non-finite values, explosion, loss spikes, leaks, ...);
+    the recovery engine and the alert sink subscribe to ``Anomaly`` to see them all. It is
+    abstract: it has no ``kind`` of its own and is never published directly.
+    """
+
+    severity: Severity = Severity.WARNING
+
+
+def event_types() -> Mapping[str, type[Event]]:
+    """Every registered event class, keyed by its ``kind`` (a read-only snapshot)."""
+    return dict(_REGISTRY)
+
+
+# -- the foundation's events ------------------------------------------------------------------
+
+
+@event_type
+class SessionStarted(Event):
+    """A debugging session (or a plain bus used as one) began."""
+
+    kind: ClassVar[str] = "session_started"
+    name: str = ""
+    config: Mapping[str, str] = field(default_factory=dict)
+
+
+@event_type
+class SessionEnded(Event):
+    """A debugging session ended; ``reason`` is ``"completed"``, ``"stopped"`` or an error."""
+
+    kind: ClassVar[str] = "session_ended"
+    name: str = ""
+    reason: str = "completed"
+    steps: int = 0
+    duration_s: float = 0.0
+
+
+@event_type
+class StepCompleted(Event):
+    """One training step finished (telemetry: may be shed under sustained overload)."""
+
+    kind: ClassVar[str] = "step_completed"
+    delivery: ClassVar[Delivery] = Delivery.TELEMETRY
+    severity: Severity = Severity.DEBUG
+    loss: float | None = None
+    learning_rate: float | None = None
+    samples_per_s: float | None = None
+    duration_s: float | None = None
+
+
+@event_type
+class SinkFailed(Event):
+    """A subscriber raised while handling an event (or starting); it keeps receiving."""
+
+    kind: ClassVar[str] = "sink_failed"
+    severity: Severity = Severity.ERROR
+    sink: str
+    error_type: str
+    message: str
+    traceback: str = ""
+    event_kind: str = ""
+    event_seq: int = -1
+    consecutive_failures: int = 1
+
+
+@event_type
+class SinkDisabled(Event):
+    """A subscriber failed too many times in a row and receives nothing more."""
+
+    kind: ClassVar[str] = "sink_disabled"
+    severity: Severity = Severity.CRITICAL
+    sink: str
+    reason: str
+    consecutive_failures: int
+    discarded: int = 0
+
+
+@event_type
+class EventsDropped(Event):
+    """Telemetry was shed from a subscriber's full queue (coalesced: one report per interval)."""
+
+    kind: ClassVar[str] = "events_dropped"
+    severity: Severity = Severity.WARNING
+    sink: str
+    dropped: int
+    total_dropped: int
+    by_kind: Mapping[str, int] = field(default_factory=dict)
+
+
+@event_type
+class EventsUndelivered(Event):
+    """At close, a subscriber did not finish within the timeout; its queued events were lost."""
+
+    kind: ClassVar[str] = "events_undelivered"
+    severity: Severity = Severity.ERROR
+    sink: str
+    undelivered: int
+    timeout_s: float
+    phase: str = "drain"
+
+
+SELF_EXCLUDING: Final[tuple[type[Event], ...]] = (SinkFailed, SinkDisabled)
+"""Events about a sink that are never delivered to that sink itself (it could fail on them)."""

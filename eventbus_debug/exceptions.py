@@ -1,0 +1,40 @@
+"""Every error eventbus_debug raises derives from :class:`EventBusError`."""
+
+from __future__ import annotations
+
+__all__ = (
+    "BusClosedError",
+    "EventBusError",
+    "EventDecodeError",
+    "LogReadError",
+    "SubscriptionError",
+    "TrainingStopped",
+)
+
+
+class EventBusError(Exception):
+    """Base class for every error raised by eventbus_debug."""
+
+
+class BusClosedError(EventBusError, RuntimeError):
+    """Raised by the publish operations after the bus has been closed (or before it started)."""
+
+
+class SubscriptionError(EventBusError, TypeError):
+    """Raised by ``subscribe`` when the sink, the event types or the options are not usable."""
+
+
+class EventDecodeError(EventBusError, ValueError):
+    """Raised when a log line cannot be decoded into a typed event (unknown kind, bad fields)."""
+
+
+class LogReadError(EventBusError, OSError):
+    """Raised by :func:`~eventbus_debug.read_events` when a path holds no readable log."""
+
+
+class TrainingStopped(EventBusError):
+    """Raised at a safe point when recovery decided that training must stop.
+
+    The debugger never ends training from inside a sink; the training loop receives this at the
+    next step boundary it awaits, with the decision's reason as the message.
+    """

@@ -1,0 +1,5 @@
+"""report sink."""
+
+from __future__ import annotations
+
+__all__: tuple[str, ...] = ()

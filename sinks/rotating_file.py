@@ -1,0 +1,5 @@
+"""rotating_file sink."""
+
+from __future__ import annotations
+
+__all__: tuple[str, ...] = ()
