@@ -7,36 +7,55 @@ training loop.
 
 from __future__ import annotations
 
-from ._bus import BusStatistics, EventBus, Subscription, SubscriptionStatistics
-from ._sync import SyncEventBus
-from .encoding import decode_event, encode_event
+from ._bus import (
+    BusStatistics as BusStatistics,
+    EventBus as EventBus,
+    Subscription as Subscription,
+    SubscriptionStatistics as SubscriptionStatistics,
+)
+from ._sync import (
+    SyncEventBus as SyncEventBus,
+)
+from .encoding import (
+    decode_event as decode_event,
+    encode_event as encode_event,
+)
 from .events import (
-    Anomaly,
-    Delivery,
-    Event,
-    EventsDropped,
-    EventsUndelivered,
-    SessionEnded,
-    SessionStarted,
-    Severity,
-    SinkDisabled,
-    SinkFailed,
-    StepCompleted,
-    current_rank,
-    event_type,
-    event_types,
-    refresh_rank,
+    Anomaly as Anomaly,
+    Delivery as Delivery,
+    Event as Event,
+    EventsDropped as EventsDropped,
+    EventsUndelivered as EventsUndelivered,
+    SessionEnded as SessionEnded,
+    SessionStarted as SessionStarted,
+    Severity as Severity,
+    SinkDisabled as SinkDisabled,
+    SinkFailed as SinkFailed,
+    StepCompleted as StepCompleted,
+    current_rank as current_rank,
+    event_type as event_type,
+    event_types as event_types,
+    refresh_rank as refresh_rank,
 )
 from .exceptions import (
-    BusClosedError,
-    EventBusError,
-    EventDecodeError,
-    LogReadError,
-    SubscriptionError,
-    TrainingStopped,
+    BusClosedError as BusClosedError,
+    EventBusError as EventBusError,
+    EventDecodeError as EventDecodeError,
+    LogReadError as LogReadError,
+    SubscriptionError as SubscriptionError,
+    TrainingStopped as TrainingStopped,
 )
-from .logfile import LOG_SUFFIX, log_file_name, log_files, read_events
-from .typing import BatchSink, Handler, Sink
+from .logfile import (
+    LOG_SUFFIX as LOG_SUFFIX,
+    log_file_name as log_file_name,
+    log_files as log_files,
+    read_events as read_events,
+)
+from .typing import (
+    BatchSink as BatchSink,
+    Handler as Handler,
+    Sink as Sink,
+)
 
 # Feature packages re-export their public names here; each owns its own __all__, so adding a
 # feature never means editing this file.

@@ -1,5 +1,278 @@
-"""report sink."""
+"""The report writer: a sink that keeps a typed run summary and writes it as JSON and HTML.
+
+:class:`ReportWriter` folds every event it receives into a :class:`RunSummary` (bounded memory:
+counters, running statistics, downsampled series, the most recent incidents) and writes
+``report.json`` and a self-contained ``report.html`` every ``interval`` seconds and at close.
+The bus closes sinks only after draining their queues, so the report written at close accounts
+for every event the writer was sent.
+
+The same aggregation runs over a JSON-lines log (:func:`build_report`, or
+``eventbus-debug report LOGDIR``), and gives the same summary as the live writer.
+
+Example::
+
+    async with EventBus() as bus:
+        report = ReportWriter("runs/exp1")
+        bus.subscribe(report)
+        ...  # train
+    # runs/exp1/report.json and runs/exp1/report.html now describe the whole run
+"""
 
 from __future__ import annotations
 
-__all__: tuple[str, ...] = ()
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import anyio.to_thread
+import orjson
+import structlog
+
+from eventbus_debug.events import Event
+from eventbus_debug.logfile import read_events
+
+from .report_html import render_html
+from .report_summary import (
+    DEFAULT_MAX_INCIDENTS,
+    DEFAULT_MAX_POINTS,
+    IncidentRow,
+    Marker,
+    MemoryStats,
+    RunAggregator,
+    RunSummary,
+    SeriesPoint,
+    SinkStats,
+    Stat,
+    SystemStats,
+    describe_incident,
+    summarize,
+    summary_to_dict,
+)
+
+__all__ = (
+    "REPORT_FORMAT",
+    "IncidentRow",
+    "Marker",
+    "MemoryStats",
+    "ReportPaths",
+    "ReportWriter",
+    "RunAggregator",
+    "RunSummary",
+    "SeriesPoint",
+    "SinkStats",
+    "Stat",
+    "SystemStats",
+    "build_report",
+    "describe_incident",
+    "render_html",
+    "summarize",
+    "summary_to_dict",
+    "write_report",
+)
+
+_log = structlog.get_logger("eventbus_debug")
+
+REPORT_FORMAT: Final = "eventbus-debug.report/1"
+JSON_NAME: Final = "report.json"
+HTML_NAME: Final = "report.html"
+DEFAULT_INTERVAL: Final = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReportPaths:
+    """Where a report was written (``html`` is ``None`` when HTML was disabled)."""
+
+    json: Path
+    html: Path | None
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    # Readers (a browser refreshing the page, the HTTP endpoint) never see half a file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_report(
+    summary: RunSummary,
+    directory: str | os.PathLike[str],
+    /,
+    *,
+    html: bool = True,
+    title: str = "eventbus-debug report",
+    generated_ns: int | None = None,
+) -> ReportPaths:
+    """Write ``report.json`` (and ``report.html``) for *summary* into *directory* (blocking).
+
+    ``report.json`` holds ``{"format", "generated_ns", "title", "summary"}``; only
+    ``generated_ns`` depends on when it was written.
+
+    Raises:
+        OSError: if the directory cannot be created or the files cannot be written.
+    """
+    root = Path(directory)
+    stamp = time.time_ns() if generated_ns is None else generated_ns
+    document = {
+        "format": REPORT_FORMAT,
+        "generated_ns": stamp,
+        "title": title,
+        "summary": summary_to_dict(summary),
+    }
+    json_path = root / JSON_NAME
+    _atomic_write(json_path, orjson.dumps(document, option=orjson.OPT_INDENT_2))
+    html_path: Path | None = None
+    if html:
+        html_path = root / HTML_NAME
+        page = render_html(summary, title=title, generated_ns=stamp)
+        _atomic_write(html_path, page.encode("utf-8"))
+    return ReportPaths(json=json_path, html=html_path)
+
+
+def build_report(
+    log: str | os.PathLike[str],
+    /,
+    out_dir: str | os.PathLike[str] | None = None,
+    *,
+    html: bool = True,
+    title: str = "eventbus-debug report",
+    strict: bool = False,
+    max_points: int = DEFAULT_MAX_POINTS,
+    max_incidents: int = DEFAULT_MAX_INCIDENTS,
+) -> tuple[RunSummary, ReportPaths]:
+    """Rebuild the report of a run from its JSON-lines log (every rank, rotated files too).
+
+    Args:
+        log: a log directory (or one log file).
+        out_dir: where to write; the log directory (or the file's directory) by default.
+        html: also write ``report.html``.
+        title: the page title.
+        strict: raise on an undecodable line instead of skipping it.
+        max_points: as in :class:`ReportWriter`; keep equal to the live writer's for equal
+            reports.
+        max_incidents: as in :class:`ReportWriter`.
+
+    Raises:
+        LogReadError: if *log* does not exist or holds no log file.
+        EventDecodeError: with *strict*, if a line cannot be decoded.
+    """
+    summary = summarize(
+        read_events(log, strict=strict), max_points=max_points, max_incidents=max_incidents
+    )
+    source = Path(log)
+    target = (
+        Path(out_dir) if out_dir is not None else (source if source.is_dir() else source.parent)
+    )
+    return summary, write_report(summary, target, html=html, title=title)
+
+
+class ReportWriter:
+    """A sink that aggregates the run into a :class:`RunSummary` and writes the report files.
+
+    Args:
+        directory: where ``report.json`` and ``report.html`` are written.
+        interval: write at most every *interval* seconds while events arrive (``None``: only
+            at close and on :meth:`write`).
+        html: also write ``report.html``.
+        title: the page title.
+        max_points: the most points each plotted series keeps (memory stays bounded).
+        max_incidents: the most recent incidents listed (all are counted).
+        clock: a monotonic clock in seconds, for the write interval (inject one in tests).
+
+    Raises:
+        ValueError: if *interval* is not positive or a bound is smaller than 2.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        interval: float | None = DEFAULT_INTERVAL,
+        html: bool = True,
+        title: str = "eventbus-debug report",
+        max_points: int = DEFAULT_MAX_POINTS,
+        max_incidents: int = DEFAULT_MAX_INCIDENTS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if interval is not None and not (isinstance(interval, (int, float)) and interval > 0):
+            msg = f"interval must be None or a positive number of seconds, got {interval!r}"
+            raise ValueError(msg)
+        self.directory = Path(directory)
+        self._interval = interval
+        self._html = html
+        self._title = title
+        self._clock = clock
+        self._aggregator = RunAggregator(max_points=max_points, max_incidents=max_incidents)
+        self._last_write = clock()
+        self._writes = 0
+        self._closed = False
+        self._lock = anyio.Lock()
+
+    @property
+    def writes(self) -> int:
+        """How many times the report files were written."""
+        return self._writes
+
+    def summary(self) -> RunSummary:
+        """The summary of every event received so far (cheap; safe at any time)."""
+        return self._aggregator.summary()
+
+    def clear(self) -> None:
+        """Forget everything aggregated so far (the files keep their content until the next write)."""
+        self._aggregator.clear()
+        _log.info("report_cleared", directory=str(self.directory))
+
+    def add(self, events: Iterable[Event], /) -> None:
+        """Fold *events* synchronously (what :meth:`handle_batch` does, without writing)."""
+        self._aggregator.add_all(events)
+
+    async def handle(self, event: Event, /) -> None:
+        """Fold one event; write when the interval elapsed."""
+        await self.handle_batch((event,))
+
+    async def handle_batch(self, events: Sequence[Event], /) -> None:
+        """Fold a batch of events; write when the interval elapsed."""
+        self._aggregator.add_all(events)
+        if self._interval is not None and self._clock() - self._last_write >= self._interval:
+            await self.write()
+
+    async def write(self) -> ReportPaths:
+        """Write the report files now, in a worker thread.
+
+        Raises:
+            OSError: if the files cannot be written.
+        """
+        async with self._lock:
+            summary = self._aggregator.summary()
+            self._last_write = self._clock()
+            paths = await anyio.to_thread.run_sync(self._write_sync, summary)
+            self._writes += 1
+            return paths
+
+    def _write_sync(self, summary: RunSummary) -> ReportPaths:
+        return write_report(summary, self.directory, html=self._html, title=self._title)
+
+    async def aclose(self) -> None:
+        """Write the final report (the bus has drained this sink's queue). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        paths = await self.write()
+        _log.info(
+            "report_written",
+            json=str(paths.json),
+            html=str(paths.html) if paths.html else None,
+            events=self._aggregator.summary().events,
+        )
+
+    def __repr__(self) -> str:
+        return f"ReportWriter({str(self.directory)!r})"

@@ -1,0 +1,532 @@
+"""The ``eventbus-debug`` command: run the demo, rebuild reports, follow and summarize logs.
+
+Commands::
+
+    eventbus-debug demo [--log-dir DIR] [--steps N] [--quiet]
+    eventbus-debug report LOGDIR [--out DIR] [--no-html] [--title T]
+    eventbus-debug tail LOGDIR [-n N | --all] [--follow] [--kind K ...] [--min-severity S]
+    eventbus-debug summary LOGDIR [--json]
+
+Every command reads the JSON-lines log of every rank, rotated (and gzipped) files included.
+Errors are one line on standard error and a non-zero exit status: 1 for a run-time error
+(missing directory, no log inside, unreadable or undecodable file), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import gzip
+import math
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Final, TextIO
+
+import orjson
+import structlog
+
+from .encoding import decode_event
+from .events import Event, SessionEnded, Severity
+from .exceptions import EventBusError, EventDecodeError, LogReadError
+from .logfile import log_files, read_events
+
+if TYPE_CHECKING:
+    from sinks.report import RunSummary
+
+__all__ = ("main",)
+
+PROG: Final = "eventbus-debug"
+DEFAULT_TAIL_LINES: Final = 20
+DEFAULT_POLL_INTERVAL: Final = 0.25
+_SEVERITIES: Final = tuple(s.value for s in Severity)
+
+
+class CommandError(EventBusError):
+    """A command failed in an expected way; its message is the one line shown to the user."""
+
+
+# -- argument parsing ---------------------------------------------------------------------------
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Debug PyTorch training without slowing it down: run the demo, rebuild "
+        "reports from event logs, follow and summarize them.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = sub.add_parser(
+        "demo",
+        help="train a small model with injected faults, then write the report",
+        description="Run the demo training loop (faults injected at known steps), log every "
+        "event to LOG_DIR and write report.json / report.html there.",
+    )
+    demo.add_argument(
+        "--log-dir",
+        type=Path,
+        default=Path("eventbus-debug-demo"),
+        help="where the log and the report go (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--steps", type=int, default=None, help="training steps (default: the demo's own)"
+    )
+    demo.add_argument("--quiet", action="store_true", help="no live progress on the console")
+
+    report = sub.add_parser(
+        "report",
+        help="rebuild report.json and report.html from a log directory",
+        description="Rebuild report.json and report.html from the JSON-lines log in LOGDIR "
+        "(every rank, rotated files included): the same report the live ReportWriter writes.",
+    )
+    report.add_argument("logdir", type=Path, help="the log directory")
+    report.add_argument("--out", type=Path, default=None, help="where to write (default: LOGDIR)")
+    report.add_argument("--no-html", action="store_true", help="write report.json only")
+    report.add_argument("--title", default="eventbus-debug report", help="the page title")
+    report.add_argument(
+        "--skip-bad-lines", action="store_true", help="skip undecodable lines instead of failing"
+    )
+
+    tail = sub.add_parser(
+        "tail",
+        help="print the last events of a log, and follow it as it grows",
+        description="Pretty-print the last events of the log in LOGDIR; with --follow, keep "
+        "printing new events as they are written (across file rotation) until interrupted.",
+    )
+    tail.add_argument("logdir", type=Path, help="the log directory")
+    tail.add_argument(
+        "-n",
+        "--lines",
+        type=int,
+        default=DEFAULT_TAIL_LINES,
+        metavar="N",
+        help="how many past events to show first (default: %(default)s)",
+    )
+    tail.add_argument("--all", action="store_true", help="show every past event")
+    tail.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
+    tail.add_argument(
+        "--kind",
+        action="append",
+        default=[],
+        metavar="K",
+        help="show only events of this kind (repeatable)",
+    )
+    tail.add_argument(
+        "--min-severity",
+        choices=_SEVERITIES,
+        default="debug",
+        help="hide events below this severity",
+    )
+    tail.add_argument(
+        "--poll-interval",
+        type=float,
+        default=DEFAULT_POLL_INTERVAL,
+        metavar="S",
+        help="seconds between checks for new lines when following (default: %(default)s)",
+    )
+    tail.add_argument(
+        "--timeout", type=float, default=None, metavar="S", help="stop following after S seconds"
+    )
+    tail.add_argument(
+        "--exit-on-end", action="store_true", help="stop following after a session_ended event"
+    )
+
+    summary = sub.add_parser(
+        "summary",
+        help="print the run summary of a log directory",
+        description="Aggregate the log in LOGDIR and print the run summary as a table (or JSON).",
+    )
+    summary.add_argument("logdir", type=Path, help="the log directory")
+    summary.add_argument("--json", action="store_true", help="print the full summary as JSON")
+    summary.add_argument(
+        "--skip-bad-lines", action="store_true", help="skip undecodable lines instead of failing"
+    )
+    return parser
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _check_logdir(path: Path) -> None:
+    if not path.exists():
+        msg = f"log directory {str(path)!r} does not exist"
+        raise CommandError(msg)
+    if not path.is_dir():
+        msg = f"{str(path)!r} is not a directory; pass the directory holding events*.jsonl"
+        raise CommandError(msg)
+    if not log_files(path):
+        msg = f"no event log (events*.jsonl) in {str(path)!r}"
+        raise CommandError(msg)
+
+
+def _summarize(logdir: Path, *, strict: bool) -> RunSummary:
+    from sinks.report import summarize
+
+    _check_logdir(logdir)
+    return summarize(read_events(logdir, strict=strict))
+
+
+def _clock(time_ns: int) -> str:
+    return _dt.datetime.fromtimestamp(time_ns / 1e9).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if math.isfinite(value) else str(value)
+    if hasattr(value, "value") and not isinstance(value, (tuple, dict)):
+        return str(value.value)
+    text = str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_COMPACT: Final = {
+    "step_completed": ("loss", "learning_rate", "samples_per_s"),
+    "step_checked": ("loss", "grad_norm", "finite", "fired"),
+    "memory_sampled": ("rss_bytes", "cuda_allocated"),
+    "system_sampled": ("cpu_percent", "memory_percent", "disk_percent"),
+    "session_started": ("name",),
+    "session_ended": ("name", "reason", "steps", "duration_s"),
+}
+
+
+def format_event(event: Event, /) -> str:
+    """One human-readable line for *event* (what ``tail`` prints)."""
+    from sinks.report import describe_incident
+
+    head = f"{_clock(event.time_ns)} {event.severity.value.upper():<8} {event.kind:<28}"
+    where = []
+    if event.step is not None:
+        where.append(f"step={event.step}")
+    if event.rank:
+        where.append(f"rank={event.rank}")
+    fields = _COMPACT.get(event.kind)
+    if fields is not None:
+        body = " ".join(
+            f"{name}={_value(getattr(event, name))}"
+            for name in fields
+            if getattr(event, name, None) not in (None, (), "")
+        )
+    elif event.is_incident:
+        body = describe_incident(event)
+    else:
+        body = " ".join(
+            f"{name}={_value(getattr(event, name))}"
+            for name in type(event).__dataclass_fields__
+            if name
+            not in {"seq", "time_ns", "step", "rank", "source", "severity", "kind", "delivery"}
+        )
+    return " ".join(part for part in (head, " ".join(where), body) if part).rstrip()
+
+
+@dataclass
+class _Cursor:
+    inode: int
+    offset: int
+    partial: bytes = b""
+
+
+class LogFollower:
+    """Reads the complete new lines of every rank's log, across rotation (and gzipped backups).
+
+    Each call to :meth:`poll` returns the events written since the previous call. A file being
+    followed is recognized by its inode, so a rotation (rename to ``.1``) never loses or
+    repeats a line: the rest of the renamed file is read, then the new live file from its start.
+
+    Args:
+        directory: the log directory.
+        from_end: start at the end of the current files (only new events are returned).
+        strict: raise on an undecodable complete line instead of skipping it.
+    """
+
+    def __init__(self, directory: Path, *, from_end: bool, strict: bool = False) -> None:
+        self._dir = directory
+        self._strict = strict
+        self._cursors: dict[int, _Cursor] = {}
+        if from_end:
+            for rank, files in log_files(directory).items():
+                live = files[-1]
+                st = live.stat()
+                self._cursors[rank] = _Cursor(st.st_ino, st.st_size)
+
+    def poll(self) -> list[Event]:
+        """The events written since the last poll, merged over ranks by time."""
+        out: list[Event] = []
+        for rank, files in log_files(self._dir).items():
+            out.extend(self._poll_rank(rank, files))
+        if len(self._cursors) > 1:
+            out.sort(key=lambda e: (e.time_ns, e.rank, e.seq))
+        return out
+
+    def _poll_rank(self, rank: int, files: list[Path]) -> Iterator[Event]:
+        inodes = []
+        for f in files:
+            try:
+                inodes.append(f.stat().st_ino)
+            except FileNotFoundError:  # rotated away between listing and stat
+                inodes.append(-1)
+        cursor = self._cursors.get(rank)
+        if cursor is None:
+            start = 0
+            cursor = _Cursor(inodes[0], 0)
+        elif cursor.inode in inodes:
+            start = inodes.index(cursor.inode)
+        else:
+            # Our file was compressed into a new backup: continue in the newest backup.
+            start = max(len(files) - 2, 0)
+            cursor = _Cursor(inodes[start], cursor.offset, cursor.partial)
+        for i in range(start, len(files)):
+            if i > start:
+                cursor = _Cursor(inodes[i], 0)
+            yield from self._read_from(files[i], cursor)
+        self._cursors[rank] = cursor
+
+    def _read_from(self, path: Path, cursor: _Cursor) -> Iterator[Event]:
+        opener: Callable[[Path], IO[bytes]] = (
+            (lambda p: gzip.open(p, "rb"))  # type: ignore[assignment, return-value]
+            if path.name.endswith(".gz")
+            else (lambda p: open(p, "rb"))
+        )
+        try:
+            with opener(path) as fh:
+                fh.seek(cursor.offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return
+        except (OSError, EOFError) as exc:
+            msg = f"cannot read log file {str(path)!r}: {exc}"
+            raise LogReadError(msg) from None
+        cursor.offset += len(data)
+        data = cursor.partial + data
+        lines = data.split(b"\n")
+        cursor.partial = lines.pop()  # an incomplete last line waits for the next poll
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                yield decode_event(line)
+            except EventDecodeError as exc:
+                if self._strict:
+                    msg = f"{path}: {exc}"
+                    raise EventDecodeError(msg) from None
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+def _cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
+    try:
+        from . import demo
+    except ImportError as exc:
+        msg = f"the demo is not available in this installation ({exc})"
+        raise CommandError(msg) from None
+    import anyio
+
+    from sinks.report import build_report
+
+    options: dict[str, Any] = {"console": not args.quiet}
+    if args.steps is not None:
+        if args.steps < 1:
+            msg = f"--steps must be >= 1, got {args.steps}"
+            raise CommandError(msg)
+        options["steps"] = args.steps
+    log_dir: Path = args.log_dir
+
+    async def run() -> Any:
+        return await demo.run_demo(log_dir, **options)
+
+    result = anyio.run(run)
+    result_dir = Path(getattr(result, "log_dir", log_dir))
+    html = getattr(result, "report_html", None)
+    if html is None or not Path(html).exists():
+        _, paths = build_report(result_dir)
+        html = paths.html
+    out.write(f"log:    {result_dir}\nreport: {html}\n")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace, out: IO[str]) -> int:
+    from sinks.report import build_report
+
+    _check_logdir(args.logdir)
+    summary, paths = build_report(
+        args.logdir,
+        args.out,
+        html=not args.no_html,
+        title=args.title,
+        strict=not args.skip_bad_lines,
+    )
+    out.write(f"{paths.json}\n")
+    if paths.html is not None:
+        out.write(f"{paths.html}\n")
+    out.write(
+        f"{summary.events} events, {summary.steps} steps, {summary.anomalies} anomalies, "
+        f"{summary.incidents_total} incidents\n"
+    )
+    return 0
+
+
+def _cmd_tail(args: argparse.Namespace, out: IO[str]) -> int:
+    _check_logdir(args.logdir)
+    if args.lines < 0:
+        msg = f"--lines must be >= 0, got {args.lines}"
+        raise CommandError(msg)
+    if args.poll_interval <= 0:
+        msg = f"--poll-interval must be > 0, got {args.poll_interval}"
+        raise CommandError(msg)
+    kinds = frozenset(args.kind)
+    floor = Severity(args.min_severity)
+
+    def wanted(event: Event) -> bool:
+        return event.severity >= floor and (not kinds or event.kind in kinds)
+
+    follower = LogFollower(args.logdir, from_end=False)
+    past = follower.poll()
+    shown = [e for e in past if wanted(e)]
+    if not args.all:
+        shown = list(deque(shown, maxlen=args.lines)) if args.lines else []
+    for event in shown:
+        out.write(format_event(event) + "\n")
+    out.flush()
+    if not args.follow:
+        return 0
+    if args.exit_on_end and any(isinstance(e, SessionEnded) for e in past):
+        return 0
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    try:
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(args.poll_interval)
+            ended = False
+            for event in follower.poll():
+                ended = ended or isinstance(event, SessionEnded)
+                if wanted(event):
+                    out.write(format_event(event) + "\n")
+            out.flush()
+            if ended and args.exit_on_end:
+                break
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _fmt_opt(value: float | None, spec: str = ".4g") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _cmd_summary(args: argparse.Namespace, out: IO[str]) -> int:
+    from sinks.report import summary_to_dict
+
+    summary = _summarize(args.logdir, strict=not args.skip_bad_lines)
+    if args.json:
+        out.write(
+            orjson.dumps(summary_to_dict(summary), option=orjson.OPT_INDENT_2).decode() + "\n"
+        )
+        return 0
+    s = summary
+    rows: list[tuple[str, str]] = [
+        ("events", f"{s.events}"),
+        ("ranks", ", ".join(map(str, s.ranks)) or "-"),
+        ("steps", f"{s.steps} ({_fmt_opt(s.first_step, 'd')}..{_fmt_opt(s.last_step, 'd')})"),
+        ("run time", f"{s.duration_s:.1f} s"),
+        ("steps/s", _fmt_opt(s.steps_per_s, ".3g")),
+        ("anomalies", f"{s.anomalies} on {s.anomaly_steps} steps (rate {s.anomaly_rate:.2%})"),
+        (
+            "first/last anomaly step",
+            f"{_fmt_opt(s.first_anomaly_step, 'd')} / {_fmt_opt(s.last_anomaly_step, 'd')}",
+        ),
+        ("non-finite", f"{s.non_finite}"),
+        ("loss anomalies", f"{s.loss_anomalies} (rate {s.loss_anomaly_rate:.2%})"),
+        ("gradient explosions", f"{s.gradient_explosions} (rate {s.gradient_explosion_rate:.2%})"),
+        ("vanishing gradients", f"{s.gradient_vanishings} (rate {s.gradient_vanishing_rate:.2%})"),
+        ("recovery decisions", _pairs(s.recovery_decisions)),
+        ("recovery outcomes", _pairs(s.recovery_outcomes)),
+        ("steps skipped", f"{s.steps_skipped}"),
+        ("errors by category", _pairs(s.errors_by_category)),
+        ("peak RSS", _mib(s.memory.peak_rss_bytes)),
+        (
+            "RSS trend",
+            "-"
+            if s.memory.rss_trend_bytes_per_step is None
+            else f"{s.memory.rss_trend_bytes_per_step / 1024:.1f} KiB/step",
+        ),
+        ("CPU % mean/min/max", _stat(s.system.cpu_percent)),
+        ("memory % mean/min/max", _stat(s.system.memory_percent)),
+        ("telemetry shed", _pairs(s.sinks.dropped)),
+        ("incidents", f"{s.incidents_total}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        out.write(f"{key:<{width}}  {value}\n")
+    return 0
+
+
+def _pairs(mapping: Any) -> str:
+    return ", ".join(f"{k}={v}" for k, v in mapping.items()) or "-"
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / (1024 * 1024):.1f} MiB"
+
+
+def _stat(stat: Any) -> str:
+    if not stat.samples:
+        return "-"
+    return f"{stat.mean:.1f} / {stat.min:.1f} / {stat.max:.1f} ({stat.samples} samples)"
+
+
+_COMMANDS: Final[dict[str, Callable[[argparse.Namespace, IO[str]], int]]] = {
+    "demo": _cmd_demo,
+    "report": _cmd_report,
+    "tail": _cmd_tail,
+    "summary": _cmd_summary,
+}
+
+
+@contextlib.contextmanager
+def _diagnostics_to(stream: TextIO) -> Iterator[None]:
+    """Send the library's structlog lines to *stream* while a command runs, so they never mix
+    with a command's output on stdout; the previous configuration is restored afterwards."""
+    was_configured = structlog.is_configured()
+    previous = structlog.get_config()
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(stream))
+    try:
+        yield
+    finally:
+        if was_configured:
+            structlog.configure(**previous)
+        else:
+            structlog.reset_defaults()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``eventbus-debug`` command line; returns the exit status.
+
+    Args:
+        argv: the arguments (without the program name); ``sys.argv[1:]`` when ``None``.
+    """
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2)
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    command = _COMMANDS[args.command]
+    try:
+        with _diagnostics_to(sys.stderr):
+            return command(args, sys.stdout)
+    except (CommandError, LogReadError, EventDecodeError) as exc:
+        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        where = f" {exc.filename!r}" if exc.filename else ""
+        print(f"{PROG} {args.command}: error:{where} {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

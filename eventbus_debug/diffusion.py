@@ -1,0 +1,343 @@
+"""Diffusion-model debugging (seed 002): component analysis and per-denoising-step latent checks.
+
+A *pipeline* is anything that holds modules: a Mapping of names to modules, an object whose
+attributes are modules (a ``diffusers`` pipeline's ``unet``, ``vae``, ``text_encoder``...), or a
+single module (its children are the components).
+
+Example::
+
+    analysis = analyze_pipeline({"unet": unet, "text_encoder": encoder})
+    monitor = LatentMonitor(max_norm_ratio=4.0)
+    for i, t in enumerate(timesteps):
+        latents = scheduler_step(unet(latents, t), t, latents)
+        await monitor.acheck(latents, denoising_step=i, timestep=int(t), publish=bus.publish_nowait)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import anyio.lowlevel
+import torch
+from torch import nn
+
+from .events import Anomaly, Delivery, Event, Severity, event_type
+
+__all__ = (
+    "ComponentInfo",
+    "LatentAnomalyDetected",
+    "LatentChecked",
+    "LatentMonitor",
+    "PipelineAnalyzed",
+    "analyze_pipeline",
+)
+
+Publish = Callable[[Event], object]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ComponentInfo:
+    """One component of a pipeline.
+
+    Attributes:
+        name: the component's name (``"unet"``).
+        module_type: its class name.
+        parameters: its parameter count.
+        trainable: how many of them require gradients.
+        size_bytes: the memory its parameters and buffers take.
+        dtypes: the parameter dtypes present, sorted.
+        devices: the devices its parameters live on, sorted.
+        training: whether it is in training mode.
+    """
+
+    name: str
+    module_type: str
+    parameters: int
+    trainable: int
+    size_bytes: int
+    dtypes: tuple[str, ...]
+    devices: tuple[str, ...]
+    training: bool
+
+
+@event_type
+class PipelineAnalyzed(Event):
+    """The components of a diffusion pipeline (parameter counts, dtypes, devices).
+
+    Attributes:
+        components: one entry per component.
+        total_parameters: the parameter count of all components (shared modules counted once).
+        mixed_dtypes: True when components disagree on dtype (a common cause of NaN latents).
+        mixed_devices: True when components live on different devices.
+    """
+
+    kind: ClassVar[str] = "pipeline_analyzed"
+    components: tuple[ComponentInfo, ...] = ()
+    total_parameters: int = 0
+    mixed_dtypes: bool = False
+    mixed_devices: bool = False
+
+
+@event_type
+class LatentChecked(Event):
+    """The statistics of one denoising step's latents (telemetry).
+
+    Attributes:
+        denoising_step: the index of the step in the sampling loop.
+        timestep: the scheduler's timestep, when given.
+        norm: the 2-norm of the latents divided by sqrt(numel) (an RMS, comparable across sizes).
+        mean: the mean of the latents.
+        std: their standard deviation.
+        finite: False when any element is NaN or infinite.
+        norm_ratio: ``norm`` relative to the previous step's.
+    """
+
+    kind: ClassVar[str] = "latent_checked"
+    delivery: ClassVar[Delivery] = Delivery.TELEMETRY
+    severity: Severity = Severity.DEBUG
+    denoising_step: int
+    timestep: int | None = None
+    norm: float
+    mean: float
+    std: float
+    finite: bool = True
+    norm_ratio: float | None = None
+
+
+@event_type
+class LatentAnomalyDetected(Anomaly):
+    """A denoising step's latents became non-finite or their norm drifted.
+
+    Attributes:
+        denoising_step: the index of the step in the sampling loop.
+        timestep: the scheduler's timestep, when given.
+        rule: ``"non_finite"`` or ``"norm_drift"``.
+        message: the anomaly in words.
+        norm: the latents' RMS at this step.
+        reference_norm: the RMS it is compared with (the previous step's).
+        nonfinite_count: NaN or infinite elements.
+    """
+
+    kind: ClassVar[str] = "latent_anomaly_detected"
+    severity: Severity = Severity.WARNING
+    denoising_step: int
+    timestep: int | None = None
+    rule: str
+    message: str
+    norm: float | None = None
+    reference_norm: float | None = None
+    nonfinite_count: int = 0
+
+
+def _components(pipeline: object) -> dict[str, nn.Module]:
+    if isinstance(pipeline, Mapping):
+        items = {str(k): v for k, v in pipeline.items() if isinstance(v, nn.Module)}
+    elif isinstance(pipeline, nn.Module):
+        items = dict(pipeline.named_children()) or {type(pipeline).__name__: pipeline}
+    else:
+        attrs: dict[str, object] = {}
+        for cls in type(pipeline).__mro__:
+            attrs.update({k: getattr(pipeline, k, None) for k in getattr(cls, "__slots__", ())})
+        attrs.update(getattr(pipeline, "__dict__", {}))
+        items = {
+            k: v for k, v in attrs.items() if isinstance(v, nn.Module) and not k.startswith("_")
+        }
+    if not items:
+        msg = (
+            f"pipeline must be a module, a mapping of names to modules, or an object with module "
+            f"attributes; {type(pipeline).__name__} holds no nn.Module"
+        )
+        raise TypeError(msg)
+    return items
+
+
+def analyze_pipeline(pipeline: object, *, step: int | None = None) -> PipelineAnalyzed:
+    """Describe each component of *pipeline*: parameter counts, dtypes, devices, memory.
+
+    Publish the returned event to record it (``bus.publish_nowait(analyze_pipeline(p))``).
+
+    Raises:
+        TypeError: if *pipeline* holds no ``nn.Module``.
+    """
+    components = _components(pipeline)
+    infos: list[ComponentInfo] = []
+    seen: set[int] = set()
+    total = 0
+    for name, module in components.items():
+        params = list(module.parameters())
+        count = sum(p.numel() for p in params)
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        size = sum(p.numel() * p.element_size() for p in params) + sum(
+            b.numel() * b.element_size() for b in module.buffers()
+        )
+        infos.append(
+            ComponentInfo(
+                name=name,
+                module_type=type(module).__name__,
+                parameters=count,
+                trainable=sum(p.numel() for p in params if p.requires_grad),
+                size_bytes=size,
+                dtypes=tuple(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
+                devices=tuple(sorted({str(p.device) for p in params})),
+                training=module.training,
+            )
+        )
+    all_dtypes = {d for i in infos for d in i.dtypes}
+    all_devices = {d for i in infos for d in i.devices}
+    return PipelineAnalyzed(
+        step=step,
+        source="diffusion",
+        components=tuple(infos),
+        total_parameters=total,
+        mixed_dtypes=len(all_dtypes) > 1,
+        mixed_devices=len(all_devices) > 1,
+    )
+
+
+@dataclass(slots=True)
+class _Window:
+    previous_norm: float | None = None
+    first_norm: float | None = None
+    history: list[float] = field(default_factory=list)
+
+
+class LatentMonitor:
+    """Checks each denoising step's latents: non-finite values and norm drift.
+
+    Norm drift compares each step's RMS with the previous step's: a ratio above
+    *max_norm_ratio* (or below its inverse) is an incident. Call :meth:`reset` between samples.
+
+    Args:
+        max_norm_ratio: the largest step-to-step change of the RMS that is normal (> 1).
+        max_norm: an absolute ceiling on the RMS (``None``: none).
+    """
+
+    def __init__(self, *, max_norm_ratio: float = 4.0, max_norm: float | None = None) -> None:
+        if not max_norm_ratio > 1.0:
+            msg = f"max_norm_ratio must be > 1, got {max_norm_ratio!r}"
+            raise ValueError(msg)
+        if max_norm is not None and not max_norm > 0:
+            msg = f"max_norm must be > 0, got {max_norm!r}"
+            raise ValueError(msg)
+        self.max_norm_ratio = max_norm_ratio
+        self.max_norm = max_norm
+        self._w = _Window()
+
+    @property
+    def norms(self) -> tuple[float, ...]:
+        """The RMS of every step checked since the last :meth:`reset`."""
+        return tuple(self._w.history)
+
+    def reset(self) -> None:
+        """Forget the previous steps (call it before sampling a new image)."""
+        self._w = _Window()
+
+    def check(
+        self,
+        latents: torch.Tensor,
+        *,
+        denoising_step: int,
+        timestep: int | None = None,
+        publish: Publish | None = None,
+        step: int | None = None,
+    ) -> tuple[Event, ...]:
+        """Check *latents* (one device-to-host transfer); publish the telemetry and any incident.
+
+        Returns:
+            The :class:`LatentChecked` event followed by any :class:`LatentAnomalyDetected`.
+        """
+        x = latents.detach().float()
+        finite = torch.isfinite(x)
+        safe = torch.where(finite, x, torch.zeros_like(x))
+        n = max(1, x.numel())
+        stats = torch.stack(
+            [
+                (~finite).sum().float(),
+                torch.linalg.vector_norm(safe) / math.sqrt(n),
+                safe.mean(),
+                safe.std() if n > 1 else torch.zeros((), device=x.device),
+            ]
+        ).tolist()
+        bad, norm, mean, std = int(stats[0]), stats[1], stats[2], stats[3]
+        prev = self._w.previous_norm
+        ratio = norm / prev if prev is not None and prev > 0 else None
+        out: list[Event] = [
+            LatentChecked(
+                step=step,
+                source="latent_monitor",
+                denoising_step=denoising_step,
+                timestep=timestep,
+                norm=norm,
+                mean=mean,
+                std=std,
+                finite=bad == 0,
+                norm_ratio=ratio,
+            )
+        ]
+        common = {
+            "step": step,
+            "source": "latent_monitor",
+            "denoising_step": denoising_step,
+            "timestep": timestep,
+            "norm": norm,
+        }
+        if bad:
+            out.append(
+                LatentAnomalyDetected(
+                    **common,  # type: ignore[arg-type]
+                    severity=Severity.ERROR,
+                    rule="non_finite",
+                    message=f"latents at denoising step {denoising_step} hold {bad} NaN/Inf values",
+                    reference_norm=prev,
+                    nonfinite_count=bad,
+                )
+            )
+        else:
+            drift = ratio is not None and (
+                ratio > self.max_norm_ratio or ratio < 1.0 / self.max_norm_ratio
+            )
+            ceiling = self.max_norm is not None and norm > self.max_norm
+            if drift or ceiling:
+                reason = (
+                    f"latent RMS changed {ratio:.3g}x in one step (limit {self.max_norm_ratio:g}x)"
+                    if drift and ratio is not None
+                    else f"latent RMS {norm:.3g} exceeds {self.max_norm:g}"
+                )
+                out.append(
+                    LatentAnomalyDetected(
+                        **common,  # type: ignore[arg-type]
+                        rule="norm_drift",
+                        message=f"denoising step {denoising_step}: {reason}",
+                        reference_norm=prev,
+                    )
+                )
+            self._w.previous_norm = norm
+            if self._w.first_norm is None:
+                self._w.first_norm = norm
+        self._w.history.append(norm)
+        if publish is not None:
+            for ev in out:
+                publish(ev)
+        return tuple(out)
+
+    async def acheck(
+        self,
+        latents: torch.Tensor,
+        *,
+        denoising_step: int,
+        timestep: int | None = None,
+        publish: Publish | None = None,
+        step: int | None = None,
+    ) -> tuple[Event, ...]:
+        """:meth:`check`, then a checkpoint so subscribers run (for async sampling loops)."""
+        events = self.check(
+            latents, denoising_step=denoising_step, timestep=timestep, publish=publish, step=step
+        )
+        await anyio.lowlevel.checkpoint()
+        return events

@@ -1,0 +1,440 @@
+"""Retrying calls under recovery: OOM → smaller batch, data loading → fallbacks, and so on.
+
+Each failure is published as an :class:`ErrorRaised` incident (type, message, traceback,
+category, attempt, context); the engine's strategies decide; the decision is applied to a
+:class:`CallState` that the retried code reads (``state.batch_size``...), and the call runs
+again with backoff. The loop, the stop condition and the waits are tenacity's.
+
+Two shapes, each sync and async::
+
+    @retrying(engine, state=CallState(batch_size=64), pass_state=True)
+    async def train_step(batch, *, state: CallState) -> float: ...
+
+    async for attempt in Retrying(engine, state=CallState(batch_size=64)):
+        async with attempt:
+            run(attempt.state.batch_size)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import inspect
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Final, ParamSpec, TypeVar, final, overload
+
+import anyio
+import structlog
+import tenacity
+import torch
+
+from ..exceptions import TrainingStopped
+from .engine import DecidedAction, RecoveryEngine
+from .events import RecoveryAction, RecoveryApplied
+from .strategies import CALL_ACTIONS, Decision
+
+__all__ = ("Attempt", "CallState", "Retrying", "retrying")
+
+_log = structlog.get_logger("eventbus_debug")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+SOURCE: Final = "recovery.retry"
+
+
+@dataclass(slots=True, kw_only=True)
+class CallState:
+    """The settings a retried call runs with; recovery decisions change them between attempts.
+
+    The retried code reads them (``state.batch_size``) so a retry really runs differently.
+    They persist on the :class:`Retrying` object: later calls keep the smaller batch.
+
+    Attributes:
+        batch_size: the batch size to use (SHRINK_BATCH lowers it).
+        num_workers: data loader workers (FALLBACK lowers it, down to 0 = main process).
+        pin_memory: data loader pinned memory (FALLBACK turns it off).
+        device: the device to run on (FALLBACK may switch to ``"cpu"``).
+        half_precision: load/run the model in half precision (FALLBACK may turn it on).
+        smaller_model: use the user's smaller model factory (FALLBACK may turn it on).
+        attempt: the current attempt, 1 for the first.
+        changes: every change applied so far, in words.
+    """
+
+    batch_size: int | None = None
+    num_workers: int | None = None
+    pin_memory: bool | None = None
+    device: str | None = None
+    half_precision: bool = False
+    smaller_model: bool | None = None
+    attempt: int = 1
+    changes: list[str] = field(default_factory=list)
+
+    def context(self) -> dict[str, str]:
+        """The state as :class:`ErrorRaised` context (what the strategies read)."""
+        ctx: dict[str, str] = {}
+        if self.batch_size is not None:
+            ctx["batch_size"] = str(self.batch_size)
+        if self.num_workers is not None:
+            ctx["num_workers"] = str(self.num_workers)
+        if self.pin_memory is not None:
+            ctx["pin_memory"] = str(self.pin_memory)
+        if self.device is not None:
+            ctx["device"] = self.device
+        ctx["half_precision"] = str(self.half_precision)
+        if self.smaller_model is not None:
+            ctx["smaller_model"] = "used" if self.smaller_model else "available"
+        return ctx
+
+    def apply(self, decision: Decision) -> str:
+        """Apply a call-level decision; returns what changed, in words."""
+        p = decision.parameters
+        done: list[str] = []
+        if p.get("free_memory"):
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            done.append("freed memory (gc, CUDA cache)")
+        if "batch_size" in p:
+            new = max(1, int(p["batch_size"]))
+            done.append(f"batch_size {self.batch_size} -> {new}")
+            self.batch_size = new
+        if "num_workers" in p:
+            new = max(0, int(p["num_workers"]))
+            done.append(f"num_workers {self.num_workers} -> {new}")
+            self.num_workers = new
+        if "pin_memory" in p:
+            done.append(f"pin_memory {self.pin_memory} -> {bool(p['pin_memory'])}")
+            self.pin_memory = bool(p["pin_memory"])
+        if p.get("cpu"):
+            done.append(f"device {self.device} -> cpu")
+            self.device = "cpu"
+        if p.get("half_precision"):
+            done.append("half precision on")
+            self.half_precision = True
+        if p.get("smaller_model"):
+            done.append("smaller model factory")
+            self.smaller_model = True
+        detail = "; ".join(done) or f"retry ({decision.reason})"
+        self.changes.append(detail)
+        return detail
+
+
+class _RetryRequested(Exception):
+    """Internal: tells tenacity to retry; carries the original failure as ``__cause__``."""
+
+
+@final
+class Attempt:
+    """One attempt of a retried block; use it as ``with attempt:`` / ``async with attempt:``."""
+
+    __slots__ = ("_retrying", "_tenacity", "number", "state")
+
+    def __init__(self, retrying: Retrying, manager: tenacity.AttemptManager, number: int) -> None:
+        self._retrying = retrying
+        self._tenacity = manager
+        self.number = number
+        self.state = retrying.state
+        self.state.attempt = number
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if exc is None:
+            self._retrying._succeeded(self.number)
+            self._tenacity.__exit__(None, None, None)
+            return False
+        if not isinstance(exc, Exception) or isinstance(exc, TrainingStopped):
+            return False
+        decided = self._retrying._report_sync(exc, self.number)
+        return self._feed(exc, decided)
+
+    async def __aenter__(self) -> Attempt:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if exc is None:
+            self._retrying._succeeded(self.number)
+            self._tenacity.__exit__(None, None, None)
+            return False
+        if not isinstance(exc, Exception) or isinstance(exc, TrainingStopped):
+            return False
+        decided = await self._retrying._report_async(exc, self.number)
+        return self._feed(exc, decided)
+
+    def _feed(self, exc: Exception, decided: tuple[DecidedAction, ...]) -> bool:
+        outcome = self._retrying._outcome(exc, decided)
+        self._tenacity.__exit__(type(outcome), outcome, outcome.__traceback__)
+        return True  # tenacity re-raises what must propagate on the next iteration
+
+
+@final
+class Retrying:
+    """Runs a block or a function again after recovering from its failures.
+
+    Iterate it (``for`` or ``async for``) to get :class:`Attempt` objects, or use it as a
+    decorator (see :func:`retrying`). Between attempts it waits ``initial_delay``,
+    then ``multiplier`` times longer each time, at most ``max_delay`` seconds (tenacity's
+    exponential wait). An error no strategy handles propagates unchanged; an error whose
+    strategies are exhausted, or that still fails after *max_attempts*, raises
+    :class:`~eventbus_debug.TrainingStopped` (the original error is its ``__cause__``).
+
+    Args:
+        engine: the recovery engine that decides.
+        state: the settings the block reads; decisions change them. Kept across calls.
+        max_attempts: the most attempts per call, the first included.
+        initial_delay: seconds before the first retry (0: retry at once).
+        max_delay: the longest wait between attempts.
+        multiplier: the growth of the wait per attempt.
+        operation: what the call does (``"data_loading"``, ``"model_loading"``, ``"train_step"``):
+            it is in the error's context and guides the classification.
+        context: more context for the error incidents.
+
+    Raises:
+        TypeError: if *engine* is not a :class:`RecoveryEngine`.
+        ValueError: if *max_attempts* < 1, a delay is negative or *multiplier* < 1.
+    """
+
+    def __init__(
+        self,
+        engine: RecoveryEngine,
+        *,
+        state: CallState | None = None,
+        max_attempts: int = 5,
+        initial_delay: float = 0.0,
+        max_delay: float = 10.0,
+        multiplier: float = 2.0,
+        operation: str = "",
+        context: Mapping[str, str] | None = None,
+    ) -> None:
+        if not isinstance(engine, RecoveryEngine):
+            msg = f"engine must be a RecoveryEngine, got {engine!r}"
+            raise TypeError(msg)
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+            msg = f"max_attempts must be an integer >= 1, got {max_attempts!r}"
+            raise ValueError(msg)
+        for arg, value in (("initial_delay", initial_delay), ("max_delay", max_delay)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                msg = f"{arg} must be a number of seconds >= 0, got {value!r}"
+                raise ValueError(msg)
+        if (
+            isinstance(multiplier, bool)
+            or not isinstance(multiplier, (int, float))
+            or multiplier < 1
+        ):
+            msg = f"multiplier must be a number >= 1, got {multiplier!r}"
+            raise ValueError(msg)
+        self.engine = engine
+        self.state = state if state is not None else CallState()
+        self.max_attempts = max_attempts
+        self.operation = operation
+        self.context = dict(context or {})
+        self._wait: tenacity.wait.wait_base = (
+            tenacity.wait_exponential(multiplier=initial_delay, exp_base=multiplier, max=max_delay)
+            if initial_delay > 0
+            else tenacity.wait_none()
+        )
+        self._changes_at_start = 0
+        self._last_error: Exception | None = None
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def __iter__(self) -> Generator[Attempt, None, None]:
+        if not self.engine.is_sync:
+            msg = (
+                "a sync retry needs the engine on a SyncEventBus; with an async EventBus use "
+                "`async for attempt in Retrying(...)` or decorate an `async def`"
+            )
+            raise TypeError(msg)
+        self._changes_at_start = len(self.state.changes)
+        loop = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(self.max_attempts),
+            wait=self._wait,
+            retry=tenacity.retry_if_exception_type(_RetryRequested),
+            reraise=True,
+            sleep=time.sleep,
+        )
+        try:
+            for manager in loop:
+                yield Attempt(self, manager, manager.retry_state.attempt_number)
+        except _RetryRequested as exc:
+            raise self._exhausted() from exc.__cause__
+
+    async def __aiter__(self) -> AsyncGenerator[Attempt, None]:
+        if self.engine.is_sync:
+            msg = "an async retry needs the engine on an EventBus; with a SyncEventBus use `for attempt in ...`"
+            raise TypeError(msg)
+        self._changes_at_start = len(self.state.changes)
+        loop = tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(self.max_attempts),
+            wait=self._wait,
+            retry=tenacity.retry_if_exception_type(_RetryRequested),
+            reraise=True,
+            sleep=anyio.sleep,
+        )
+        try:
+            async for manager in loop:
+                yield Attempt(self, manager, manager.retry_state.attempt_number)
+        except _RetryRequested as exc:
+            raise self._exhausted() from exc.__cause__
+
+    # -- decorator ---------------------------------------------------------------------------
+
+    @overload
+    def __call__(self, fn: Callable[P, Awaitable[R]], /) -> Callable[P, Awaitable[R]]: ...
+    @overload
+    def __call__(self, fn: Callable[P, R], /) -> Callable[P, R]: ...
+
+    def __call__(self, fn: Callable[P, Any], /) -> Callable[P, Any]:
+        """Decorate *fn* (sync or async) so each call runs under this retry policy."""
+        return _decorate(self, fn, pass_state=False)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _ctx(self) -> dict[str, str]:
+        ctx = {**self.context, **self.state.context()}
+        if self.operation:
+            ctx["operation"] = self.operation
+        return ctx
+
+    async def _report_async(self, exc: Exception, attempt: int) -> tuple[DecidedAction, ...]:
+        return await self.engine.report_error(exc, context=self._ctx(), attempt=attempt)
+
+    def _report_sync(self, exc: Exception, attempt: int) -> tuple[DecidedAction, ...]:
+        return self.engine.report_error_sync(exc, context=self._ctx(), attempt=attempt)
+
+    def _outcome(self, exc: Exception, decided: tuple[DecidedAction, ...]) -> BaseException:
+        self._last_error = exc
+        for d in decided:
+            if d.action is RecoveryAction.STOP:
+                self._publish(RecoveryAction.STOP, d.decision.reason, "exhausted")
+                stopped = TrainingStopped(d.decision.reason)
+                stopped.__cause__ = exc
+                return stopped
+        calls = [d for d in decided if d.action in CALL_ACTIONS]
+        if not calls:
+            return exc
+        for d in calls:
+            detail = self.state.apply(d.decision)
+            self._publish(d.action, detail, "applied")
+            _log.info("call_recovery_applied", action=d.action.value, detail=detail)
+        retry = _RetryRequested(f"retrying after {type(exc).__name__}")
+        retry.__cause__ = exc
+        return retry
+
+    def _exhausted(self) -> TrainingStopped:
+        err = self._last_error
+        reason = f"still failing after {self.max_attempts} attempts" + (
+            f": {type(err).__name__}: {err}" if err is not None else ""
+        )
+        self._publish(RecoveryAction.RETRY, reason, "exhausted")
+        return TrainingStopped(reason)
+
+    def _succeeded(self, attempt: int) -> None:
+        changes = self.state.changes[self._changes_at_start :]
+        if attempt > 1 or changes:
+            detail = f"succeeded on attempt {attempt}" + (
+                f" with batch_size={self.state.batch_size}"
+                if self.state.batch_size is not None
+                else ""
+            )
+            if changes:
+                detail += f" after: {'; '.join(changes)}"
+            action = (
+                RecoveryAction.SHRINK_BATCH
+                if any("batch_size" in c for c in changes)
+                else RecoveryAction.RETRY
+            )
+            self._publish(action, detail, "applied")
+        self._changes_at_start = len(self.state.changes)
+
+    def _publish(self, action: RecoveryAction, detail: str, outcome: str) -> None:
+        self.engine.publish(
+            RecoveryApplied(source=SOURCE, action=action, detail=detail, outcome=outcome)
+        )
+
+
+def _decorate(policy: Retrying, fn: Callable[P, Any], *, pass_state: bool) -> Callable[P, Any]:
+    if inspect.iscoroutinefunction(fn):
+
+        @functools.wraps(fn)
+        async def async_wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
+            if pass_state:
+                kwargs["state"] = policy.state
+            async with contextlib.aclosing(policy.__aiter__()) as attempts:
+                async for attempt in attempts:
+                    async with attempt:
+                        return await fn(*args, **kwargs)
+            raise AssertionError(
+                "unreachable: tenacity either returns or raises"
+            )  # pragma: no cover
+
+        return async_wrapper
+
+    @functools.wraps(fn)
+    def sync_wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
+        if pass_state:
+            kwargs["state"] = policy.state
+        with contextlib.closing(policy.__iter__()) as attempts:
+            for attempt in attempts:
+                with attempt:
+                    return fn(*args, **kwargs)
+        raise AssertionError("unreachable: tenacity either returns or raises")  # pragma: no cover
+
+    return sync_wrapper
+
+
+def retrying(
+    engine: RecoveryEngine,
+    *,
+    state: CallState | None = None,
+    pass_state: bool = False,
+    max_attempts: int = 5,
+    initial_delay: float = 0.0,
+    max_delay: float = 10.0,
+    multiplier: float = 2.0,
+    operation: str = "",
+    context: Mapping[str, str] | None = None,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorator: run a sync or async function under recovery (the seeds' ``DebugDecorator``).
+
+    With ``pass_state=True`` the function receives the :class:`CallState` as the keyword
+    argument ``state`` (read ``state.batch_size`` there). The other arguments are those of
+    :class:`Retrying`; the function's name is added to the error context.
+
+    Raises:
+        TypeError, ValueError: as :class:`Retrying`.
+    """
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        ctx = {"function": getattr(fn, "__qualname__", repr(fn)), **(context or {})}
+        policy = Retrying(
+            engine,
+            state=state,
+            max_attempts=max_attempts,
+            initial_delay=initial_delay,
+            max_delay=max_delay,
+            multiplier=multiplier,
+            operation=operation,
+            context=ctx,
+        )
+        wrapped = _decorate(policy, fn, pass_state=pass_state)
+        wrapped.retrying = policy  # type: ignore[attr-defined]
+        return wrapped
+
+    return decorate

@@ -1,0 +1,8 @@
+"""Safe points: applying recovery decisions to the model and optimizer, and the last good state."""
+
+from __future__ import annotations
+
+from .point import AgreeHook, SafePoint, StepDecision
+from .snapshot import NoGoodStateError, StateSnapshots
+
+__all__ = ("AgreeHook", "NoGoodStateError", "SafePoint", "StateSnapshots", "StepDecision")

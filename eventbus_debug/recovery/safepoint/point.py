@@ -1,0 +1,251 @@
+"""The safe point: where the training loop applies recovery decisions, deterministically."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, NoReturn, TypeAlias, final
+
+import structlog
+import torch
+from torch import nn
+
+from ...exceptions import TrainingStopped
+from ..engine import DecidedAction, RecoveryEngine
+from ..events import RecoveryAction, RecoveryApplied, StepSkipped
+from .snapshot import NoGoodStateError, StateSnapshots
+
+__all__ = ("AgreeHook", "SafePoint", "StepDecision")
+
+_log = structlog.get_logger("eventbus_debug")
+
+SOURCE: Final = "recovery.safe_point"
+
+AgreeHook: TypeAlias = Callable[[Sequence[DecidedAction]], Sequence[DecidedAction]]
+"""Turns this rank's pending decisions into the decisions every rank applies.
+
+The identity by default. A distributed layer plugs in one small collective here: e.g. encode
+the actions as a bit mask and the LR factor / clip norm as floats, ``all_reduce`` them (MAX for
+the mask, MIN for the factors), and return the agreed decisions, so that no rank skips, restores
+or stops alone.
+"""
+
+
+def _identity(decisions: Sequence[DecidedAction]) -> Sequence[DecidedAction]:
+    return decisions
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepDecision:
+    """What a safe point did, and whether the loop should call ``optimizer.step()``.
+
+    Attributes:
+        step: the step.
+        should_step: call ``optimizer.step()`` when True; the gradients were zeroed otherwise.
+        actions: the actions applied, in the order they were applied.
+        details: what each action changed, in words.
+        lr_factor: the factor the learning rates were multiplied by at this safe point.
+    """
+
+    step: int
+    should_step: bool
+    actions: tuple[RecoveryAction, ...] = ()
+    details: tuple[str, ...] = ()
+    lr_factor: float = 1.0
+
+    def __bool__(self) -> bool:
+        return self.should_step
+
+
+@final
+class SafePoint:
+    """Applies the engine's step-level decisions to a model and optimizer, at one known point.
+
+    Call it after ``backward()`` and the probe's check, before ``optimizer.step()``::
+
+        decision = await safe.before_optimizer_step(step)
+        if decision.should_step:
+            optimizer.step()
+        optimizer.zero_grad()
+
+    It waits until the engine handled every incident published so far (only the engine: a slow
+    report writer does not delay training), passes the pending decisions through the *agree*
+    hook, then applies them in a fixed order: STOP (raises), RESTORE_STATE, SCALE_LR,
+    CLIP_GRADIENTS, SKIP_STEP. A step with no decision is a good step: it resets the strategies'
+    consecutive counts and may refresh the snapshot of the last good state.
+
+    Args:
+        engine: the recovery engine.
+        model: the model whose parameters and gradients are acted on.
+        optimizer: its optimizer (learning rates, state).
+        snapshots: where the last good state is kept; ``None`` keeps one every 50 good steps.
+        agree: the distributed agreement hook (see :data:`AgreeHook`).
+
+    Raises:
+        TypeError: if *engine*, *model* or *optimizer* has the wrong type.
+    """
+
+    def __init__(
+        self,
+        engine: RecoveryEngine,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        snapshots: StateSnapshots | None = None,
+        agree: AgreeHook | None = None,
+    ) -> None:
+        if not isinstance(engine, RecoveryEngine):
+            msg = f"engine must be a RecoveryEngine, got {engine!r}"
+            raise TypeError(msg)
+        if not isinstance(model, nn.Module):
+            msg = f"model must be a torch.nn.Module, got {type(model).__name__}"
+            raise TypeError(msg)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            msg = f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            raise TypeError(msg)
+        self.engine = engine
+        self.model = model
+        self.optimizer = optimizer
+        self.snapshots = snapshots if snapshots is not None else StateSnapshots()
+        self._agree = agree if agree is not None else _identity
+        self._skip_remaining = 0
+        self._skip_reason = ""
+
+    async def before_optimizer_step(self, step: int) -> StepDecision:
+        """Wait for the engine, apply its pending decisions for *step*, say whether to step.
+
+        Raises:
+            TrainingStopped: if recovery decided to stop (strategies exhausted, or a restore
+                was needed and no good state exists).
+            TimeoutError: if the engine does not catch up within its ``drain_timeout``.
+        """
+        await self.engine.drain()
+        return self._apply(step)
+
+    def before_optimizer_step_sync(self, step: int) -> StepDecision:
+        """:meth:`before_optimizer_step` for a loop using a :class:`~eventbus_debug.SyncEventBus`.
+
+        Raises:
+            TrainingStopped: as :meth:`before_optimizer_step`.
+            TimeoutError: as :meth:`before_optimizer_step`.
+        """
+        self.engine.drain_sync()
+        return self._apply(step)
+
+    # -- applying ----------------------------------------------------------------------------
+
+    def _apply(self, step: int) -> StepDecision:
+        decided = list(self._agree(self.engine.take_pending()))
+        if not decided:
+            if self._skip_remaining > 0:
+                self._skip_remaining -= 1
+                return self._skip(step, self._skip_reason, (), ())
+            self.engine.mark_good()
+            self.snapshots.maybe_capture(step, self.model, self.optimizer)
+            return StepDecision(step=step, should_step=True)
+        actions: list[RecoveryAction] = []
+        details: list[str] = []
+        by_action: dict[RecoveryAction, list[DecidedAction]] = {}
+        for d in decided:
+            by_action.setdefault(d.action, []).append(d)
+
+        stops = by_action.get(RecoveryAction.STOP)
+        if stops:
+            self._stop(step, stops[0].decision.reason)
+
+        skip = bool(by_action.get(RecoveryAction.SKIP_STEP))
+        skip_batches = 1
+        reasons = [d.decision.reason for d in decided]
+
+        if RecoveryAction.RESTORE_STATE in by_action:
+            try:
+                restored = self.snapshots.restore(self.model, self.optimizer)
+            except NoGoodStateError as exc:
+                self._publish(step, RecoveryAction.RESTORE_STATE, str(exc), "failed")
+                self._stop(
+                    step, f"{by_action[RecoveryAction.RESTORE_STATE][0].decision.reason}; {exc}"
+                )
+            detail = f"restored the state of step {restored}"
+            self._publish(step, RecoveryAction.RESTORE_STATE, detail, "applied")
+            actions.append(RecoveryAction.RESTORE_STATE)
+            details.append(detail)
+            skip = True  # these gradients belong to the state just discarded
+
+        lr_factor = 1.0
+        for d in by_action.get(RecoveryAction.SCALE_LR, ()):
+            lr_factor *= float(d.decision.parameters.get("lr_factor", 1.0))
+        if lr_factor != 1.0:
+            before = [float(g["lr"]) for g in self.optimizer.param_groups]
+            for group in self.optimizer.param_groups:
+                group["lr"] = group["lr"] * lr_factor
+            after = [float(g["lr"]) for g in self.optimizer.param_groups]
+            detail = (
+                f"lr x{lr_factor:g}: {_fmt(before)} -> {_fmt(after)} "
+                f"in {len(self.optimizer.param_groups)} param group(s)"
+            )
+            self._publish(step, RecoveryAction.SCALE_LR, detail, "applied")
+            actions.append(RecoveryAction.SCALE_LR)
+            details.append(detail)
+
+        clips = by_action.get(RecoveryAction.CLIP_GRADIENTS, ())
+        if clips and not skip:
+            max_norm = min(float(d.decision.parameters["max_norm"]) for d in clips)
+            total = float(clips[-1].decision.parameters["total_norm"])
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            # The probe already reduced the gradients: reuse its total norm, no second pass.
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(total))
+            detail = f"gradients clipped from norm {total:.4g} to {max_norm:.4g}"
+            self._publish(step, RecoveryAction.CLIP_GRADIENTS, detail, "applied")
+            actions.append(RecoveryAction.CLIP_GRADIENTS)
+            details.append(detail)
+
+        for d in by_action.get(RecoveryAction.SKIP_STEP, ()):
+            skip_batches = max(skip_batches, int(d.decision.parameters.get("batches", 1)))
+        if skip:
+            self._skip_remaining = max(self._skip_remaining, skip_batches - 1)
+            self._skip_reason = f"skipping the batches after: {reasons[0]}"
+            return self._skip(step, "; ".join(dict.fromkeys(reasons)), actions, details, lr_factor)
+        return StepDecision(
+            step=step,
+            should_step=True,
+            actions=tuple(actions),
+            details=tuple(details),
+            lr_factor=lr_factor,
+        )
+
+    def _skip(
+        self,
+        step: int,
+        reason: str,
+        actions: Sequence[RecoveryAction],
+        details: Sequence[str],
+        lr_factor: float = 1.0,
+    ) -> StepDecision:
+        self.optimizer.zero_grad(set_to_none=True)
+        detail = f"optimizer step {step} skipped, gradients zeroed"
+        self._publish(step, RecoveryAction.SKIP_STEP, detail, "applied")
+        self.engine.publish(StepSkipped(source=SOURCE, step=step, reason=reason))
+        return StepDecision(
+            step=step,
+            should_step=False,
+            actions=(*actions, RecoveryAction.SKIP_STEP),
+            details=(*details, detail),
+            lr_factor=lr_factor,
+        )
+
+    def _stop(self, step: int, reason: str) -> NoReturn:
+        self._publish(step, RecoveryAction.STOP, reason, "exhausted")
+        _log.error("training_stopped", step=step, reason=reason)
+        raise TrainingStopped(reason)
+
+    def _publish(self, step: int, action: RecoveryAction, detail: str, outcome: str) -> None:
+        self.engine.publish(
+            RecoveryApplied(source=SOURCE, step=step, action=action, detail=detail, outcome=outcome)
+        )
+
+
+def _fmt(values: Sequence[float]) -> str:
+    shown = sorted(set(values))
+    if len(shown) == 1:
+        return f"{shown[0]:.4g}"
+    return "[" + ", ".join(f"{v:.4g}" for v in values) + "]"

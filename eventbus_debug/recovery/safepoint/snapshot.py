@@ -1,0 +1,172 @@
+"""The last good training state: an in-memory snapshot of model + optimizer, or a checkpoint.
+
+Restoring never loads pickled code: checkpoint files are read with ``torch.load(...,
+weights_only=True)``. A snapshot is only taken of finite parameters, so a restore never brings
+NaN back.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from typing import Any, Final, final
+
+import structlog
+import torch
+from torch import nn
+
+__all__ = ("NoGoodStateError", "StateSnapshots")
+
+_log = structlog.get_logger("eventbus_debug")
+
+DEFAULT_EVERY: Final = 50
+
+
+class NoGoodStateError(RuntimeError):
+    """Raised by :meth:`StateSnapshots.restore` when no good state was captured or loaded."""
+
+
+def _all_finite(model: nn.Module) -> bool:
+    """One fused reduction and one host transfer: are all floating parameters finite?"""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in model.parameters():
+        if p.is_floating_point() or p.is_complex():
+            groups.setdefault((p.device, p.dtype), []).append(p.detach())
+    if not groups:
+        return True
+    norms = [torch.stack(torch._foreach_norm(ts)).float().sum().cpu() for ts in groups.values()]
+    return bool(torch.isfinite(torch.stack(norms)).all().item())
+
+
+@final
+class StateSnapshots:
+    """Keeps the last good state of a model and its optimizer, to restore after a fault.
+
+    :class:`~eventbus_debug.recovery.SafePoint` calls :meth:`maybe_capture` on good steps; a
+    snapshot is taken every *every* good steps (the first good step always captures). Memory
+    cost: one copy of the parameters, buffers and optimizer state.
+
+    Args:
+        every: capture every this many good steps.
+        checkpoint: a file written by :meth:`save` (or any ``{"model": ..., "optimizer": ...}``
+            dict of tensors) loaded as the initial good state, with ``weights_only=True``.
+
+    Raises:
+        ValueError: if *every* < 1.
+        FileNotFoundError: if *checkpoint* does not exist.
+    """
+
+    def __init__(
+        self, *, every: int = DEFAULT_EVERY, checkpoint: str | os.PathLike[str] | None = None
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            msg = f"every must be a positive integer (good steps between snapshots), got {every!r}"
+            raise ValueError(msg)
+        self.every = every
+        self._model: dict[str, torch.Tensor] | None = None
+        self._optimizer: dict[str, Any] | None = None
+        self._step: int | None = None
+        self._good_since = 0
+        self.captures = 0
+        self.restores = 0
+        if checkpoint is not None:
+            self.load(checkpoint)
+
+    @property
+    def step(self) -> int | None:
+        """The step of the state held now, or ``None`` when none is."""
+        return self._step
+
+    @property
+    def available(self) -> bool:
+        """Whether a good state is held."""
+        return self._model is not None
+
+    def maybe_capture(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> bool:
+        """Count a good step; capture when *every* good steps passed (or none is held yet)."""
+        self._good_since += 1
+        if self._model is not None and self._good_since < self.every:
+            return False
+        return self.capture(step, model, optimizer)
+
+    def capture(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Copy the state of *model* (and *optimizer*) now; refused when a parameter is not finite.
+
+        Returns:
+            True when captured, False when refused.
+        """
+        if not _all_finite(model):
+            _log.warning("snapshot_refused", step=step, reason="non-finite parameters")
+            return False
+        self._model = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self._optimizer = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+        self._step = step
+        self._good_since = 0
+        self.captures += 1
+        return True
+
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int | None:
+        """Load the held state into *model* and *optimizer*; returns its step.
+
+        The learning rates the optimizer has now are kept (a restore undoes the weights and
+        the optimizer's moments, not the LR decisions taken since).
+
+        Raises:
+            NoGoodStateError: if no good state was captured or loaded.
+        """
+        if self._model is None:
+            msg = (
+                "no good state to restore: none was captured yet (StateSnapshots captures on the "
+                "first good safe point) and no checkpoint was given"
+            )
+            raise NoGoodStateError(msg)
+        model.load_state_dict(self._model)
+        if optimizer is not None and self._optimizer is not None:
+            lrs = [g["lr"] for g in optimizer.param_groups]
+            optimizer.load_state_dict(copy.deepcopy(self._optimizer))
+            for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+        self.restores += 1
+        self._good_since = 0
+        _log.info("state_restored", step=self._step)
+        return self._step
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the held state to *path* (loadable with ``weights_only=True``).
+
+        Raises:
+            NoGoodStateError: if no state is held.
+        """
+        if self._model is None:
+            msg = "no state to save: capture() first"
+            raise NoGoodStateError(msg)
+        torch.save({"model": self._model, "optimizer": self._optimizer, "step": self._step}, path)
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Read a checkpoint as the good state, with ``weights_only=True`` (no pickled code).
+
+        Accepts ``{"model": state_dict, "optimizer": state_dict | None, "step": int}`` or a bare
+        model state dict.
+
+        Raises:
+            FileNotFoundError: if *path* does not exist.
+            ValueError: if the file does not hold a state dict.
+        """
+        data = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+        if not isinstance(data, Mapping):
+            msg = f"checkpoint {os.fspath(path)!r} holds {type(data).__name__}, not a state dict"
+            raise ValueError(msg)
+        if "model" in data and isinstance(data["model"], Mapping):
+            self._model = dict(data["model"])
+            opt = data.get("optimizer")
+            self._optimizer = dict(opt) if isinstance(opt, Mapping) else None
+            step = data.get("step")
+            self._step = int(step) if isinstance(step, int) else None
+        else:
+            self._model = dict(data)
+            self._optimizer = None
+            self._step = None
+        _log.info("checkpoint_loaded", path=os.fspath(path), step=self._step)

@@ -1,0 +1,456 @@
+"""Recovery strategies: pure functions from an incident (and a little history) to decisions.
+
+A strategy is any object with ``decide(incident, history)`` — or a plain callable with the same
+signature — returning a :class:`Decision`, a sequence of them (applied together, in order), or
+``None`` to let the next strategy answer. Strategies never touch the model: the
+:class:`~eventbus_debug.recovery.SafePoint` or a retried call applies what they decide.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Protocol, TypeAlias, runtime_checkable
+
+from ..events import Anomaly
+from ..probes import GradientExploded, GradientVanished, LossSpiked, NonFiniteDetected, TensorRole
+from .events import ErrorCategory, ErrorRaised, RecoveryAction
+
+__all__ = (
+    "CALL_ACTIONS",
+    "STEP_ACTIONS",
+    "ClipOnExplosion",
+    "DataLoaderFallback",
+    "Decision",
+    "ModelLoadingFallback",
+    "ReportVanishing",
+    "RestoreLastGood",
+    "RollbackOnLossSpike",
+    "ShrinkBatchOnOOM",
+    "SkipNonFinite",
+    "Strategy",
+    "StrategyFunction",
+    "StrategyHistory",
+    "StrategyResult",
+)
+
+STEP_ACTIONS: Final = frozenset(
+    {
+        RecoveryAction.SKIP_STEP,
+        RecoveryAction.CLIP_GRADIENTS,
+        RecoveryAction.SCALE_LR,
+        RecoveryAction.RESTORE_STATE,
+    }
+)
+"""Actions applied to the model/optimizer at a training loop's safe point."""
+
+CALL_ACTIONS: Final = frozenset(
+    {RecoveryAction.SHRINK_BATCH, RecoveryAction.RETRY, RecoveryAction.FALLBACK}
+)
+"""Actions applied by a retried call before it runs again."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Decision:
+    """One action a strategy decided, with its reason and its numbers.
+
+    Attributes:
+        action: what to do.
+        reason: why, in words (it ends up in the log).
+        parameters: the action's numbers. Keys the appliers understand: ``lr_factor``
+            (SCALE_LR), ``max_norm`` and ``total_norm`` (CLIP_GRADIENTS), ``batches``
+            (SKIP_STEP: this batch and the next ``batches - 1``), ``batch_size``
+            (SHRINK_BATCH), ``num_workers``, ``pin_memory`` (0/1), ``cpu`` (1), ``half_precision``
+            (1), ``smaller_model`` (1) (FALLBACK), ``free_memory`` (1) (RETRY).
+    """
+
+    action: RecoveryAction
+    reason: str
+    parameters: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StrategyHistory:
+    """What a strategy decided before, as the engine counted it (a snapshot).
+
+    Attributes:
+        attempts: how many times this strategy decided something, over the whole run.
+        consecutive: how many incidents in a row it decided with no good step in between.
+        actions: how many times it decided each action.
+    """
+
+    attempts: int = 0
+    consecutive: int = 0
+    actions: Mapping[RecoveryAction, int] = field(default_factory=dict)
+
+
+StrategyResult: TypeAlias = "Decision | Sequence[Decision] | None"
+StrategyFunction: TypeAlias = Callable[
+    [Anomaly, StrategyHistory], "Decision | Sequence[Decision] | None"
+]
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """The interface of a recovery strategy object (plain functions work too)."""
+
+    def decide(
+        self, incident: Anomaly, history: StrategyHistory, /
+    ) -> Decision | Sequence[Decision] | None:
+        """The decisions for *incident*, or ``None`` to let the next strategy answer."""
+        ...
+
+
+def _check_factor(name: str, value: float, *, above_one: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if above_one:
+        if not ok or value <= 1:
+            msg = f"{name} must be a finite number > 1, got {value!r}"
+            raise ValueError(msg)
+    elif not ok or not 0 < value < 1:
+        msg = f"{name} must be a number with 0 < {name} < 1, got {value!r}"
+        raise ValueError(msg)
+
+
+def _check_count(name: str, value: int, *, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        msg = f"{name} must be an integer >= {minimum}, got {value!r}"
+        raise ValueError(msg)
+
+
+def _lr(factor: float, reason: str) -> Decision:
+    return Decision(action=RecoveryAction.SCALE_LR, reason=reason, parameters={"lr_factor": factor})
+
+
+_GRAD_ROLES: Final = (TensorRole.LOSS, TensorRole.GRADIENT)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SkipNonFinite:
+    """Skip the optimizer step when the loss or the gradients are not finite.
+
+    Declines after *max_consecutive* skips with no good step in between, so that the next
+    strategy (by default :class:`RestoreLastGood`) takes over.
+
+    Raises:
+        ValueError: if *max_consecutive* < 1 or *roles* is empty.
+    """
+
+    max_consecutive: int = 3
+    roles: tuple[TensorRole, ...] = _GRAD_ROLES
+
+    def __post_init__(self) -> None:
+        _check_count("max_consecutive", self.max_consecutive)
+        if not self.roles:
+            msg = "roles must name at least one TensorRole, got ()"
+            raise ValueError(msg)
+
+    def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Decision | None:
+        """SKIP_STEP for a non-finite loss/gradient, while under the consecutive limit."""
+        if not isinstance(incident, NonFiniteDetected) or incident.role not in self.roles:
+            return None
+        if history.consecutive >= self.max_consecutive:
+            return None
+        names = ", ".join(incident.names[:5]) or incident.role.value
+        return Decision(
+            action=RecoveryAction.SKIP_STEP,
+            reason=(
+                f"non-finite {incident.role.value} ({names}); skip "
+                f"{history.consecutive + 1}/{self.max_consecutive}"
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RestoreLastGood:
+    """Restore the last good model + optimizer state (and lower the LR) on non-finite values.
+
+    Registered after :class:`SkipNonFinite` for losses and gradients (it answers once skipping
+    is exhausted) and alone for non-finite parameters, which are never zeroed.
+
+    Args:
+        roles: the tensor roles it answers for.
+        lr_factor: multiply the LR by this after restoring; ``1.0`` keeps it.
+
+    Raises:
+        ValueError: if *lr_factor* is not in (0, 1] or *roles* is empty.
+    """
+
+    roles: tuple[TensorRole, ...] = (*_GRAD_ROLES, TensorRole.PARAMETER)
+    lr_factor: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.lr_factor != 1.0:
+            _check_factor("lr_factor", self.lr_factor)
+        if not self.roles:
+            msg = "roles must name at least one TensorRole, got ()"
+            raise ValueError(msg)
+
+    def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Sequence[Decision] | None:
+        """RESTORE_STATE (+ SCALE_LR) for a non-finite value of one of *roles*."""
+        if not isinstance(incident, NonFiniteDetected) or incident.role not in self.roles:
+            return None
+        what = f"non-finite {incident.role.value} ({', '.join(incident.names[:5])})"
+        out = [
+            Decision(action=RecoveryAction.RESTORE_STATE, reason=f"{what}: restore last good state")
+        ]
+        if self.lr_factor != 1.0:
+            out.append(_lr(self.lr_factor, f"{what}: lower the learning rate"))
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClipOnExplosion:
+    """Clip the gradients to a maximum norm, using the total norm the probe already computed.
+
+    Every *lower_lr_after* explosions in a row it also lowers the LR by *lr_factor*.
+
+    Args:
+        max_norm: the norm to clip to; ``None`` clips to the probe's threshold.
+        lower_lr_after: consecutive explosions before the LR is lowered as well.
+        lr_factor: the LR multiplier then.
+
+    Raises:
+        ValueError: if *max_norm* ≤ 0, *lower_lr_after* < 1 or *lr_factor* not in (0, 1).
+    """
+
+    max_norm: float | None = None
+    lower_lr_after: int = 3
+    lr_factor: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.max_norm is not None and not (
+            isinstance(self.max_norm, (int, float))
+            and math.isfinite(self.max_norm)
+            and self.max_norm > 0
+        ):
+            msg = f"max_norm must be a finite number > 0 or None, got {self.max_norm!r}"
+            raise ValueError(msg)
+        _check_count("lower_lr_after", self.lower_lr_after)
+        _check_factor("lr_factor", self.lr_factor)
+
+    def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Sequence[Decision] | None:
+        """CLIP_GRADIENTS (+ SCALE_LR once explosions repeat)."""
+        if not isinstance(incident, GradientExploded) or not math.isfinite(incident.total_norm):
+            return None
+        max_norm = self.max_norm if self.max_norm is not None else incident.threshold
+        out = [
+            Decision(
+                action=RecoveryAction.CLIP_GRADIENTS,
+                reason=f"gradient norm {incident.total_norm:.4g} > {incident.threshold:.4g}",
+                parameters={"max_norm": float(max_norm), "total_norm": incident.total_norm},
+            )
+        ]
+        if (history.consecutive + 1) % self.lower_lr_after == 0:
+            out.append(
+                _lr(self.lr_factor, f"{history.consecutive + 1} gradient explosions in a row")
+            )
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RollbackOnLossSpike:
+    """Roll back to the last good state, skip the offending batches and lower the LR.
+
+    Args:
+        skip_batches: batches not applied, counting the one that spiked.
+        lr_factor: the LR multiplier.
+
+    Raises:
+        ValueError: if *skip_batches* < 1 or *lr_factor* not in (0, 1).
+    """
+
+    skip_batches: int = 1
+    lr_factor: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check_count("skip_batches", self.skip_batches)
+        _check_factor("lr_factor", self.lr_factor)
+
+    def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Sequence[Decision] | None:
+        """RESTORE_STATE + SKIP_STEP + SCALE_LR for a loss spike."""
+        if not isinstance(incident, LossSpiked):
+            return None
+        what = (
+            f"loss {incident.loss:.4g} is {incident.ratio:.3g}x the running mean ({incident.rule})"
+        )
+        return (
+            Decision(action=RecoveryAction.RESTORE_STATE, reason=f"{what}: roll back"),
+            Decision(
+                action=RecoveryAction.SKIP_STEP,
+                reason=f"{what}: skip {self.skip_batches} batch(es)",
+                parameters={"batches": float(self.skip_batches)},
+            ),
+            _lr(self.lr_factor, f"{what}: lower the learning rate"),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReportVanishing:
+    """Report vanishing or all-zero gradients (naming the dead layers); optionally raise the LR.
+
+    Args:
+        window: consecutive vanishing incidents before the LR is raised.
+        lr_factor: multiply the LR by this (> 1) every *window* incidents in a row; ``None``
+            only reports.
+        max_raises: the most times the LR is raised over the run.
+
+    Raises:
+        ValueError: if *window* < 1, *max_raises* < 1 or *lr_factor* is not > 1.
+    """
+
+    window: int = 5
+    lr_factor: float | None = None
+    max_raises: int = 3
+
+    def __post_init__(self) -> None:
+        _check_count("window", self.window)
+        _check_count("max_raises", self.max_raises)
+        if self.lr_factor is not None:
+            _check_factor("lr_factor", self.lr_factor, above_one=True)
+
+    def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Decision | None:
+        """CONTINUE naming the dead layers, or SCALE_LR (> 1) after *window* in a row."""
+        if not isinstance(incident, GradientVanished):
+            return None
+        layers = ", ".join(incident.layers[:10]) or "all layers"
+        what = (
+            "all gradients are zero"
+            if incident.all_zero
+            else (f"mean |grad| {incident.mean_abs:.3g} < {incident.threshold:.3g}")
+        )
+        run = history.consecutive + 1
+        raised = history.actions.get(RecoveryAction.SCALE_LR, 0)
+        if self.lr_factor is not None and run % self.window == 0 and raised < self.max_raises:
+            return _lr(self.lr_factor, f"{what} for {run} checks in a row; dead layers: {layers}")
+        return Decision(action=RecoveryAction.CONTINUE, reason=f"{what}; dead layers: {layers}")
+
+
+def _ctx_int(context: Mapping[str, str], key: str) -> int | None:
+    raw = context.get(key)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShrinkBatchOnOOM:
+    """Out of memory: free memory, shrink the batch by *factor* (floor *min_batch_size*), retry.
+
+    The batch size comes from the failed call's context (a retried call puts it there). At the
+    floor it falls back to the CPU when *cpu_fallback* is set, else declines (exhausted).
+    Without a batch size it frees memory and retries once.
+
+    Raises:
+        ValueError: if *factor* is not in (0, 1) or *min_batch_size* < 1.
+    """
+
+    factor: float = 0.5
+    min_batch_size: int = 1
+    cpu_fallback: bool = False
+
+    def __post_init__(self) -> None:
+        _check_factor("factor", self.factor)
+        _check_count("min_batch_size", self.min_batch_size)
+
+    def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Decision | None:
+        """SHRINK_BATCH, then FALLBACK to the CPU (if enabled), for a MEMORY error."""
+        if not isinstance(incident, ErrorRaised) or incident.category is not ErrorCategory.MEMORY:
+            return None
+        size = _ctx_int(incident.context, "batch_size")
+        if size is not None:
+            new = max(self.min_batch_size, int(size * self.factor))
+            if new < size:
+                return Decision(
+                    action=RecoveryAction.SHRINK_BATCH,
+                    reason=f"out of memory at batch size {size}: retry with {new}",
+                    parameters={"batch_size": float(new), "free_memory": 1.0},
+                )
+        elif incident.attempt <= 1:
+            return Decision(
+                action=RecoveryAction.RETRY,
+                reason="out of memory: free memory and retry",
+                parameters={"free_memory": 1.0},
+            )
+        if self.cpu_fallback and incident.context.get("device", "") != "cpu":
+            return Decision(
+                action=RecoveryAction.FALLBACK,
+                reason="out of memory at the smallest batch size: fall back to the CPU",
+                parameters={"cpu": 1.0, "free_memory": 1.0},
+            )
+        return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataLoaderFallback:
+    """Data loading errors: fewer workers, then no pinned memory, then the main process.
+
+    Reads ``num_workers`` and ``pin_memory`` from the failed call's context.
+    """
+
+    def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Decision | None:
+        """The next FALLBACK step for a DATA error raised while loading."""
+        if not isinstance(incident, ErrorRaised) or incident.category is not ErrorCategory.DATA:
+            return None
+        workers = _ctx_int(incident.context, "num_workers")
+        pinned = incident.context.get("pin_memory") == "True"
+        if workers is not None and workers > 1 and incident.attempt <= 1:
+            return Decision(
+                action=RecoveryAction.FALLBACK,
+                reason=f"data loading failed with {workers} workers: retry with {workers // 2}",
+                parameters={"num_workers": float(workers // 2)},
+            )
+        if pinned:
+            return Decision(
+                action=RecoveryAction.FALLBACK,
+                reason="data loading failed: retry without pinned memory",
+                parameters={"pin_memory": 0.0},
+            )
+        if workers is not None and workers > 0:
+            return Decision(
+                action=RecoveryAction.FALLBACK,
+                reason="data loading failed: retry in the main process (num_workers=0)",
+                parameters={"num_workers": 0.0},
+            )
+        return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelLoadingFallback:
+    """Model loading errors: half precision, then the CPU, then the user's smaller factory.
+
+    Reads ``half_precision``, ``device`` and ``smaller_model`` (``"available"`` when a smaller
+    factory was given) from the failed call's context.
+    """
+
+    def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Decision | None:
+        """The next FALLBACK step for an error raised while loading a model."""
+        if (
+            not isinstance(incident, ErrorRaised)
+            or incident.context.get("operation") != "model_loading"
+        ):
+            return None
+        ctx = incident.context
+        if ctx.get("half_precision") != "True":
+            return Decision(
+                action=RecoveryAction.FALLBACK,
+                reason="model loading failed: retry in half precision",
+                parameters={"half_precision": 1.0, "free_memory": 1.0},
+            )
+        if ctx.get("device", "cpu") != "cpu":
+            return Decision(
+                action=RecoveryAction.FALLBACK,
+                reason="model loading failed: retry on the CPU",
+                parameters={"cpu": 1.0, "free_memory": 1.0},
+            )
+        if ctx.get("smaller_model") == "available":
+            return Decision(
+                action=RecoveryAction.FALLBACK,
+                reason="model loading failed: retry with the smaller model factory",
+                parameters={"smaller_model": 1.0},
+            )
+        return None

@@ -1,0 +1,431 @@
+"""Input validation and model-output checks (seed 003), reported as incidents or raised.
+
+Each check does its math on the tensor's device and moves a handful of numbers to the host in
+one transfer, whatever the tensor's size.
+
+Example::
+
+    validator = InputValidator(InputSpec(ndim=2, dtype=torch.float32, max_abs=1e3))
+    violations = validator.check(batch, publish=bus.publish_nowait, step=step)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import ClassVar, Final
+
+import torch
+
+from .events import Anomaly, Event, Severity, event_type
+from .exceptions import EventBusError
+
+__all__ = (
+    "InputSpec",
+    "InputValidationError",
+    "InputValidationFailed",
+    "InputValidator",
+    "OutputAnomalyDetected",
+    "OutputChecker",
+    "ValidationPolicy",
+    "Violation",
+    "validate_input",
+)
+
+Publish = Callable[[Event], object]
+
+_RULES: Final = ("non_finite", "range", "shape", "dtype")
+
+
+@event_type
+class InputValidationFailed(Anomaly):
+    """A batch broke a rule of its :class:`InputSpec`.
+
+    Attributes:
+        name: what was validated (``"inputs"``, a feature name...).
+        rule: ``"non_finite"``, ``"range"``, ``"shape"`` or ``"dtype"``.
+        message: the violation in words.
+        nan_count: NaN elements (``non_finite`` rule).
+        inf_count: infinite elements (``non_finite`` rule).
+        min_value: the smallest finite value seen.
+        max_value: the largest finite value seen.
+        shape: the batch's shape.
+        dtype: the batch's dtype.
+    """
+
+    kind: ClassVar[str] = "input_validation_failed"
+    severity: Severity = Severity.ERROR
+    name: str
+    rule: str
+    message: str
+    nan_count: int = 0
+    inf_count: int = 0
+    min_value: float | None = None
+    max_value: float | None = None
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+
+
+@event_type
+class OutputAnomalyDetected(Anomaly):
+    """A model's outputs look wrong: non-finite, out of the expected range, or collapsed.
+
+    Attributes:
+        name: what was checked (``"outputs"``, ``"probabilities"``...).
+        rule: ``"non_finite"``, ``"range"`` or ``"collapsed"`` (predictions nearly identical).
+        message: the anomaly in words.
+        min_value: the smallest finite output.
+        max_value: the largest finite output.
+        std: the standard deviation of the finite outputs.
+        nonfinite_count: NaN or infinite elements.
+    """
+
+    kind: ClassVar[str] = "output_anomaly_detected"
+    severity: Severity = Severity.WARNING
+    name: str
+    rule: str
+    message: str
+    min_value: float | None = None
+    max_value: float | None = None
+    std: float | None = None
+    nonfinite_count: int = 0
+
+
+class InputValidationError(EventBusError, ValueError):
+    """Raised by :class:`InputValidator` under :attr:`ValidationPolicy.RAISE` when a batch is invalid."""
+
+    def __init__(self, violations: Sequence[Violation]) -> None:
+        self.violations = tuple(violations)
+        super().__init__("; ".join(v.message for v in self.violations))
+
+
+class ValidationPolicy(Enum):
+    """What an invalid batch causes.
+
+    Attributes:
+        RAISE: publish the incidents (when a publisher is given), then raise
+            :class:`InputValidationError`.
+        REPORT: publish the incidents and return the violations; training goes on.
+    """
+
+    RAISE = "raise"
+    REPORT = "report"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InputSpec:
+    """What a valid batch looks like; ``None`` leaves a property unchecked.
+
+    Attributes:
+        ndim: the number of dimensions.
+        shape: the expected shape; ``None`` in a position matches any size (the batch axis).
+        dtype: the expected dtype.
+        min_value: the smallest allowed value.
+        max_value: the largest allowed value.
+        max_abs: the largest allowed absolute value (seed 003's "values too large" rule).
+        allow_non_finite: accept NaN and infinite values.
+    """
+
+    ndim: int | None = None
+    shape: tuple[int | None, ...] | None = None
+    dtype: torch.dtype | None = None
+    min_value: float | None = None
+    max_value: float | None = None
+    max_abs: float | None = None
+    allow_non_finite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ndim is not None and self.ndim < 0:
+            msg = f"ndim must be >= 0, got {self.ndim!r}"
+            raise ValueError(msg)
+        if (
+            self.min_value is not None
+            and self.max_value is not None
+            and self.min_value > self.max_value
+        ):
+            msg = f"min_value ({self.min_value!r}) must not exceed max_value ({self.max_value!r})"
+            raise ValueError(msg)
+        if self.max_abs is not None and self.max_abs < 0:
+            msg = f"max_abs must be >= 0, got {self.max_abs!r}"
+            raise ValueError(msg)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Violation:
+    """One broken rule: which, and the numbers behind it."""
+
+    rule: str
+    message: str
+    nan_count: int = 0
+    inf_count: int = 0
+    min_value: float | None = None
+    max_value: float | None = None
+
+
+def _stats(t: torch.Tensor) -> tuple[int, int, float | None, float | None]:
+    """(nan count, inf count, finite min, finite max) with one device-to-host transfer."""
+    if t.numel() == 0:
+        return 0, 0, None, None
+    x = t.detach()
+    if not x.is_floating_point():
+        x = x.double() if x.dtype == torch.int64 else x.float()
+    finite = torch.isfinite(x)
+    big = torch.finfo(x.dtype).max
+    lo = torch.where(finite, x, torch.full_like(x, big)).amin()
+    hi = torch.where(finite, x, torch.full_like(x, -big)).amax()
+    nan = torch.isnan(x).sum()
+    inf = torch.isinf(x).sum()
+    values = torch.stack([nan.to(x.dtype), inf.to(x.dtype), lo, hi]).tolist()
+    n_nan, n_inf = int(values[0]), int(values[1])
+    has_finite = n_nan + n_inf < t.numel()
+    return (
+        n_nan,
+        n_inf,
+        float(values[2]) if has_finite else None,
+        float(values[3]) if has_finite else None,
+    )
+
+
+def validate_input(
+    tensor: torch.Tensor, spec: InputSpec, *, name: str = "inputs"
+) -> tuple[Violation, ...]:
+    """Every rule of *spec* that *tensor* breaks (empty when it is valid); never raises for data.
+
+    Raises:
+        TypeError: if *tensor* is not a tensor.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        msg = f"{name} must be a torch.Tensor, got {type(tensor).__name__}"
+        raise TypeError(msg)
+    out: list[Violation] = []
+    shape = tuple(tensor.shape)
+    if spec.dtype is not None and tensor.dtype != spec.dtype:
+        out.append(
+            Violation(
+                rule="dtype", message=f"{name} has dtype {tensor.dtype}, expected {spec.dtype}"
+            )
+        )
+    if spec.ndim is not None and tensor.dim() != spec.ndim:
+        out.append(
+            Violation(
+                rule="shape",
+                message=f"{name} has {tensor.dim()} dimensions {shape}, expected {spec.ndim}",
+            )
+        )
+    if spec.shape is not None:
+        ok = len(shape) == len(spec.shape) and all(
+            want is None or want == got for want, got in zip(spec.shape, shape, strict=False)
+        )
+        if not ok:
+            want_s = "(" + ", ".join("*" if s is None else str(s) for s in spec.shape) + ")"
+            out.append(
+                Violation(rule="shape", message=f"{name} has shape {shape}, expected {want_s}")
+            )
+    if tensor.is_complex():
+        return tuple(out)
+    n_nan, n_inf, lo, hi = _stats(tensor)
+    if (n_nan or n_inf) and not spec.allow_non_finite:
+        out.append(
+            Violation(
+                rule="non_finite",
+                message=f"{name} contains {n_nan} NaN and {n_inf} infinite values",
+                nan_count=n_nan,
+                inf_count=n_inf,
+                min_value=lo,
+                max_value=hi,
+            )
+        )
+    if lo is not None and hi is not None:
+        problems: list[str] = []
+        if spec.min_value is not None and lo < spec.min_value:
+            problems.append(f"minimum {lo:g} < {spec.min_value:g}")
+        if spec.max_value is not None and hi > spec.max_value:
+            problems.append(f"maximum {hi:g} > {spec.max_value:g}")
+        if spec.max_abs is not None and max(abs(lo), abs(hi)) > spec.max_abs:
+            problems.append(f"largest |value| {max(abs(lo), abs(hi)):g} > {spec.max_abs:g}")
+        if problems:
+            out.append(
+                Violation(
+                    rule="range",
+                    message=f"{name} out of range: " + ", ".join(problems),
+                    min_value=lo,
+                    max_value=hi,
+                )
+            )
+    return tuple(out)
+
+
+class InputValidator:
+    """Validates batches against an :class:`InputSpec`, reporting or raising by policy.
+
+    Args:
+        spec: what a valid batch looks like.
+        policy: what an invalid batch causes.
+        name: the name used in messages and events.
+    """
+
+    def __init__(
+        self,
+        spec: InputSpec,
+        *,
+        policy: ValidationPolicy = ValidationPolicy.RAISE,
+        name: str = "inputs",
+    ) -> None:
+        if not isinstance(spec, InputSpec):
+            msg = f"spec must be an InputSpec, got {type(spec).__name__}"
+            raise TypeError(msg)
+        if not isinstance(policy, ValidationPolicy):
+            msg = f"policy must be a ValidationPolicy, got {policy!r}"
+            raise TypeError(msg)
+        self.spec = spec
+        self.policy = policy
+        self.name = name
+
+    def events(
+        self, tensor: torch.Tensor, violations: Sequence[Violation], *, step: int | None = None
+    ) -> tuple[InputValidationFailed, ...]:
+        """The incidents describing *violations* of *tensor*."""
+        return tuple(
+            InputValidationFailed(
+                step=step,
+                source="input_validator",
+                name=self.name,
+                rule=v.rule,
+                message=v.message,
+                nan_count=v.nan_count,
+                inf_count=v.inf_count,
+                min_value=v.min_value,
+                max_value=v.max_value,
+                shape=tuple(tensor.shape),
+                dtype=str(tensor.dtype).removeprefix("torch."),
+            )
+            for v in violations
+        )
+
+    def check(
+        self, tensor: torch.Tensor, *, publish: Publish | None = None, step: int | None = None
+    ) -> tuple[Violation, ...]:
+        """Validate *tensor*; publish one :class:`InputValidationFailed` per broken rule.
+
+        Returns:
+            The violations (empty when the batch is valid).
+
+        Raises:
+            InputValidationError: under :attr:`ValidationPolicy.RAISE`, when the batch is invalid.
+        """
+        violations = validate_input(tensor, self.spec, name=self.name)
+        if violations:
+            if publish is not None:
+                for ev in self.events(tensor, violations, step=step):
+                    publish(ev)
+            if self.policy is ValidationPolicy.RAISE:
+                raise InputValidationError(violations)
+        return violations
+
+
+class OutputChecker:
+    """Detects anomalous model outputs: non-finite values, out-of-range values, collapse.
+
+    Args:
+        expected_range: ``(low, high)`` outputs must stay in (e.g. ``(0, 1)`` for probabilities).
+        collapse_std: outputs whose standard deviation over the batch is below this are
+            "collapsed" (the model predicts the same thing for everything); ``None`` disables it.
+        name: the name used in events.
+    """
+
+    def __init__(
+        self,
+        *,
+        expected_range: tuple[float, float] | None = None,
+        collapse_std: float | None = 1e-6,
+        name: str = "outputs",
+    ) -> None:
+        if expected_range is not None and expected_range[0] > expected_range[1]:
+            msg = f"expected_range must be (low, high) with low <= high, got {expected_range!r}"
+            raise ValueError(msg)
+        if collapse_std is not None and collapse_std < 0:
+            msg = f"collapse_std must be >= 0, got {collapse_std!r}"
+            raise ValueError(msg)
+        self.expected_range = expected_range
+        self.collapse_std = collapse_std
+        self.name = name
+
+    def check(
+        self, outputs: torch.Tensor, *, publish: Publish | None = None, step: int | None = None
+    ) -> tuple[OutputAnomalyDetected, ...]:
+        """Check *outputs* (one device-to-host transfer) and publish an incident per anomaly.
+
+        Collapse is measured per output feature across the batch (dimension 0): a classifier
+        that gives every sample the same scores is collapsed even if its scores differ
+        between classes.
+
+        Returns:
+            The incidents (empty when the outputs look healthy).
+        """
+        x = outputs.detach().float()
+        if x.numel() == 0:
+            return ()
+        finite = torch.isfinite(x)
+        safe = torch.where(finite, x, torch.zeros_like(x))
+        big = torch.finfo(x.dtype).max
+        lo = torch.where(finite, x, torch.full_like(x, big)).amin()
+        hi = torch.where(finite, x, torch.full_like(x, -big)).amax()
+        if x.dim() >= 1 and x.shape[0] > 1:
+            spread = safe.std(dim=0).max()
+        else:
+            spread = torch.tensor(math.nan, device=x.device)
+        nonfinite = (~finite).sum().float()
+        n_bad, lo_v, hi_v, std_v = torch.stack([nonfinite, lo, hi, spread.float()]).tolist()
+        n_bad = int(n_bad)
+        has_finite = n_bad < x.numel()
+        lo_f = float(lo_v) if has_finite else None
+        hi_f = float(hi_v) if has_finite else None
+        std_f = float(std_v) if has_finite and math.isfinite(std_v) else None
+        found: list[tuple[str, str, Severity]] = []
+        if n_bad:
+            found.append(
+                (
+                    "non_finite",
+                    f"{self.name} contain {n_bad} NaN or infinite values",
+                    Severity.ERROR,
+                )
+            )
+        if self.expected_range is not None and lo_f is not None and hi_f is not None:
+            low, high = self.expected_range
+            if lo_f < low or hi_f > high:
+                found.append(
+                    (
+                        "range",
+                        f"{self.name} span [{lo_f:g}, {hi_f:g}], outside the expected [{low:g}, {high:g}]",
+                        Severity.WARNING,
+                    )
+                )
+        if self.collapse_std is not None and std_f is not None and std_f < self.collapse_std:
+            found.append(
+                (
+                    "collapsed",
+                    f"{self.name} are uniform across the batch (std {std_f:.3g} < {self.collapse_std:g})",
+                    Severity.WARNING,
+                )
+            )
+        events = tuple(
+            OutputAnomalyDetected(
+                step=step,
+                source="output_checker",
+                severity=sev,
+                name=self.name,
+                rule=rule,
+                message=msg,
+                min_value=lo_f,
+                max_value=hi_f,
+                std=std_f,
+                nonfinite_count=n_bad,
+            )
+            for rule, msg, sev in found
+        )
+        if publish is not None:
+            for ev in events:
+                publish(ev)
+        return events

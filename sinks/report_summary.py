@@ -1,0 +1,782 @@
+"""The run summary: a typed aggregate of an event stream, built live or from a log.
+
+:class:`RunAggregator` folds events one at a time into bounded state (counters, running
+statistics, downsampled series, the most recent incidents) and produces a frozen
+:class:`RunSummary`. The aggregate depends only on the events and their order, never on the
+time of aggregation, so a report rebuilt from the JSON-lines log equals the live one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from eventbus_debug import (
+    AnomalyLocalized,
+    AutogradAnomalyDetected,
+    ErrorRaised,
+    GradientExploded,
+    GradientVanished,
+    LossSpiked,
+    MemoryLeakSuspected,
+    MemorySampled,
+    NonFiniteDetected,
+    RecoveryApplied,
+    RecoveryDecided,
+    ResourceThresholdExceeded,
+    StepChecked,
+    StepSkipped,
+    SystemSampled,
+    TensorRole,
+)
+from eventbus_debug.events import (
+    Anomaly,
+    Event,
+    EventsDropped,
+    EventsUndelivered,
+    Severity,
+    SinkDisabled,
+    SinkFailed,
+    StepCompleted,
+)
+
+__all__ = (
+    "IncidentRow",
+    "Marker",
+    "MemoryStats",
+    "RunAggregator",
+    "RunSummary",
+    "SeriesPoint",
+    "SinkStats",
+    "Stat",
+    "SystemStats",
+    "describe_incident",
+    "summarize",
+    "summary_to_dict",
+)
+
+DEFAULT_MAX_POINTS: Final = 1000
+DEFAULT_MAX_INCIDENTS: Final = 500
+DEFAULT_MAX_MARKERS: Final = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    """Mean, minimum and maximum of a sampled quantity (finite samples only)."""
+
+    samples: int
+    mean: float | None
+    min: float | None
+    max: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class SeriesPoint:
+    """One point of a downsampled series: a bucket of ``stride`` consecutive steps.
+
+    Attributes:
+        step: the first step seen in the bucket.
+        mean: the mean of the bucket's finite values (``None`` when none was finite).
+        min: the smallest finite value.
+        max: the largest finite value.
+        count: how many values fell in the bucket.
+        nonfinite: how many of them were NaN or infinite.
+    """
+
+    step: int
+    mean: float | None
+    min: float | None
+    max: float | None
+    count: int
+    nonfinite: int
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    """Something to mark on the plots at a step: an anomaly or a recovery action."""
+
+    step: int
+    kind: str
+    label: str
+    recovery: bool
+
+
+@dataclass(frozen=True, slots=True)
+class IncidentRow:
+    """One incident in the report's table."""
+
+    seq: int
+    time_ns: int
+    step: int | None
+    rank: int
+    kind: str
+    severity: str
+    source: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryStats:
+    """Process (and device) memory over the run.
+
+    Attributes:
+        samples: how many ``MemorySampled`` events were seen.
+        first_rss_bytes / last_rss_bytes / peak_rss_bytes: resident set size.
+        rss_trend_bytes_per_step: the least-squares slope of RSS over steps (``None`` with fewer
+            than two distinct steps); a steadily positive trend is what a leak looks like.
+        peak_cuda_allocated_bytes / peak_cuda_reserved_bytes: device peaks, when sampled.
+        cuda_ooms: the largest out-of-memory count reported by the allocator.
+    """
+
+    samples: int
+    first_rss_bytes: int | None
+    last_rss_bytes: int | None
+    peak_rss_bytes: int | None
+    rss_trend_bytes_per_step: float | None
+    peak_cuda_allocated_bytes: int | None
+    peak_cuda_reserved_bytes: int | None
+    cuda_ooms: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class SystemStats:
+    """Host (and GPU) utilisation over the time span of the samples (the seeds' performance
+    summary)."""
+
+    samples: int
+    span_s: float
+    cpu_percent: Stat
+    memory_percent: Stat
+    disk_percent: Stat
+    gpu_utilization: Stat
+    gpu_memory_percent: Stat
+
+
+@dataclass(frozen=True, slots=True)
+class SinkStats:
+    """What the sinks reported about themselves: shed telemetry, losses at close, failures."""
+
+    dropped: Mapping[str, int]
+    undelivered: Mapping[str, int]
+    failures: Mapping[str, int]
+    disabled: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSummary:
+    """Everything the report says about a run, as typed values.
+
+    Rates are per step: ``anomaly_rate`` is the fraction of steps with at least one anomaly;
+    the other rates are incident counts divided by ``steps``.
+    """
+
+    events: int
+    counts_by_kind: Mapping[str, int]
+    counts_by_severity: Mapping[str, int]
+    ranks: tuple[int, ...]
+    started_ns: int | None
+    ended_ns: int | None
+    duration_s: float
+    steps: int
+    first_step: int | None
+    last_step: int | None
+    steps_per_s: float | None
+    anomalies: int
+    anomaly_steps: int
+    anomaly_rate: float
+    loss_anomalies: int
+    loss_anomaly_rate: float
+    gradient_explosions: int
+    gradient_explosion_rate: float
+    gradient_vanishings: int
+    gradient_vanishing_rate: float
+    non_finite: int
+    first_anomaly_step: int | None
+    last_anomaly_step: int | None
+    anomalies_by_kind: Mapping[str, int]
+    recovery_decisions: Mapping[str, int]
+    recovery_outcomes: Mapping[str, int]
+    steps_skipped: int
+    errors_by_category: Mapping[str, int]
+    memory: MemoryStats
+    system: SystemStats
+    sinks: SinkStats
+    loss: tuple[SeriesPoint, ...]
+    grad_norm: tuple[SeriesPoint, ...]
+    rss_bytes: tuple[SeriesPoint, ...]
+    cuda_allocated_bytes: tuple[SeriesPoint, ...]
+    markers: tuple[Marker, ...]
+    incidents_total: int
+    incidents: tuple[IncidentRow, ...]
+
+    def training_summary(self) -> dict[str, Any]:
+        """The seeds' ``get_training_summary()`` shape: step counts and rates, JSON-ready."""
+        return {
+            "total_steps": self.steps,
+            "anomaly_steps": self.anomaly_steps,
+            "gradient_explosions": self.gradient_explosions,
+            "gradient_vanishing": self.gradient_vanishings,
+            "loss_anomalies": self.loss_anomalies,
+            "anomaly_rate": self.anomaly_rate,
+            "loss_anomaly_rate": self.loss_anomaly_rate,
+            "gradient_explosion_rate": self.gradient_explosion_rate,
+            "gradient_vanishing_rate": self.gradient_vanishing_rate,
+            "first_anomaly_step": self.first_anomaly_step,
+            "last_anomaly_step": self.last_anomaly_step,
+        }
+
+
+def summary_to_dict(summary: RunSummary, /) -> dict[str, Any]:
+    """A JSON-ready mapping of *summary* (non-finite floats written as ``"NaN"``/``"Infinity"``)."""
+    result: dict[str, Any] = _jsonable(dataclasses.asdict(summary))
+    return result
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        if math.isinf(value):
+            return "Infinity" if value > 0 else "-Infinity"
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class _RunningStat:
+    __slots__ = ("max", "min", "n", "total")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.total = 0.0
+        self.min: float | None = None
+        self.max: float | None = None
+
+    def add(self, value: float | None) -> None:
+        if value is None or not math.isfinite(value):
+            return
+        self.n += 1
+        self.total += value
+        self.min = value if self.min is None else min(self.min, value)
+        self.max = value if self.max is None else max(self.max, value)
+
+    def freeze(self) -> Stat:
+        return Stat(self.n, self.total / self.n if self.n else None, self.min, self.max)
+
+
+class _Bucket:
+    __slots__ = ("count", "index", "max", "min", "nonfinite", "step", "total")
+
+    def __init__(self, index: int, step: int) -> None:
+        self.index = index
+        self.step = step
+        self.count = 0
+        self.nonfinite = 0
+        self.total = 0.0
+        self.min: float | None = None
+        self.max: float | None = None
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        if not math.isfinite(value):
+            self.nonfinite += 1
+            return
+        self.total += value
+        self.min = value if self.min is None else min(self.min, value)
+        self.max = value if self.max is None else max(self.max, value)
+
+    def merge(self, other: _Bucket) -> None:
+        self.step = min(self.step, other.step)
+        self.count += other.count
+        self.nonfinite += other.nonfinite
+        self.total += other.total
+        for v in (other.min, other.max):
+            if v is not None:
+                self.min = v if self.min is None else min(self.min, v)
+                self.max = v if self.max is None else max(self.max, v)
+
+    def freeze(self) -> SeriesPoint:
+        finite = self.count - self.nonfinite
+        mean = self.total / finite if finite else None
+        return SeriesPoint(self.step, mean, self.min, self.max, self.count, self.nonfinite)
+
+
+class _Series:
+    """A series over steps in at most *max_points* buckets; the stride doubles when full."""
+
+    __slots__ = ("buckets", "max_points", "stride")
+
+    def __init__(self, max_points: int) -> None:
+        self.max_points = max_points
+        self.stride = 1
+        self.buckets: list[_Bucket] = []
+
+    def add(self, step: int, value: float) -> None:
+        index = step // self.stride
+        buckets = self.buckets
+        if buckets and buckets[-1].index == index:
+            buckets[-1].add(value)
+            return
+        if buckets and index < buckets[-1].index:
+            # Out-of-order step (a restored checkpoint replays steps): find its bucket.
+            for b in reversed(buckets):
+                if b.index == index:
+                    b.add(value)
+                    return
+        bucket = _Bucket(index, step)
+        bucket.add(value)
+        buckets.append(bucket)
+        if len(buckets) > 1 and buckets[-2].index > index:
+            buckets.sort(key=lambda b: b.index)
+        if len(buckets) > self.max_points:
+            self._halve()
+
+    def _halve(self) -> None:
+        self.stride *= 2
+        merged: list[_Bucket] = []
+        for b in self.buckets:
+            b.index //= 2
+            if merged and merged[-1].index == b.index:
+                merged[-1].merge(b)
+            else:
+                merged.append(b)
+        self.buckets = merged
+
+    def freeze(self) -> tuple[SeriesPoint, ...]:
+        return tuple(b.freeze() for b in self.buckets)
+
+
+class _Trend:
+    """Online least-squares slope of y over x."""
+
+    __slots__ = ("n", "sx", "sxx", "sxy", "sy")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        self.n += 1
+        self.sx += x
+        self.sy += y
+        self.sxx += x * x
+        self.sxy += x * y
+
+    def slope(self) -> float | None:
+        if self.n < 2:
+            return None
+        den = self.n * self.sxx - self.sx * self.sx
+        if den <= 0:
+            return None
+        return (self.n * self.sxy - self.sx * self.sy) / den
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}"
+
+
+def describe_incident(event: Event) -> str:
+    """A one-line description of an incident for the report table and the command line."""
+    match event:
+        case NonFiniteDetected():
+            names = ", ".join(event.names[:3]) + ("..." if len(event.names) > 3 else "")
+            counts = []
+            if event.nan_count:
+                counts.append(f"{event.nan_count} NaN")
+            if event.inf_count:
+                counts.append(f"{event.inf_count} Inf")
+            extra = f" ({', '.join(counts)})" if counts else ""
+            return f"non-finite {event.role.value}: {names or '?'}{extra}"
+        case GradientExploded():
+            top = f"; largest {event.top[0][0]}={_fmt(event.top[0][1])}" if event.top else ""
+            return f"gradient norm {_fmt(event.total_norm)} > {_fmt(event.threshold)}{top}"
+        case GradientVanished():
+            layers = f" in {len(event.layers)} layer(s)" if event.layers else ""
+            zero = " (all zero)" if event.all_zero else ""
+            return f"mean |grad| {_fmt(event.mean_abs)} < {_fmt(event.threshold)}{layers}{zero}"
+        case LossSpiked():
+            return (
+                f"loss {_fmt(event.loss)} = {_fmt(event.ratio)}x running mean "
+                f"{_fmt(event.running_mean)} ({event.rule})"
+            )
+        case AnomalyLocalized():
+            return (
+                f"first non-finite {event.role.value} in {event.module or '<root>'} ({event.phase})"
+            )
+        case AutogradAnomalyDetected():
+            return f"autograd anomaly in {event.backward_fn}: {event.message[:120]}"
+        case MemoryLeakSuspected():
+            return f"{event.resource} grows {_fmt(event.slope)}/sample over {event.window}: {event.retained}"
+        case ResourceThresholdExceeded():
+            return f"{event.metric} {_fmt(event.value)} > {_fmt(event.threshold)}"
+        case ErrorRaised():
+            return (
+                f"{event.category.value} error {event.error_type} (attempt {event.attempt}): "
+                f"{event.message[:160]}"
+            )
+        case RecoveryDecided():
+            return f"decided {event.action.value} for {event.trigger_kind}: {event.reason[:160]}"
+        case RecoveryApplied():
+            return f"{event.action.value} {event.outcome}: {event.detail[:160]}"
+        case StepSkipped():
+            return f"step skipped: {event.reason[:160]}"
+        case SinkFailed():
+            return f"sink {event.sink} failed on {event.event_kind}: {event.error_type}: {event.message[:120]}"
+        case SinkDisabled():
+            return f"sink {event.sink} disabled: {event.reason[:160]}"
+        case EventsDropped():
+            return f"sink {event.sink} shed {event.dropped} telemetry event(s) ({event.total_dropped} total)"
+        case EventsUndelivered():
+            return f"sink {event.sink} lost {event.undelivered} event(s) at {event.phase}"
+    message = getattr(event, "message", None)
+    if isinstance(message, str) and message:
+        return message[:200]
+    reason = getattr(event, "reason", None)
+    if isinstance(reason, str) and reason:
+        return reason[:200]
+    return event.kind
+
+
+class RunAggregator:
+    """Folds events into the state behind a :class:`RunSummary`; memory stays bounded.
+
+    Args:
+        max_points: the most points each plotted series keeps (older buckets merge).
+        max_incidents: the most recent incidents kept for the table (all are counted).
+        max_markers: the most plot markers kept (the earliest are kept).
+
+    Raises:
+        ValueError: if a bound is smaller than 2.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_points: int = DEFAULT_MAX_POINTS,
+        max_incidents: int = DEFAULT_MAX_INCIDENTS,
+        max_markers: int = DEFAULT_MAX_MARKERS,
+    ) -> None:
+        for name, value in (
+            ("max_points", max_points),
+            ("max_incidents", max_incidents),
+            ("max_markers", max_markers),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+                msg = f"{name} must be an integer >= 2, got {value!r}"
+                raise ValueError(msg)
+        self._max_points = max_points
+        self._max_incidents = max_incidents
+        self._max_markers = max_markers
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget everything aggregated so far."""
+        self._events = 0
+        self._by_kind: dict[str, int] = {}
+        self._by_severity: dict[str, int] = {}
+        self._ranks: set[int] = set()
+        self._first_ns: int | None = None
+        self._last_ns: int | None = None
+        self._completed = 0
+        self._checked = 0
+        self._first_step: int | None = None
+        self._last_step: int | None = None
+        self._anomalies = 0
+        self._anomaly_steps: set[tuple[int, int]] = set()
+        self._anomalies_by_kind: dict[str, int] = {}
+        self._loss_anomalies = 0
+        self._explosions = 0
+        self._vanishings = 0
+        self._non_finite = 0
+        self._first_anomaly: int | None = None
+        self._last_anomaly: int | None = None
+        self._decisions: dict[str, int] = {}
+        self._outcomes: dict[str, int] = {}
+        self._skipped = 0
+        self._errors: dict[str, int] = {}
+        self._mem_samples = 0
+        self._rss_first: int | None = None
+        self._rss_last: int | None = None
+        self._rss_peak: int | None = None
+        self._rss_trend = _Trend()
+        self._cuda_peak: int | None = None
+        self._cuda_reserved_peak: int | None = None
+        self._cuda_ooms: int | None = None
+        self._sys_samples = 0
+        self._sys_first_ns: int | None = None
+        self._sys_last_ns: int | None = None
+        self._cpu = _RunningStat()
+        self._mem_pct = _RunningStat()
+        self._disk = _RunningStat()
+        self._gpu_util = _RunningStat()
+        self._gpu_mem = _RunningStat()
+        self._dropped: dict[str, int] = {}
+        self._undelivered: dict[str, int] = {}
+        self._failures: dict[str, int] = {}
+        self._disabled: list[str] = []
+        self._loss_checked = _Series(self._max_points)
+        self._loss_completed = _Series(self._max_points)
+        self._grad = _Series(self._max_points)
+        self._rss = _Series(self._max_points)
+        self._cuda = _Series(self._max_points)
+        self._markers: list[Marker] = []
+        self._incidents_total = 0
+        self._incidents: deque[IncidentRow] = deque(maxlen=self._max_incidents)
+
+    def add_all(self, events: Iterable[Event], /) -> None:
+        """Fold every event of *events*, in order."""
+        for event in events:
+            self.add(event)
+
+    def add(self, event: Event, /) -> None:
+        """Fold one event."""
+        self._events += 1
+        kind = event.kind
+        self._by_kind[kind] = self._by_kind.get(kind, 0) + 1
+        sev = event.severity.value
+        self._by_severity[sev] = self._by_severity.get(sev, 0) + 1
+        self._ranks.add(event.rank)
+        t = event.time_ns
+        if self._first_ns is None or t < self._first_ns:
+            self._first_ns = t
+        if self._last_ns is None or t > self._last_ns:
+            self._last_ns = t
+        step = event.step
+        if step is not None:
+            if self._first_step is None or step < self._first_step:
+                self._first_step = step
+            if self._last_step is None or step > self._last_step:
+                self._last_step = step
+
+        if isinstance(event, StepChecked):
+            self._checked += 1
+            if step is not None:
+                if event.loss is not None:
+                    self._loss_checked.add(step, event.loss)
+                if event.grad_norm is not None:
+                    self._grad.add(step, event.grad_norm)
+            return
+        if isinstance(event, StepCompleted):
+            self._completed += 1
+            if step is not None and event.loss is not None:
+                self._loss_completed.add(step, event.loss)
+            return
+        if isinstance(event, MemorySampled):
+            self._add_memory(event)
+            return
+        if isinstance(event, SystemSampled):
+            self._add_system(event)
+            return
+        if not event.is_incident:
+            return
+
+        self._incidents_total += 1
+        self._incidents.append(
+            IncidentRow(
+                seq=event.seq,
+                time_ns=event.time_ns,
+                step=step,
+                rank=event.rank,
+                kind=kind,
+                severity=sev,
+                source=event.source,
+                message=describe_incident(event),
+            )
+        )
+        if isinstance(event, Anomaly):
+            self._add_anomaly(event)
+        elif isinstance(event, RecoveryDecided):
+            action = event.action.value
+            self._decisions[action] = self._decisions.get(action, 0) + 1
+            self._mark(event, action, recovery=True)
+        elif isinstance(event, RecoveryApplied):
+            key = f"{event.action.value}:{event.outcome}"
+            self._outcomes[key] = self._outcomes.get(key, 0) + 1
+        elif isinstance(event, StepSkipped):
+            self._skipped += 1
+            self._mark(event, "skip", recovery=True)
+        elif isinstance(event, EventsDropped):
+            self._dropped[event.sink] = self._dropped.get(event.sink, 0) + event.dropped
+        elif isinstance(event, EventsUndelivered):
+            self._undelivered[event.sink] = self._undelivered.get(event.sink, 0) + event.undelivered
+        elif isinstance(event, SinkFailed):
+            self._failures[event.sink] = self._failures.get(event.sink, 0) + 1
+        elif isinstance(event, SinkDisabled):
+            if event.sink not in self._disabled:
+                self._disabled.append(event.sink)
+
+    def _add_anomaly(self, event: Anomaly) -> None:
+        self._anomalies += 1
+        kind = event.kind
+        self._anomalies_by_kind[kind] = self._anomalies_by_kind.get(kind, 0) + 1
+        step = event.step
+        if step is not None:
+            self._anomaly_steps.add((event.rank, step))
+            if self._first_anomaly is None or step < self._first_anomaly:
+                self._first_anomaly = step
+            if self._last_anomaly is None or step > self._last_anomaly:
+                self._last_anomaly = step
+        if isinstance(event, LossSpiked):
+            self._loss_anomalies += 1
+        elif isinstance(event, NonFiniteDetected):
+            self._non_finite += 1
+            if event.role is TensorRole.LOSS:
+                self._loss_anomalies += 1
+        elif isinstance(event, GradientExploded):
+            self._explosions += 1
+        elif isinstance(event, GradientVanished):
+            self._vanishings += 1
+        elif isinstance(event, ErrorRaised):
+            cat = event.category.value
+            self._errors[cat] = self._errors.get(cat, 0) + 1
+        self._mark(event, kind, recovery=False)
+
+    def _mark(self, event: Event, label: str, *, recovery: bool) -> None:
+        step = event.step if event.step is not None else self._last_step
+        if step is None or len(self._markers) >= self._max_markers:
+            return
+        self._markers.append(Marker(step=step, kind=event.kind, label=label, recovery=recovery))
+
+    def _add_memory(self, event: MemorySampled) -> None:
+        self._mem_samples += 1
+        rss = event.rss_bytes
+        if self._rss_first is None:
+            self._rss_first = rss
+        self._rss_last = rss
+        self._rss_peak = rss if self._rss_peak is None else max(self._rss_peak, rss)
+        step = event.step if event.step is not None else self._last_step
+        if step is not None:
+            self._rss_trend.add(float(step), float(rss))
+            self._rss.add(step, float(rss))
+            if event.cuda_allocated is not None:
+                self._cuda.add(step, float(event.cuda_allocated))
+        for attr, value in (
+            (
+                "_cuda_peak",
+                event.cuda_peak if event.cuda_peak is not None else event.cuda_allocated,
+            ),
+            ("_cuda_reserved_peak", event.cuda_reserved),
+            ("_cuda_ooms", event.cuda_ooms),
+        ):
+            if value is not None:
+                current = getattr(self, attr)
+                setattr(self, attr, value if current is None else max(current, value))
+
+    def _add_system(self, event: SystemSampled) -> None:
+        self._sys_samples += 1
+        t = event.time_ns
+        if self._sys_first_ns is None or t < self._sys_first_ns:
+            self._sys_first_ns = t
+        if self._sys_last_ns is None or t > self._sys_last_ns:
+            self._sys_last_ns = t
+        self._cpu.add(event.cpu_percent)
+        self._mem_pct.add(event.memory_percent)
+        self._disk.add(event.disk_percent)
+        self._gpu_util.add(event.gpu_utilization)
+        self._gpu_mem.add(event.gpu_memory_percent)
+
+    def summary(self) -> RunSummary:
+        """The typed summary of everything folded so far."""
+        steps = self._completed or self._checked
+        if not steps and self._first_step is not None and self._last_step is not None:
+            steps = self._last_step - self._first_step + 1
+        duration = (
+            (self._last_ns - self._first_ns) / 1e9
+            if self._first_ns is not None and self._last_ns is not None
+            else 0.0
+        )
+
+        def rate(n: int) -> float:
+            return n / steps if steps else 0.0
+
+        loss = self._loss_checked if self._loss_checked.buckets else self._loss_completed
+        sys_span = (
+            (self._sys_last_ns - self._sys_first_ns) / 1e9
+            if self._sys_first_ns is not None and self._sys_last_ns is not None
+            else 0.0
+        )
+        return RunSummary(
+            events=self._events,
+            counts_by_kind=dict(sorted(self._by_kind.items())),
+            counts_by_severity={
+                s.value: self._by_severity[s.value]
+                for s in Severity
+                if s.value in self._by_severity
+            },
+            ranks=tuple(sorted(self._ranks)),
+            started_ns=self._first_ns,
+            ended_ns=self._last_ns,
+            duration_s=duration,
+            steps=steps,
+            first_step=self._first_step,
+            last_step=self._last_step,
+            steps_per_s=steps / duration if duration > 0 and steps else None,
+            anomalies=self._anomalies,
+            anomaly_steps=len(self._anomaly_steps),
+            anomaly_rate=rate(len(self._anomaly_steps)),
+            loss_anomalies=self._loss_anomalies,
+            loss_anomaly_rate=rate(self._loss_anomalies),
+            gradient_explosions=self._explosions,
+            gradient_explosion_rate=rate(self._explosions),
+            gradient_vanishings=self._vanishings,
+            gradient_vanishing_rate=rate(self._vanishings),
+            non_finite=self._non_finite,
+            first_anomaly_step=self._first_anomaly,
+            last_anomaly_step=self._last_anomaly,
+            anomalies_by_kind=dict(sorted(self._anomalies_by_kind.items())),
+            recovery_decisions=dict(sorted(self._decisions.items())),
+            recovery_outcomes=dict(sorted(self._outcomes.items())),
+            steps_skipped=self._skipped,
+            errors_by_category=dict(sorted(self._errors.items())),
+            memory=MemoryStats(
+                samples=self._mem_samples,
+                first_rss_bytes=self._rss_first,
+                last_rss_bytes=self._rss_last,
+                peak_rss_bytes=self._rss_peak,
+                rss_trend_bytes_per_step=self._rss_trend.slope(),
+                peak_cuda_allocated_bytes=self._cuda_peak,
+                peak_cuda_reserved_bytes=self._cuda_reserved_peak,
+                cuda_ooms=self._cuda_ooms,
+            ),
+            system=SystemStats(
+                samples=self._sys_samples,
+                span_s=sys_span,
+                cpu_percent=self._cpu.freeze(),
+                memory_percent=self._mem_pct.freeze(),
+                disk_percent=self._disk.freeze(),
+                gpu_utilization=self._gpu_util.freeze(),
+                gpu_memory_percent=self._gpu_mem.freeze(),
+            ),
+            sinks=SinkStats(
+                dropped=dict(sorted(self._dropped.items())),
+                undelivered=dict(sorted(self._undelivered.items())),
+                failures=dict(sorted(self._failures.items())),
+                disabled=tuple(self._disabled),
+            ),
+            loss=loss.freeze(),
+            grad_norm=self._grad.freeze(),
+            rss_bytes=self._rss.freeze(),
+            cuda_allocated_bytes=self._cuda.freeze(),
+            markers=tuple(self._markers),
+            incidents_total=self._incidents_total,
+            incidents=tuple(self._incidents),
+        )
+
+
+def summarize(events: Iterable[Event], /, **options: int) -> RunSummary:
+    """Aggregate *events* (e.g. ``read_events(log_dir)``) into a :class:`RunSummary`.
+
+    *options* are those of :class:`RunAggregator`.
+    """
+    aggregator = RunAggregator(**options)
+    aggregator.add_all(events)
+    return aggregator.summary()

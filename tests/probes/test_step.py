@@ -1,0 +1,288 @@
+from __future__ import annotations
+
+import math
+
+import anyio
+import pytest
+import torch
+from torch import nn
+
+from eventbus_debug import (
+    Cadence,
+    DebugLevel,
+    EventBus,
+    GradientExploded,
+    GradientVanished,
+    LossSpiked,
+    NonFiniteDetected,
+    StepChecked,
+    StepProbe,
+    TensorRole,
+    Thresholds,
+)
+from eventbus_debug.testing import capture_events
+
+from .conftest import batch, make_mlp
+
+
+def mse_step(model: nn.Module, seed: int) -> torch.Tensor:
+    x, y = batch(seed)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return loss
+
+
+class TestHealthyTraining:
+    async def test_clean_steps_publish_telemetry_only(self, bus: EventBus, mlp: nn.Sequential) -> None:
+        """A healthy loop publishes one StepChecked per step with the exact total norm."""
+        probe = StepProbe(mlp, bus)
+        opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
+        with anyio.fail_after(10):
+            async with capture_events(bus) as events:
+                for step in range(5):
+                    loss = mse_step(mlp, step)
+                    expected = torch.nn.utils.get_total_norm([p.grad for p in mlp.parameters()])
+                    verdict = await probe.check_step(step, loss=loss)
+                    assert verdict.ok and verdict.finite
+                    assert verdict.grad_norm == pytest.approx(expected.item(), rel=1e-5)
+                    assert verdict.loss == pytest.approx(loss.item())
+                    opt.step()
+                    opt.zero_grad()
+        assert [type(e) for e in events] == [StepChecked] * 5
+        assert [e.step for e in events] == list(range(5))
+        assert events[0].param_norm is not None and events[1].param_norm is None  # every 10
+
+
+class TestNonFinite:
+    async def test_nan_gradient_from_sqrt_at_zero_is_named(self, bus: EventBus, mlp: nn.Sequential) -> None:
+        """sqrt at 0 in the forward makes 0.weight's gradient NaN: named, counted, not the loss."""
+        probe = StepProbe(mlp, bus)
+        x, y = batch(0)
+        loss = nn.functional.mse_loss(mlp(x), y) + torch.sqrt(mlp[0].weight[0, 0] * 0).sum()
+        loss.backward()
+        async with capture_events(bus, NonFiniteDetected) as events:
+            verdict = await probe.check_step(7, loss=loss)
+        assert not verdict.finite and verdict.fired == ("non_finite_detected",)
+        (event,) = events
+        assert isinstance(event, NonFiniteDetected)
+        assert event.step == 7 and event.role is TensorRole.GRADIENT
+        assert event.names == ("0.weight",) and event.nan_count == 1 and event.inf_count == 0
+
+    async def test_log_zero_loss_is_reported_as_loss(self, bus: EventBus, mlp: nn.Sequential) -> None:
+        """log(0) in the loss: the loss itself is reported, with its NaN/Inf count."""
+        probe = StepProbe(mlp, bus)
+        x, _ = batch(1)
+        loss = torch.log(mlp(x).sum() * 0)
+        loss.backward()
+        async with capture_events(bus, NonFiniteDetected) as events:
+            verdict = await probe.check_step(3, loss=loss)
+        roles = {e.role for e in events if isinstance(e, NonFiniteDetected)}
+        assert TensorRole.LOSS in roles and not verdict.finite
+        loss_event = next(e for e in events if isinstance(e, NonFiniteDetected) and e.role is TensorRole.LOSS)
+        assert loss_event.inf_count == 1 and loss_event.names == ("loss",)
+
+    async def test_inf_parameter_found_on_parameter_steps(self, bus: EventBus, mlp: nn.Sequential) -> None:
+        """An Inf written into a parameter is reported with role PARAMETER and its name."""
+        probe = StepProbe(mlp, bus, cadence=Cadence(param_every=2))
+        with torch.no_grad():
+            mlp[2].bias[0] = math.inf
+        async with capture_events(bus, NonFiniteDetected) as events:
+            await probe.check_step(2)
+        (event,) = [e for e in events if isinstance(e, NonFiniteDetected)]
+        assert event.role is TensorRole.PARAMETER and event.names == ("2.bias",)
+
+    async def test_fp16_overflow(self, bus: EventBus) -> None:
+        """fp16 activations overflow to Inf; the loss and gradients are reported non-finite."""
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4).half()
+        x = torch.full((2, 4), 60000.0, dtype=torch.float16)
+        loss = model(x).float().pow(2).sum()
+        loss.backward()
+        probe = StepProbe(model, bus)
+        verdict = await probe.check_step(0, loss=loss)
+        assert not verdict.finite and "non_finite_detected" in verdict.fired
+
+
+class TestExplosionAndVanishing:
+    async def test_too_high_learning_rate_explodes_after_warmup(self, bus: EventBus) -> None:
+        """After a warm-up at a sane LR, LR=3 diverges and the 10x-warm-up rule fires."""
+        model = make_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        probe = StepProbe(model, bus, thresholds=Thresholds(explosion_warmup=5))
+        async with capture_events(bus, GradientExploded) as events:
+            for step in range(30):
+                if step == 5:
+                    opt.param_groups[0]["lr"] = 3.0
+                verdict = await probe.check_step(step, loss=mse_step(model, 0))
+                opt.step()
+                opt.zero_grad()
+                if events or not verdict.finite:
+                    break
+        assert events, "divergence was not reported"
+        first = events[0]
+        assert isinstance(first, GradientExploded) and first.step is not None and first.step > 5
+        assert first.total_norm > first.threshold
+        assert first.top and first.top[0][1] == max(n for _, n in first.top)
+
+    async def test_fixed_cap(self, bus: EventBus, mlp: nn.Sequential) -> None:
+        """A fixed cap fires from the first step, naming the largest gradients first."""
+        probe = StepProbe(mlp, bus, thresholds=Thresholds(explosion=1e-3, top_k=2))
+        verdict = await probe.check_step(0, loss=mse_step(mlp, 0))
+        assert verdict.fired == ("gradient_exploded",)
+
+    async def test_dead_layer_from_zero_init_vanishes(self, bus: EventBus) -> None:
+        """Zero-initialised first layer + ReLU: no gradient reaches it; the dead layers are named."""
+        model = make_mlp()
+        with torch.no_grad():
+            model[0].weight.zero_()
+            model[0].bias.fill_(-1.0)
+        probe = StepProbe(model, bus)
+        async with capture_events(bus, GradientVanished) as events:
+            await probe.check_step(0, loss=mse_step(model, 0))
+        (event,) = events
+        assert isinstance(event, GradientVanished)
+        assert {"0.weight", "0.bias", "2.weight"} <= set(event.layers)
+        assert not event.all_zero  # 2.bias still learns
+
+    async def test_all_zero_gradients(self, bus: EventBus, mlp: nn.Sequential) -> None:
+        """A loss that does not depend on the output: every gradient is zero."""
+        probe = StepProbe(mlp, bus)
+        x, _ = batch(0)
+        (mlp(x).sum() * 0).backward()
+        async with capture_events(bus, GradientVanished) as events:
+            await probe.check_step(0)
+        assert isinstance(events[0], GradientVanished) and events[0].all_zero
+        assert events[0].mean_abs == 0.0
+
+
+class TestLossSpike:
+    async def test_deviation_and_sustained_rules(self, bus: EventBus, mlp: nn.Sequential) -> None:
+        """A 5x jump fires 'deviation'; five consecutive 2.5x losses fire 'sustained'."""
+        probe = StepProbe(mlp, bus, cadence=Cadence(grad_every=1000, param_every=1000))
+        losses = [1.0] * 10 + [5.0] + [1.0] * 2 + [2.5] * 5
+        async with capture_events(bus, LossSpiked) as events:
+            for step, value in enumerate(losses):
+                await probe.check_step(step, loss=value)
+        spikes = [e for e in events if isinstance(e, LossSpiked)]
+        assert [(e.step, e.rule) for e in spikes] == [(10, "deviation"), (17, "sustained")]
+        assert spikes[0].running_mean == pytest.approx(1.0) and spikes[0].ratio == pytest.approx(5.0)
+
+
+class TestModes:
+    async def test_deferred_gives_the_same_verdicts_one_step_late(self, bus: EventBus) -> None:
+        """Deferred mode returns step N's verdict at step N+1, equal to the immediate one."""
+        a, b = make_mlp(), make_mlp()
+        now, late = StepProbe(a, bus), StepProbe(b, bus, deferred=True)
+        immediate, deferred = [], []
+        for step in range(4):
+            la, lb = mse_step(a, step), mse_step(b, step)
+            if step == 2:
+                with torch.no_grad():
+                    a[0].weight.grad[0, 0] = math.nan
+                    b[0].weight.grad[0, 0] = math.nan
+            immediate.append(await now.check_step(step, loss=la))
+            deferred.append(await late.check_step(step, loss=lb))
+            a.zero_grad()
+            b.zero_grad()
+        deferred.append(await late.flush())
+        assert not deferred[0].checked
+        for x, y in zip(immediate, deferred[1:], strict=True):
+            assert y is not None and y.deferred and x.step == y.step
+            assert (x.finite, x.fired, x.grad_norm) == (y.finite, y.fired, y.grad_norm) or (
+                math.isnan(x.grad_norm or 0.0) and not y.finite and x.fired == y.fired
+            )
+        assert not immediate[2].finite
+
+    async def test_levels_change_between_steps(self, bus: EventBus, mlp: nn.Sequential) -> None:
+        """OFF checks nothing; ADVANCED adds per-layer norms and update ratios; EXTREME dead units."""
+        probe = StepProbe(mlp, bus, level=DebugLevel.OFF)
+        opt = torch.optim.SGD(mlp.parameters(), lr=0.1)
+        async with capture_events(bus, StepChecked) as events:
+            v0 = await probe.check_step(0, loss=mse_step(mlp, 0))
+            opt.zero_grad()
+            probe.level = DebugLevel.ADVANCED
+            await probe.check_step(10, loss=mse_step(mlp, 1))  # update ratio snapshot taken
+            opt.step()
+            opt.zero_grad()
+            await probe.check_step(11, loss=mse_step(mlp, 2))
+            opt.zero_grad()
+            probe.level = DebugLevel.EXTREME
+            await probe.check_step(12, loss=mse_step(mlp, 3))
+            probe.level = DebugLevel.BASIC
+        assert not v0.checked
+        checked = [e for e in events if isinstance(e, StepChecked)]
+        assert [e.step for e in checked] == [10, 11, 12]
+        assert set(checked[0].layer_grad_norms) == set(probe.parameter_names)
+        ratios = checked[1].update_ratios
+        assert set(ratios) == set(probe.parameter_names) and all(r > 0 for r in ratios.values())
+        assert set(checked[2].dead_fractions) == {"1"} and 0.0 <= checked[2].dead_fractions["1"] <= 1.0
+        assert not probe._act_handles  # BASIC removed the EXTREME hooks
+
+
+class TestModelShapes:
+    async def test_tied_frozen_sparse_and_mixed_dtypes(self, bus: EventBus) -> None:
+        """Tied weights once, frozen/unused params skipped, sparse and fp64 grads included."""
+
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.emb = nn.Embedding(10, 4, sparse=True)
+                self.out = nn.Linear(4, 10, bias=False)
+                self.out.weight = nn.Parameter(torch.randn(10, 4))
+                self.tied = self.out  # the same module twice: its weight counted once
+                self.frozen = nn.Linear(4, 4)
+                self.frozen.requires_grad_(False)
+                self.unused = nn.Linear(4, 4)
+                self.extra = nn.Parameter(torch.randn(3, dtype=torch.float64))
+
+            def forward(self, idx: torch.Tensor) -> torch.Tensor:
+                return self.tied(self.frozen(self.emb(idx))).sum() + self.extra.sum().float()
+
+        torch.manual_seed(0)
+        model = Net()
+        loss = model(torch.tensor([1, 2, 2]))
+        loss.backward()
+        probe = StepProbe(model, bus)
+        names = probe.parameter_names
+        assert names.count("out.weight") == 1 and "tied.weight" not in names
+        verdict = await probe.check_step(0, loss=loss)
+        grads = [model.emb.weight.grad.to_dense(), model.out.weight.grad, model.extra.grad]
+        expected = math.sqrt(sum(g.double().pow(2).sum().item() for g in grads))
+        assert verdict.grad_norm == pytest.approx(expected, rel=1e-5) and verdict.finite
+
+    async def test_model_without_parameters(self, bus: EventBus) -> None:
+        """A parameterless model checks only its loss."""
+        probe = StepProbe(nn.ReLU(), bus)
+        verdict = await probe.check_step(0, loss=torch.tensor(0.5))
+        assert verdict.checked and verdict.grad_norm is None and verdict.loss == 0.5
+
+
+class TestBadInput:
+    @pytest.mark.parametrize(
+        ("step", "loss", "error", "match"),
+        [
+            ("1", None, TypeError, "step must be an int"),
+            (True, None, TypeError, "step must be an int"),
+            (-1, None, ValueError, "step must be >= 0"),
+            (0, torch.ones(3), ValueError, "scalar tensor"),
+            (0, "0.5", TypeError, "loss must be"),
+        ],
+    )
+    async def test_rejected(self, mlp: nn.Sequential, step: object, loss: object, error: type[Exception], match: str) -> None:
+        """Bad steps and losses raise with a message naming what was wrong."""
+        probe = StepProbe(mlp)
+        with pytest.raises(error, match=match):
+            await probe.check_step(step, loss=loss)  # type: ignore[arg-type]
+
+    def test_bad_constructor_arguments(self, mlp: nn.Sequential) -> None:
+        """A non-module, a non-bus and bad thresholds are rejected at construction."""
+        with pytest.raises(TypeError, match="model must be"):
+            StepProbe("model")  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="bus must be"):
+            StepProbe(mlp, object())  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="vanishing must be"):
+            Thresholds(vanishing=-1.0)
+        with pytest.raises(ValueError, match="param_every must be"):
+            Cadence(param_every=0)
+        with pytest.raises(TypeError, match="level must be"):
+            StepProbe(mlp).level = "basic"  # type: ignore[assignment]

@@ -1,0 +1,116 @@
+"""The public surface: tuple ``__all__`` everywhere, complete and accurate; sinks use it only."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import eventbus_debug
+import sinks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _public_modules() -> list[str]:
+    names = ["eventbus_debug", "sinks"]
+    for pkg in (eventbus_debug, sinks):
+        for info in pkgutil.walk_packages(pkg.__path__, prefix=f"{pkg.__name__}."):
+            if not any(part.startswith("_") for part in info.name.split(".")):
+                names.append(info.name)
+    return sorted(names)
+
+
+PUBLIC_MODULES = _public_modules()
+
+
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_all_is_a_complete_accurate_tuple(name: str) -> None:
+    """``__all__`` is a tuple without duplicates; every name exists; nothing public is missing."""
+    module = importlib.import_module(name)
+    exported = getattr(module, "__all__", None)
+    assert isinstance(exported, tuple), f"{name}.__all__ must be a tuple, got {type(exported)}"
+    assert len(set(exported)) == len(exported), f"{name}.__all__ has duplicates"
+    missing = [n for n in exported if not hasattr(module, n)]
+    assert not missing, f"{name}.__all__ lists names it does not define: {missing}"
+    unlisted = [
+        attr
+        for attr, obj in vars(module).items()
+        if not attr.startswith("_")
+        and (inspect.isclass(obj) or inspect.isfunction(obj))
+        and getattr(obj, "__module__", None) == name
+        and attr not in exported
+    ]
+    assert not unlisted, f"{name} defines public names missing from __all__: {unlisted}"
+
+
+def test_top_level_reexports_subpackages() -> None:
+    """Everything the feature subpackages export is importable from eventbus_debug."""
+    for sub in ("probes", "recovery", "session"):
+        module: ModuleType = importlib.import_module(f"eventbus_debug.{sub}")
+        for n in module.__all__:
+            assert getattr(eventbus_debug, n) is getattr(module, n), n
+            assert n in eventbus_debug.__all__, n
+
+
+def _violations(source: str, filename: str) -> list[str]:
+    """Imports of *source* that reach past eventbus_debug's public API."""
+    problems = []
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if isinstance(node, ast.Import):
+            imports = [(alias.name, ()) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            imports = [(node.module, tuple(a.name for a in node.names))]
+        else:
+            continue
+        for module, names in imports:
+            if not (module == "eventbus_debug" or module.startswith("eventbus_debug.")):
+                continue
+            where = f"{filename}:{node.lineno}"
+            if any(part.startswith("_") for part in module.split(".")):
+                problems.append(f"{where} imports private module {module}")
+                continue
+            target = importlib.import_module(module)
+            exported = set(getattr(target, "__all__", ()))
+            for n in names:
+                if n == "*":
+                    continue
+                is_submodule = inspect.ismodule(getattr(target, n, None))
+                if n not in exported and not (is_submodule and not n.startswith("_")):
+                    problems.append(f"{where} imports {n!r}, not in {module}.__all__")
+    return problems
+
+
+def test_sinks_use_only_the_public_api() -> None:
+    """sinks/ imports only names exported by eventbus_debug or its public submodules."""
+    problems = []
+    for path in sorted((ROOT / "sinks").rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        problems += _violations(path.read_text(encoding="utf-8"), rel)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from eventbus_debug._bus import EventBus", "private module eventbus_debug._bus"),
+        ("import eventbus_debug._sync", "private module eventbus_debug._sync"),
+        ("from eventbus_debug import _bus", "imports '_bus', not in eventbus_debug.__all__"),
+        ("from eventbus_debug.events import _REGISTRY", "imports '_REGISTRY', not in"),
+        ("from eventbus_debug import EventBus, testing", None),
+        ("from eventbus_debug.testing import RecordingSink", None),
+        ("import orjson", None),
+    ],
+)
+def test_import_checker(source: str, expected: str | None) -> None:
+    """The checker flags private modules and unexported names, and nothing else."""
+    problems = _violations(source, "x.py")
+    if expected is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and expected in problems[0], problems
