@@ -34,7 +34,8 @@ import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eventbus_debug import Event, EventBus, StepCompleted  # noqa: E402
+from eventbus_debug import Event, EventBus, StepCompleted
+from eventbus_debug.encoding import encode_events
 
 BURST = 100
 
@@ -113,6 +114,30 @@ def bench_empty_call(bursts: int) -> float:
     return _median_ns_per_call(burst, bursts=bursts, per_burst=BURST)
 
 
+def bench_encoding(bursts: int) -> tuple[float, float, float]:
+    """encode_events per event; orjson.dumps of the dataclass; building the event (ns)."""
+    events = [
+        StepCompleted(step=i, loss=0.5, learning_rate=1e-3, samples_per_s=1e4) for i in range(BURST)
+    ]
+    encode_events(events)
+    dumps = orjson.dumps
+
+    def plain() -> None:
+        for ev in events:
+            dumps(ev)
+
+    def build() -> None:
+        for i in range(BURST):
+            StepCompleted(step=i, loss=0.5, learning_rate=1e-3, samples_per_s=1e4)
+
+    ours = _median_ns_per_call(
+        lambda: encode_events(events) and None, bursts=bursts, per_burst=BURST
+    )
+    raw = _median_ns_per_call(plain, bursts=bursts, per_burst=BURST)
+    built = _median_ns_per_call(build, bursts=bursts, per_burst=BURST)
+    return ours, raw, built
+
+
 async def bench_bus(n_subs: int, bursts: int) -> dict[str, float]:
     out: dict[str, float] = {}
     async with EventBus(capacity=BURST * 4) as bus:
@@ -166,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     qh = bench_logging_queue_handler(bursts)
     sl = bench_structlog(bursts)
     per_subs = {n: anyio.run(bench_bus, n, bursts) for n in (1, 4, 16)}
+    encode, raw_dumps, build_only = bench_encoding(bursts)
     one = per_subs[1]["burst"]
 
     print(f"python {sys.version.split()[0]}, {bursts} bursts of {BURST}, median ns per operation")
@@ -178,8 +204,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  isolated publish, {n:2d} idle subscriber(s) {r['isolated']:8.0f} ns")
     for n, r in per_subs.items():
         print(f"  build StepCompleted + publish, {n:2d} subs   {r['build']:8.0f} ns")
+    print(f"  build one StepCompleted (no publish)     {build_only:8.0f} ns")
+    print(f"  encode_events, per event                 {encode:8.0f} ns")
+    print(f"  orjson.dumps(event) alone (no NaN/kind)  {raw_dumps:8.0f} ns")
     print("ratios (target)")
-    print(f"  16 subs / 1 sub                          {per_subs[16]['burst'] / one:8.2f}x  (<= 1.5)")
+    print(
+        f"  16 subs / 1 sub                          {per_subs[16]['burst'] / one:8.2f}x  (<= 1.5)"
+    )
     print(f"  QueueHandler / publish_nowait            {qh / one:8.1f}x  (>= 50)")
     print(f"  structlog / publish_nowait               {sl / one:8.1f}x  (>= 25)")
     print(f"  publish_nowait / empty call              {one / empty:8.1f}x")
@@ -187,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     build = max(r["build"] for r in per_subs.values())
     print(f"  worst isolated publish                   {worst:8.0f} ns  (<= 1000)")
     print(f"  worst build + publish                    {build:8.0f} ns  (<= 1500)")
+    print(f"  encode_events / orjson.dumps(event)      {encode / raw_dumps:8.2f}x")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eventbus_debug import Event, EventBus, EventsDropped, StepCompleted  # noqa: E402
+from eventbus_debug import Event, EventBus, EventsDropped, StepCompleted
 
 BURST = 100
 
@@ -107,16 +107,28 @@ def main(argv: list[str] | None = None) -> None:
     n = args.steps * BURST
     print(f"{args.steps} steps x {BURST} events = {n} events, capacity {args.capacity}")
     print(f"{'':34}{'fast only':>12}{'+ slow sink':>14}")
-    print(f"  publish_nowait (ns, median)     {base['publish_ns']:12.0f}{with_slow['publish_ns']:14.0f}")
+    print(
+        f"  publish_nowait (ns, median)     {base['publish_ns']:12.0f}{with_slow['publish_ns']:14.0f}"
+    )
     print(f"  loop wall time per step (µs)    {base['step_us']:12.1f}{with_slow['step_us']:14.1f}")
-    print(f"  fast sink received              {base['fast_received']:12.0f}{with_slow['fast_received']:14.0f}")
+    print(
+        f"  fast sink received              {base['fast_received']:12.0f}{with_slow['fast_received']:14.0f}"
+    )
     print(f"  slow queue high-water mark      {'':>12}{with_slow['high_water']:14.0f}")
-    print(f"  RSS growth (MiB)                {base['rss_growth_mb']:12.1f}{with_slow['rss_growth_mb']:14.1f}")
+    print(
+        f"  RSS growth (MiB)                {base['rss_growth_mb']:12.1f}{with_slow['rss_growth_mb']:14.1f}"
+    )
     print(f"  shed (statistics)               {base['shed']:12.0f}{with_slow['shed']:14.0f}")
-    print(f"  EventsDropped reports / counted {'':>12}{with_slow['drop_reports']:7.0f} / {with_slow['reported']:.0f}")
+    print(
+        f"  EventsDropped reports / counted {'':>12}{with_slow['drop_reports']:7.0f} / {with_slow['reported']:.0f}"
+    )
     print("ratios (target)")
-    print(f"  publish cost, slow / base       {with_slow['publish_ns'] / base['publish_ns']:8.2f}x  (<= 1.5)")
-    print(f"  step wall time, slow / base     {with_slow['step_us'] / base['step_us']:8.2f}x  (<= 1.5)")
+    print(
+        f"  publish cost, slow / base       {with_slow['publish_ns'] / base['publish_ns']:8.2f}x  (<= 1.5)"
+    )
+    print(
+        f"  step wall time, slow / base     {with_slow['step_us'] / base['step_us']:8.2f}x  (<= 1.5)"
+    )
     print(f"  fast sink got everything        {with_slow['fast_received'] == n!s:>8}")
     bounded = with_slow["high_water"] <= args.capacity + 1  # + the event in flight
     print(f"  slow queue <= capacity + 1      {bounded!s:>8}")

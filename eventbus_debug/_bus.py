@@ -184,19 +184,19 @@ class Subscription:
     """
 
     __slots__ = (
+        "__weakref__",
         "_adapter",
         "_bus",
         "_cancel_scope",
         "_consecutive",
         "_done",
-        "_input_closed",
         "_inflight_min_seq",
         "_inflight_n",
+        "_input_closed",
         "_queue",
         "_sink_closed",
         "_staged",
         "_waiter",
-        "__weakref__",
         "capacity",
         "delivered",
         "disabled",
@@ -963,9 +963,7 @@ class EventBus:
             sub.discarded += discarded
             sub._queue.clear()
             self._routes.clear()
-            reason = (
-                f"{sub._consecutive} consecutive failures, last: {type(exc).__name__}: {exc}"
-            )
+            reason = f"{sub._consecutive} consecutive failures, last: {type(exc).__name__}: {exc}"
             _log.error("sink_disabled", sink=sub.name, reason=reason)
             self._publish_internal(
                 SinkDisabled(
@@ -1062,7 +1060,8 @@ class _Waiter(Protocol):
     which may raise :class:`asyncio.InvalidStateError` if the wait was cancelled.
     """
 
-    trigger: Callable[[], object]
+    @property
+    def trigger(self) -> Callable[[], object]: ...
 
     def set(self) -> None: ...
 

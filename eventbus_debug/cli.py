@@ -38,7 +38,7 @@ from .logfile import log_files, read_events
 if TYPE_CHECKING:
     from sinks.report import RunSummary
 
-__all__ = ("main",)
+__all__ = ("CommandError", "LogFollower", "format_event", "main")
 
 PROG: Final = "eventbus-debug"
 DEFAULT_TAIL_LINES: Final = 20

@@ -241,8 +241,8 @@ async def run_demo(
     if console:
         out = stream or sys.stderr
         out.write(
-            f"\ndemo finished: {session.steps_completed} steps, skipped {skipped or 'none'}, "
-            f"batch size {final_batch}\n  report: {html.resolve()}\n  log:    {log_dir.resolve()}\n"
+            f"\ndemo finished: {session.steps_completed} steps, optimizer step skipped at "
+            f"{list(skipped) or 'no step'}, final batch size {final_batch}\n"
         )
         out.flush()
     return DemoResult(

@@ -268,7 +268,12 @@ def _make_encoder(cls: type[Event], fields: list[tuple[str, Any]]) -> Callable[[
     items: list[str] = ['"kind": _kind']
     for i, (name, tp) in enumerate(fields):
         reads.append(f"    v{i} = ev.{name}")
-        items.append(f"{name!r}: v{i}")
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            # orjson reads an enum's value through Python-level descriptors: a dict is faster.
+            closure[f"_values{i}"] = {member: member.value for member in tp}
+            items.append(f"{name!r}: _values{i}.get(v{i}, v{i})")
+        else:
+            items.append(f"{name!r}: v{i}")
         check = _nonfinite_check(tp)
         if check is _check_float:
             tests.append(f"(v{i}.__class__ is float and v{i} - v{i} != 0.0)")
@@ -285,7 +290,7 @@ def _make_encoder(cls: type[Event], fields: list[tuple[str, Any]]) -> Callable[[
     lines.append(f"      return _dumps({{{', '.join(items)}}}, option=_OPT)")
     lines.append("  return encode")
     namespace: dict[str, Any] = {}
-    exec("\n".join(lines), {}, namespace)  # noqa: S102 - generated from field names only
+    exec("\n".join(lines), {}, namespace)  # field names (identifiers) only
     encode: Callable[[Event], bytes] = namespace["__create__"](**closure)
     return encode
 
@@ -323,18 +328,25 @@ def encode_events(events: Iterable[Event], /) -> bytes:
     Raises:
         TypeError: as :func:`encode_event`, for the first event that cannot be encoded.
     """
-    codecs = _CODECS
     out: list[bytes] = []
     append = out.append
-    for event in events:
-        codec = codecs.get(event.__class__)
-        if codec is None:
-            append(encode_event(event))
-            continue
-        try:
-            append(codec.encode(event))
-        except TypeError as exc:
-            raise _unencodable(event, exc) from None
+    last_cls: type | None = None
+    encode: Callable[[Event], bytes] = encode_event
+    event: object = None
+    try:
+        for event in events:
+            cls = event.__class__
+            if cls is not last_cls:  # batches are runs of a few classes: look up once per run
+                codec = _CODECS.get(cls)
+                if codec is None and isinstance(cls, type) and issubclass(cls, Event):
+                    codec = _codec(cls)
+                encode = codec.encode if codec is not None else encode_event
+                last_cls = cls
+            append(encode(event))
+    except TypeError as exc:
+        if not isinstance(event, Event) or str(exc).startswith("cannot encode"):
+            raise
+        raise _unencodable(event, exc) from None
     return b"".join(out)
 
 

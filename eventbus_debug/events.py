@@ -191,13 +191,15 @@ def event_type(cls: type[E]) -> type[E]:
     kind = cls.__dict__.get("kind")
     if not isinstance(kind, str) or not kind:
         msg = (
-            f"{cls.__qualname__} must declare its own `kind: ClassVar[str] = \"...\"`, "
+            f'{cls.__qualname__} must declare its own `kind: ClassVar[str] = "..."`, '
             "a stable name written in logs"
         )
         raise TypeError(msg)
     existing = _REGISTRY.get(kind)
     if existing is not None and existing.__qualname__ != cls.__qualname__:
-        msg = f"event kind {kind!r} is already used by {existing.__module__}.{existing.__qualname__}"
+        msg = (
+            f"event kind {kind!r} is already used by {existing.__module__}.{existing.__qualname__}"
+        )
         raise ValueError(msg)
     new_cls = dataclass(frozen=True, slots=True, kw_only=True)(cls)
     _install_fast_init(new_cls)
@@ -270,13 +272,13 @@ def _install_fast_init(cls: type[Event]) -> None:
         + "\n  return __init__\n"
     )
     namespace: dict[str, Any] = {}
-    exec(src, globals(), namespace)  # noqa: S102 - generated from dataclass field names only
+    exec(src, globals(), namespace)  # the source holds field names (identifiers) only
     init = namespace["__create_init__"](**closure)
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
     init.__doc__ = cls.__init__.__doc__
     init.__annotations__ = dict(cls.__init__.__annotations__)
-    cls.__init__ = init  # type: ignore[misc]
+    cls.__init__ = init  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -104,10 +104,10 @@ def _read_many(files: list[Path], strict: bool) -> Iterator[Event]:
         yield from _read_file(f, strict)
 
 
-def _open(path: Path) -> IO[bytes]:
+def _open(path: Path) -> IO[bytes] | gzip.GzipFile:
     if path.suffix == ".gz":
         return gzip.open(path, "rb")
-    return open(path, "rb")  # noqa: SIM115
+    return open(path, "rb")
 
 
 def _read_file(path: Path, strict: bool) -> Iterator[Event]:

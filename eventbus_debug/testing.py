@@ -122,7 +122,7 @@ def _sample_dataclass(cls: type[Any], overrides: dict[str, Any], *, header: bool
     return cls(**kwargs)
 
 
-def _sample_value(tp: Any, name: str) -> Any:  # noqa: PLR0911, PLR0912 - one case per type
+def _sample_value(tp: Any, name: str) -> Any:
     if tp is bool:
         return True
     if tp is int:

@@ -57,7 +57,9 @@ async def main(train_steps: int = 60, timesteps: int = 50, size: int = 16) -> di
     pipe = TinyPipeline(timesteps)
     optimizer = torch.optim.Adam(pipe.unet.parameters(), lr=1e-3)
     recorder = RecordingSink()
-    async with Session(pipe.unet, optimizer, log_dir=None, report=False, sinks=[recorder], name="ads") as session:
+    async with Session(
+        pipe.unet, optimizer, log_dir=None, report=False, sinks=[recorder], name="ads"
+    ) as session:
         analysis = analyze_pipeline(pipe)
         session.publish(analysis)
         for c in analysis.components:
@@ -90,7 +92,9 @@ async def main(train_steps: int = 60, timesteps: int = 50, size: int = 16) -> di
                     if broken and i == timesteps // 2:
                         x0 = x0 * 50  # a bad guidance scale
                     latents = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps
-                    await monitor.acheck(latents, denoising_step=i, timestep=t, publish=session.publish, step=run)
+                    await monitor.acheck(
+                        latents, denoising_step=i, timestep=t, publish=session.publish, step=run
+                    )
         await session.bus.drain()
     incidents = recorder.of_type(LatentAnomalyDetected)
     for inc in incidents:

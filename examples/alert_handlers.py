@@ -23,7 +23,11 @@ async def main(steps: int = 120) -> list[str]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     received: list[str] = []
     async with Session(
-        model, optimizer, log_dir=None, report=False, alerts=False,
+        model,
+        optimizer,
+        log_dir=None,
+        report=False,
+        alerts=False,
         thresholds=Thresholds(explosion_warmup=10),
     ) as session:
         alerts = AlertSink(session.bus)
@@ -44,7 +48,9 @@ async def main(steps: int = 120) -> list[str]:
                 x[:, 0] = math.nan
             if step == steps - 10:
                 x = x * 1e5
-            await session.training_step(x, x.sum(1, keepdim=True), nn.functional.mse_loss, step=step)
+            await session.training_step(
+                x, x.sum(1, keepdim=True), nn.functional.mse_loss, step=step
+            )
         await session.bus.drain()
     for line in received:
         print(line)

@@ -47,8 +47,12 @@ async def main(steps: int = 200) -> float:
         session.bus.subscribe(on_skip, StepSkipped, name="skips")
         for step in range(steps):
             x = torch.randn(16, 4)
-            await session.training_step(x, x.sum(1, keepdim=True), nn.functional.mse_loss, step=step)
-    print(f"average of the last {average.window} losses: {average.average:.4f} (closed={average.closed})")
+            await session.training_step(
+                x, x.sum(1, keepdim=True), nn.functional.mse_loss, step=step
+            )
+    print(
+        f"average of the last {average.window} losses: {average.average:.4f} (closed={average.closed})"
+    )
     return average.average
 
 

@@ -47,13 +47,17 @@ async def main(steps: int = 200, batch: int = 64) -> dict[str, int]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    validator = InputValidator(InputSpec(ndim=2, shape=(None, FEATURES), dtype=torch.float32, max_abs=50.0))
+    validator = InputValidator(
+        InputSpec(ndim=2, shape=(None, FEATURES), dtype=torch.float32, max_abs=50.0)
+    )
     checker = OutputChecker(expected_range=(0.0, 1.0), collapse_std=1e-4, name="p_malicious")
     recorder = RecordingSink()
     rejected = 0
     async with Session(model, optimizer, log_dir=None, report=False, sinks=[recorder]) as session:
         if session.alerts is not None:
-            session.alerts.add_rule(rules.cpu_above(95.0), lambda alert: print("ALERT", alert.message))
+            session.alerts.add_rule(
+                rules.cpu_above(95.0), lambda alert: print("ALERT", alert.message)
+            )
         for step in range(steps):
             x, y = flows(batch, gen)
             if step == steps // 4:
@@ -77,14 +81,20 @@ async def main(steps: int = 200, batch: int = 64) -> dict[str, int]:
         # A model whose last layer died predicts the same probability for every flow.
         with torch.no_grad():
             model[2].weight.zero_()
-        checker.check(torch.sigmoid(model(flows(batch, gen)[0])), publish=session.publish, step=steps)
+        checker.check(
+            torch.sigmoid(model(flows(batch, gen)[0])), publish=session.publish, step=steps
+        )
         await session.bus.drain()
-        with torch.no_grad():
-            x, y = flows(512, gen)
     failed = recorder.of_type(InputValidationFailed)
     anomalies = recorder.of_type(OutputAnomalyDetected)
-    print(f"rejected {rejected} batches ({[f.rule for f in failed]}), output anomalies: {[a.rule for a in anomalies]}")
-    return {"rejected": rejected, "validation_incidents": len(failed), "output_anomalies": len(anomalies)}
+    print(
+        f"rejected {rejected} batches ({[f.rule for f in failed]}), output anomalies: {[a.rule for a in anomalies]}"
+    )
+    return {
+        "rejected": rejected,
+        "validation_incidents": len(failed),
+        "output_anomalies": len(anomalies),
+    }
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif;
        color: var(--fg); background: var(--bg); margin: 0; padding: 24px 32px; }
 h1 { font-size: 22px; margin: 0 0 4px; } h2 { font-size: 17px; margin: 28px 0 10px; }
 .sub { color: var(--muted); margin-bottom: 18px; }
-.cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(150px, 1fr)); gap: 10px; }
+.cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(170px, 1fr)); gap: 10px; }
 .card { background: var(--card); border: 1px solid var(--grid); border-radius: 8px; padding: 10px 12px; }
 .card .v { font-size: 20px; font-weight: 600; } .card .l { color: var(--muted); font-size: 12px; }
 .card.bad .v { color: var(--bad); } .card.warn .v { color: var(--warn); } .card.ok .v { color: var(--ok); }
@@ -222,19 +222,29 @@ def _chart(
         elif len(seg) == 1:
             cx, cy = seg[0].split(",")
             out.append(f'<circle class="series" cx="{cx}" cy="{cy}" r="2.5" fill="#2563eb"/>')
-    # anomaly and recovery markers
+    # anomaly and recovery markers, merged per pixel column so a burst stays readable
+    columns: dict[tuple[bool, int], list[Marker]] = {}
     for m in markers:
-        xx = x(m.step)
-        if m.recovery:
+        columns.setdefault((m.recovery, round(x(m.step))), []).append(m)
+    anomaly_columns = sum(1 for recovery, _ in columns if not recovery)
+    dense = anomaly_columns > 60  # full-height lines would hide the curve: draw ticks
+    for (recovery, _), group in sorted(columns.items(), key=lambda kv: kv[0][1]):
+        xx = x(group[0].step)
+        labels = sorted({m.label if recovery else m.kind for m in group})
+        steps = sorted({m.step for m in group})
+        where = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}–{steps[-1]}"
+        tip = f"{where}: {'recovery ' if recovery else ''}{', '.join(labels)}"
+        if recovery:
             out.append(
                 f'<path class="marker-recovery" d="M{xx:.1f},{_MT + ph - 10:.1f} l-5,9 h10 z" '
-                f'fill="#059669"><title>step {m.step}: recovery {_e(m.label)}</title></path>'
+                f'fill="#059669"><title>{_e(tip)}</title></path>'
             )
         else:
+            y2 = _MT + 14 if dense else _MT + ph
             out.append(
                 f'<line class="marker-anomaly" x1="{xx:.1f}" x2="{xx:.1f}" y1="{_MT}" '
-                f'y2="{_MT + ph}" stroke="#dc2626" stroke-dasharray="4 3" opacity="0.7">'
-                f"<title>step {m.step}: {_e(m.kind)}</title></line>"
+                f'y2="{y2}" stroke="#dc2626" stroke-dasharray="{"none" if dense else "4 3"}" '
+                f'stroke-width="{2 if dense else 1}" opacity="0.7"><title>{_e(tip)}</title></line>'
             )
     # non-finite values
     for p in points:

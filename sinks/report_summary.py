@@ -578,20 +578,6 @@ class RunAggregator:
             return
         if not event.is_incident:
             return
-
-        self._incidents_total += 1
-        self._incidents.append(
-            IncidentRow(
-                seq=event.seq,
-                time_ns=event.time_ns,
-                step=step,
-                rank=event.rank,
-                kind=kind,
-                severity=sev,
-                source=event.source,
-                message=describe_incident(event),
-            )
-        )
         if isinstance(event, Anomaly):
             self._add_anomaly(event)
         elif isinstance(event, RecoveryDecided):
@@ -613,6 +599,21 @@ class RunAggregator:
         elif isinstance(event, SinkDisabled):
             if event.sink not in self._disabled:
                 self._disabled.append(event.sink)
+        elif event.severity < Severity.WARNING:
+            return  # lifecycle notices (session started/ended, captures) are not incidents
+        self._incidents_total += 1
+        self._incidents.append(
+            IncidentRow(
+                seq=event.seq,
+                time_ns=event.time_ns,
+                step=step,
+                rank=event.rank,
+                kind=kind,
+                severity=sev,
+                source=event.source,
+                message=describe_incident(event),
+            )
+        )
 
     def _add_anomaly(self, event: Anomaly) -> None:
         self._anomalies += 1

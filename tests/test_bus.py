@@ -223,9 +223,7 @@ class TestIsolation:
         # The other sink got every event.
         assert [e.step for e in recorder.of_type(StepCompleted)] == [0, 1, 2, 3]
 
-    async def test_sink_disabled_after_consecutive_failures(
-        self, recorder: RecordingSink
-    ) -> None:
+    async def test_sink_disabled_after_consecutive_failures(self, recorder: RecordingSink) -> None:
         """N consecutive failures disable the sink with a SinkDisabled incident."""
         bad = _Raising()
         async with EventBus(max_consecutive_failures=3) as bus:
@@ -382,7 +380,12 @@ class TestSubscribeValidation:
             (42, (), {}, r"42 is not a sink: pass an `async def handler\(event\)`"),
             (print, (), {}, "is not an async function"),
             (RecordingSink, (), {}, r"is a class \(RecordingSink\); pass an instance"),
-            (RecordingSink(), (int,), {}, "event_types must be Event subclasses, got <class 'int'>"),
+            (
+                RecordingSink(),
+                (int,),
+                {},
+                "event_types must be Event subclasses, got <class 'int'>",
+            ),
             (RecordingSink(), ("StepCompleted",), {}, "event_types must be Event subclasses"),
             (RecordingSink(), (), {"capacity": 0}, "capacity must be a positive integer, got 0"),
             (RecordingSink(), (), {"capacity": 2.5}, "capacity must be a positive integer"),
@@ -472,6 +475,31 @@ class TestOverflow:
         assert sum(sum(d.by_kind.values()) for d in drops) == 20
         assert set().union(*(d.by_kind for d in drops)) == {"step_completed"}
         assert bus.statistics().shed == 20
+
+    async def test_deferred_drop_report_arrives_after_the_interval(
+        self, recorder: RecordingSink
+    ) -> None:
+        """Sheds within the report interval are reported once it has passed, unprompted."""
+        gate = _Gate()
+        async with EventBus(drop_report_interval=0.05) as bus:
+            bus.subscribe(recorder, EventsDropped, name="all", capacity=10_000)
+            bus.subscribe(gate, StepCompleted, name="gate", capacity=2)
+            bus.publish_nowait(StepCompleted(step=-1))
+            with anyio.fail_after(5):
+                await gate.entered.wait()
+            for i in range(5):
+                bus.publish_nowait(StepCompleted(step=i))
+            await bus.drain(bus.subscriptions[0])
+            for i in range(5, 9):
+                bus.publish_nowait(StepCompleted(step=i))
+            await bus.drain(bus.subscriptions[0])
+            with anyio.fail_after(5):
+                while len(recorder.events) < 2:
+                    await anyio.sleep(0.01)  # the interval is what is being tested
+            gate.open()
+        reports = recorder.of_type(EventsDropped)
+        assert [r.dropped for r in reports] == [3, 4]
+        assert [r.total_dropped for r in reports] == [3, 7]
 
     async def test_newest_telemetry_kept(self) -> None:
         """With only telemetry queued, the newest events survive."""

@@ -75,6 +75,14 @@ class TestReport:
         assert main(["report", str(logdir), "--no-html"]) == 0
         assert (logdir / "report.json").exists() and not (logdir / "report.html").exists()
 
+    def test_report_merges_ranks(self, tmp_path: Path) -> None:
+        """Every rank's file is read; the summary lists both ranks."""
+        write_log(tmp_path, [StepCompleted(step=0, rank=0, loss=1.0)])
+        write_log(tmp_path, [StepCompleted(step=0, rank=1, loss=2.0)], "events.rank1.jsonl")
+        assert main(["report", str(tmp_path), "--no-html"]) == 0
+        data = orjson.loads((tmp_path / "report.json").read_bytes())
+        assert data["summary"]["ranks"] == [0, 1] and data["summary"]["events"] == 2
+
 
 class TestSummary:
     def test_table(self, logdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -231,6 +239,16 @@ def test_demo_subcommand_writes_a_report(
     out = capsys.readouterr().out
     assert f"report: {log_dir / 'report.html'}" in out
     assert (log_dir / "report.html").exists()
+
+
+def test_demo_unavailable_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without the demo module, demo fails with one line instead of a traceback."""
+    monkeypatch.setitem(sys.modules, "eventbus_debug.demo", None)
+    assert main(["demo", "--log-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "demo is not available" in err
 
 
 def test_console_script_subprocess(logdir: Path) -> None:

@@ -26,5 +26,5 @@ def test_doc_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": f"doc_{path.stem}"}
     for i, block in enumerate(_blocks(path)):
-        code = compile(block, f"{path.name}[block {i}]", "exec")
+        code = compile(block, f"{path.name}[block {i}]", "exec", dont_inherit=True)
         exec(code, namespace)

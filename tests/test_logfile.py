@@ -98,7 +98,7 @@ def test_missing_and_empty_directory(tmp_path: Path) -> None:
     """A missing path or a directory without logs is a LogReadError naming the path."""
     with pytest.raises(LogReadError, match="does not exist"):
         list(read_events(tmp_path / "nope"))
-    with pytest.raises(LogReadError, match="log directory .* does not exist"):
+    with pytest.raises(LogReadError, match=r"log directory .* does not exist"):
         log_files(tmp_path / "nope")
     with pytest.raises(LogReadError, match=r"no event log \(events\*.jsonl\) in directory"):
         list(read_events(tmp_path))
@@ -130,7 +130,7 @@ def test_truncated_gzip_backup(tmp_path: Path) -> None:
     blob = gzip.compress(encode_events(_steps(0, 200)))
     (tmp_path / "events.jsonl.1.gz").write_bytes(blob[: len(blob) // 2])
     (tmp_path / "events.jsonl").write_bytes(encode_events(_steps(200, 201)))
-    with pytest.raises(LogReadError, match="cannot read log file .*events.jsonl.1.gz"):
+    with pytest.raises(LogReadError, match=r"cannot read log file .*events\.jsonl\.1\.gz"):
         list(read_events(tmp_path))
     steps = [e.step for e in read_events(tmp_path, strict=False)]
     assert steps[-1] == 200 and steps[:3] == [0, 1, 2] and len(steps) < 201

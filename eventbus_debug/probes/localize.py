@@ -196,12 +196,13 @@ class FirstNonFiniteLocator:
                     )
                 )
                 if self.backward and torch.is_grad_enabled():
-                    for t in inputs:
-                        if t.requires_grad:
-                            t.register_hook(self._grad_hook(name, t))  # type: ignore[no-untyped-call]
-                    for o in outs:
-                        if o.requires_grad:
-                            o.register_hook(self._grad_hook(name, o))  # type: ignore[no-untyped-call]
+                    # The gradient into a module's input is what that module's backward made;
+                    # inner modules register first, so the innermost culprit is seen first.
+                    watched = [t for t in inputs if t.requires_grad]
+                    if not name:  # the model's output: a gradient already bad came from outside
+                        watched += [o for o in outs if o.requires_grad]
+                    for t in watched:
+                        t.register_hook(self._grad_hook(name, t))  # type: ignore[no-untyped-call]
             except Exception:  # a probe never raises into the user's forward
                 _log.warning("localizer_hook_failed", module=name, exc_info=True)
 

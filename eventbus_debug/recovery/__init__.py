@@ -4,6 +4,16 @@ from __future__ import annotations
 
 from .amp import ScalerStepWatcher
 from .classify import ErrorClassification, ErrorClassifier, ErrorRule, is_out_of_memory
+from .compat import DebugDecorator, ErrorHandler, HandledError
+from .data import (
+    CollatedBatch,
+    CorruptDataError,
+    CorruptSample,
+    CorruptSampleCollate,
+    SkipCorruptSamples,
+    SkippingLoader,
+    skip_corrupt_samples,
+)
 from .engine import (
     DecidedAction,
     RecoveryEngine,
@@ -17,14 +27,19 @@ from .events import (
     RecoveryAction,
     RecoveryApplied,
     RecoveryDecided,
+    SampleSkipped,
     StepSkipped,
 )
+from .fixes import CommonFixes, apply_common_fixes
+from .lr import scale_learning_rate
+from .memory import FreedMemory, free_memory
 from .retry import Attempt, CallState, Retrying, retrying
 from .safepoint import NoGoodStateError, SafePoint, StateSnapshots, StepDecision
 from .strategies import (
     ClipOnExplosion,
     DataLoaderFallback,
     Decision,
+    FreeMemoryOnLeak,
     ModelLoadingFallback,
     ReportVanishing,
     RestoreLastGood,
@@ -38,14 +53,24 @@ __all__: tuple[str, ...] = (
     "Attempt",
     "CallState",
     "ClipOnExplosion",
+    "CollatedBatch",
+    "CommonFixes",
+    "CorruptDataError",
+    "CorruptSample",
+    "CorruptSampleCollate",
     "DataLoaderFallback",
+    "DebugDecorator",
     "DecidedAction",
     "Decision",
     "ErrorCategory",
     "ErrorClassification",
     "ErrorClassifier",
+    "ErrorHandler",
     "ErrorRaised",
     "ErrorRule",
+    "FreeMemoryOnLeak",
+    "FreedMemory",
+    "HandledError",
     "ModelLoadingFallback",
     "NoGoodStateError",
     "RecoveryAction",
@@ -58,15 +83,22 @@ __all__: tuple[str, ...] = (
     "Retrying",
     "RollbackOnLossSpike",
     "SafePoint",
+    "SampleSkipped",
     "ScalerStepWatcher",
     "ShrinkBatchOnOOM",
+    "SkipCorruptSamples",
     "SkipNonFinite",
+    "SkippingLoader",
     "StateSnapshots",
     "StepDecision",
     "StepSkipped",
     "StrategyHistory",
     "StrategySpec",
+    "apply_common_fixes",
     "default_strategies",
+    "free_memory",
     "is_out_of_memory",
     "retrying",
+    "scale_learning_rate",
+    "skip_corrupt_samples",
 )

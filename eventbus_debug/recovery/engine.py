@@ -21,7 +21,14 @@ import structlog
 from .._bus import EventBus, Subscription
 from .._sync import SyncEventBus
 from ..events import Anomaly, Event, Severity, event_types
-from ..probes import GradientExploded, GradientVanished, LossSpiked, NonFiniteDetected, TensorRole
+from ..probes import (
+    GradientExploded,
+    GradientVanished,
+    LossSpiked,
+    MemoryLeakSuspected,
+    NonFiniteDetected,
+    TensorRole,
+)
 from .classify import ErrorClassifier, exception_names
 from .events import ErrorCategory, ErrorRaised, RecoveryAction, RecoveryDecided
 from .strategies import (
@@ -29,6 +36,7 @@ from .strategies import (
     ClipOnExplosion,
     DataLoaderFallback,
     Decision,
+    FreeMemoryOnLeak,
     ModelLoadingFallback,
     ReportVanishing,
     RestoreLastGood,
@@ -109,6 +117,9 @@ def default_strategies() -> list[StrategySpec]:
             max_consecutive=3,
         ),
         StrategySpec(strategy=ReportVanishing(), on=GradientVanished, name="report_vanishing"),
+        StrategySpec(
+            strategy=FreeMemoryOnLeak(), on=MemoryLeakSuspected, name="free_memory_on_leak"
+        ),
         StrategySpec(
             strategy=ShrinkBatchOnOOM(), on=ErrorCategory.MEMORY, name="shrink_batch_on_oom"
         ),
@@ -358,6 +369,7 @@ class RecoveryEngine:
         self._bus = bus
         self._lock = threading.Lock()
         self._pending: list[DecidedAction] = []
+        self._noted = 0
         self._calls: dict[str, list[DecidedAction]] = {}
         self._stop_reason: str | None = None
         self._incidents = 0
@@ -481,6 +493,9 @@ class RecoveryEngine:
             with self._lock:
                 self._unmatched += 1
             return ()
+        if not isinstance(incident, ErrorRaised):
+            with self._lock:
+                self._noted += 1
         if not decisions:
             if self._stop_reason is not None:
                 return ()  # already stopping: one STOP is enough
@@ -550,6 +565,18 @@ class RecoveryEngine:
         """Remove and return the decisions taken for the error a retried call published."""
         with self._lock:
             return tuple(self._calls.pop(retry_id, ()))
+
+    def take_noted(self) -> int:
+        """Return and reset the number of step incidents a strategy answered since the last call.
+
+        A safe point calls it with :meth:`take_pending`: a step is *good* (consecutive counts
+        restart) only when no strategy answered an incident for it, even with ``CONTINUE``
+        (a dead layer reported on every step is a run of consecutive incidents, not a good step).
+        Errors of retried calls are not counted: they belong to the call, not to the step.
+        """
+        with self._lock:
+            noted, self._noted = self._noted, 0
+        return noted
 
     def mark_good(self) -> None:
         """A step passed with no incident: every strategy's consecutive count restarts."""

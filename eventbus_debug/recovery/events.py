@@ -19,6 +19,7 @@ __all__ = (
     "RecoveryAction",
     "RecoveryApplied",
     "RecoveryDecided",
+    "SampleSkipped",
     "StepSkipped",
 )
 
@@ -57,6 +58,7 @@ class RecoveryAction(Enum):
         SHRINK_BATCH: retry the failed call with a smaller batch.
         RETRY: retry the failed call after freeing memory or changing a setting.
         FALLBACK: retry the failed call with a fallback (fewer workers, CPU, half precision...).
+        FREE_MEMORY: collect garbage and empty the CUDA cache at the next safe point.
         STOP: training cannot continue; :class:`~eventbus_debug.TrainingStopped` is raised at the
             next safe point.
     """
@@ -69,6 +71,7 @@ class RecoveryAction(Enum):
     SHRINK_BATCH = "shrink_batch"
     RETRY = "retry"
     FALLBACK = "fallback"
+    FREE_MEMORY = "free_memory"
     STOP = "stop"
 
 
@@ -153,3 +156,28 @@ class StepSkipped(Event):
     reason: str
     scale_before: float | None = None
     scale_after: float | None = None
+
+
+@event_type
+class SampleSkipped(Anomaly):
+    """A sample raised while being loaded and was left out of its batch.
+
+    Published by :class:`~eventbus_debug.recovery.SkippingLoader` in the training process (also
+    for samples that failed in a data loader worker).
+
+    Attributes:
+        index: the sample's index in the dataset.
+        error_type: the qualified class name of the exception it raised.
+        message: ``str(exception)``.
+        skipped: corrupt samples skipped so far in this pass over the data, this one included.
+        max_skipped: the most a pass may skip before :class:`~eventbus_debug.recovery.
+            CorruptDataError` is raised.
+    """
+
+    kind: ClassVar[str] = "sample_skipped"
+    severity: Severity = Severity.WARNING
+    index: int
+    error_type: str
+    message: str
+    skipped: int = 1
+    max_skipped: int = 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import inspect
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
@@ -30,11 +29,11 @@ from typing import Any, Final, ParamSpec, TypeVar, final, overload
 import anyio
 import structlog
 import tenacity
-import torch
 
 from ..exceptions import TrainingStopped
 from .engine import DecidedAction, RecoveryEngine
 from .events import RecoveryAction, RecoveryApplied
+from .memory import free_memory
 from .strategies import CALL_ACTIONS, Decision
 
 __all__ = ("Attempt", "CallState", "Retrying", "retrying")
@@ -95,10 +94,7 @@ class CallState:
         p = decision.parameters
         done: list[str] = []
         if p.get("free_memory"):
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            done.append("freed memory (gc, CUDA cache)")
+            done.append(f"freed memory ({free_memory().describe()})")
         if "batch_size" in p:
             new = max(1, int(p["batch_size"]))
             done.append(f"batch_size {self.batch_size} -> {new}")

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol, TypeAlias, runtime_checkable
 
 from ..events import Anomaly
-from ..probes import GradientExploded, GradientVanished, LossSpiked, NonFiniteDetected, TensorRole
+from ..probes import (
+    GradientExploded,
+    GradientVanished,
+    LossSpiked,
+    MemoryLeakSuspected,
+    NonFiniteDetected,
+    TensorRole,
+)
 from .events import ErrorCategory, ErrorRaised, RecoveryAction
 
 __all__ = (
@@ -23,6 +30,7 @@ __all__ = (
     "ClipOnExplosion",
     "DataLoaderFallback",
     "Decision",
+    "FreeMemoryOnLeak",
     "ModelLoadingFallback",
     "ReportVanishing",
     "RestoreLastGood",
@@ -41,6 +49,7 @@ STEP_ACTIONS: Final = frozenset(
         RecoveryAction.CLIP_GRADIENTS,
         RecoveryAction.SCALE_LR,
         RecoveryAction.RESTORE_STATE,
+        RecoveryAction.FREE_MEMORY,
     }
 )
 """Actions applied to the model/optimizer at a training loop's safe point."""
@@ -315,16 +324,62 @@ class ReportVanishing:
         if not isinstance(incident, GradientVanished):
             return None
         layers = ", ".join(incident.layers[:10]) or "all layers"
-        what = (
-            "all gradients are zero"
-            if incident.all_zero
-            else (f"mean |grad| {incident.mean_abs:.3g} < {incident.threshold:.3g}")
-        )
+        if incident.all_zero:
+            what = "all gradients are zero"
+        elif incident.mean_abs < incident.threshold:
+            what = f"mean |grad| {incident.mean_abs:.3g} < {incident.threshold:.3g}"
+        else:
+            what = (
+                f"mean |grad| below {incident.threshold:.3g} in {len(incident.layers)} "
+                f"parameter(s) (model mean {incident.mean_abs:.3g})"
+            )
         run = history.consecutive + 1
         raised = history.actions.get(RecoveryAction.SCALE_LR, 0)
         if self.lr_factor is not None and run % self.window == 0 and raised < self.max_raises:
             return _lr(self.lr_factor, f"{what} for {run} checks in a row; dead layers: {layers}")
         return Decision(action=RecoveryAction.CONTINUE, reason=f"{what}; dead layers: {layers}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FreeMemoryOnLeak:
+    """A suspected memory leak: free memory (gc, CUDA cache) at the next safe point, and report.
+
+    Freeing cannot fix a real leak (something still references the memory), but it releases
+    cycles and cached blocks and tells the log how much was reclaimable. After *max_frees* frees
+    over the run it only reports (``CONTINUE``): the incident stays visible, nothing loops.
+
+    Args:
+        max_frees: the most frees over the run.
+
+    Raises:
+        ValueError: if *max_frees* < 1.
+    """
+
+    max_frees: int = 3
+
+    def __post_init__(self) -> None:
+        _check_count("max_frees", self.max_frees)
+
+    def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Decision | None:
+        """FREE_MEMORY while under *max_frees*, then CONTINUE (report only)."""
+        if not isinstance(incident, MemoryLeakSuspected):
+            return None
+        what = (
+            f"{incident.resource} grows {incident.slope:.4g}/sample over {incident.window} samples"
+            + (f" ({incident.retained})" if incident.retained else "")
+        )
+        done = history.actions.get(RecoveryAction.FREE_MEMORY, 0)
+        if done >= self.max_frees:
+            return Decision(
+                action=RecoveryAction.CONTINUE,
+                reason=f"memory leak suspected: {what}; memory already freed {done} times, "
+                "reporting only",
+            )
+        return Decision(
+            action=RecoveryAction.FREE_MEMORY,
+            reason=f"memory leak suspected: {what}; free memory {done + 1}/{self.max_frees}",
+            parameters={"slope": float(incident.slope)},
+        )
 
 
 def _ctx_int(context: Mapping[str, str], key: str) -> int | None:

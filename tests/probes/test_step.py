@@ -33,7 +33,9 @@ def mse_step(model: nn.Module, seed: int) -> torch.Tensor:
 
 
 class TestHealthyTraining:
-    async def test_clean_steps_publish_telemetry_only(self, bus: EventBus, mlp: nn.Sequential) -> None:
+    async def test_clean_steps_publish_telemetry_only(
+        self, bus: EventBus, mlp: nn.Sequential
+    ) -> None:
         """A healthy loop publishes one StepChecked per step with the exact total norm."""
         probe = StepProbe(mlp, bus)
         opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
@@ -54,7 +56,9 @@ class TestHealthyTraining:
 
 
 class TestNonFinite:
-    async def test_nan_gradient_from_sqrt_at_zero_is_named(self, bus: EventBus, mlp: nn.Sequential) -> None:
+    async def test_nan_gradient_from_sqrt_at_zero_is_named(
+        self, bus: EventBus, mlp: nn.Sequential
+    ) -> None:
         """sqrt at 0 in the forward makes 0.weight's gradient NaN: named, counted, not the loss."""
         probe = StepProbe(mlp, bus)
         x, y = batch(0)
@@ -68,7 +72,9 @@ class TestNonFinite:
         assert event.step == 7 and event.role is TensorRole.GRADIENT
         assert event.names == ("0.weight",) and event.nan_count == 1 and event.inf_count == 0
 
-    async def test_log_zero_loss_is_reported_as_loss(self, bus: EventBus, mlp: nn.Sequential) -> None:
+    async def test_log_zero_loss_is_reported_as_loss(
+        self, bus: EventBus, mlp: nn.Sequential
+    ) -> None:
         """log(0) in the loss: the loss itself is reported, with its NaN/Inf count."""
         probe = StepProbe(mlp, bus)
         x, _ = batch(1)
@@ -78,10 +84,14 @@ class TestNonFinite:
             verdict = await probe.check_step(3, loss=loss)
         roles = {e.role for e in events if isinstance(e, NonFiniteDetected)}
         assert TensorRole.LOSS in roles and not verdict.finite
-        loss_event = next(e for e in events if isinstance(e, NonFiniteDetected) and e.role is TensorRole.LOSS)
+        loss_event = next(
+            e for e in events if isinstance(e, NonFiniteDetected) and e.role is TensorRole.LOSS
+        )
         assert loss_event.inf_count == 1 and loss_event.names == ("loss",)
 
-    async def test_inf_parameter_found_on_parameter_steps(self, bus: EventBus, mlp: nn.Sequential) -> None:
+    async def test_inf_parameter_found_on_parameter_steps(
+        self, bus: EventBus, mlp: nn.Sequential
+    ) -> None:
         """An Inf written into a parameter is reported with role PARAMETER and its name."""
         probe = StepProbe(mlp, bus, cadence=Cadence(param_every=2))
         with torch.no_grad():
@@ -165,7 +175,9 @@ class TestLossSpike:
                 await probe.check_step(step, loss=value)
         spikes = [e for e in events if isinstance(e, LossSpiked)]
         assert [(e.step, e.rule) for e in spikes] == [(10, "deviation"), (17, "sustained")]
-        assert spikes[0].running_mean == pytest.approx(1.0) and spikes[0].ratio == pytest.approx(5.0)
+        assert spikes[0].running_mean == pytest.approx(1.0) and spikes[0].ratio == pytest.approx(
+            5.0
+        )
 
 
 class TestModes:
@@ -215,7 +227,9 @@ class TestModes:
         assert set(checked[0].layer_grad_norms) == set(probe.parameter_names)
         ratios = checked[1].update_ratios
         assert set(ratios) == set(probe.parameter_names) and all(r > 0 for r in ratios.values())
-        assert set(checked[2].dead_fractions) == {"1"} and 0.0 <= checked[2].dead_fractions["1"] <= 1.0
+        assert (
+            set(checked[2].dead_fractions) == {"1"} and 0.0 <= checked[2].dead_fractions["1"] <= 1.0
+        )
         assert not probe._act_handles  # BASIC removed the EXTREME hooks
 
 
@@ -268,7 +282,9 @@ class TestBadInput:
             (0, "0.5", TypeError, "loss must be"),
         ],
     )
-    async def test_rejected(self, mlp: nn.Sequential, step: object, loss: object, error: type[Exception], match: str) -> None:
+    async def test_rejected(
+        self, mlp: nn.Sequential, step: object, loss: object, error: type[Exception], match: str
+    ) -> None:
         """Bad steps and losses raise with a message naming what was wrong."""
         probe = StepProbe(mlp)
         with pytest.raises(error, match=match):

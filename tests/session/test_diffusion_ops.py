@@ -21,8 +21,13 @@ class TestAnalyzePipeline:
     def test_mapping_counts_dtypes_and_shared_parameters(self) -> None:
         """Per-component counts, dtypes and devices; a shared module is counted once in total."""
         shared = nn.Linear(4, 4)
-        analysis = analyze_pipeline({"unet": nn.Sequential(shared, nn.ReLU()), "enc": shared,
-                                     "vae": nn.Linear(2, 2).double()})
+        analysis = analyze_pipeline(
+            {
+                "unet": nn.Sequential(shared, nn.ReLU()),
+                "enc": shared,
+                "vae": nn.Linear(2, 2).double(),
+            }
+        )
         by = {c.name: c for c in analysis.components}
         assert by["unet"].parameters == by["enc"].parameters == 20
         assert by["vae"].dtypes == ("float64",)
@@ -42,7 +47,7 @@ class TestAnalyzePipeline:
 
     def test_no_module(self) -> None:
         """Something holding no module is rejected with the type's name."""
-        with pytest.raises(TypeError, match="int holds no nn.Module"):
+        with pytest.raises(TypeError, match=r"int holds no nn\.Module"):
             analyze_pipeline(3)
 
 
@@ -54,7 +59,9 @@ class TestLatentMonitor:
         latents = torch.randn(1, 4, 8, 8)
         await monitor.acheck(latents, denoising_step=0, publish=bus.publish_nowait)
         await monitor.acheck(latents * 1.1, denoising_step=1, publish=bus.publish_nowait)
-        await monitor.acheck(latents * 11, denoising_step=2, timestep=500, publish=bus.publish_nowait)
+        await monitor.acheck(
+            latents * 11, denoising_step=2, timestep=500, publish=bus.publish_nowait
+        )
         bad = latents.clone()
         bad[0, 0, 0, 0] = math.nan
         await monitor.acheck(bad, denoising_step=3, publish=bus.publish_nowait)
@@ -63,7 +70,10 @@ class TestLatentMonitor:
         assert [c.finite for c in checked] == [True, True, True, False]
         assert checked[1].norm_ratio == pytest.approx(1.1, rel=1e-4)
         incidents = recorder.of_type(LatentAnomalyDetected)
-        assert [(i.denoising_step, i.rule) for i in incidents] == [(2, "norm_drift"), (3, "non_finite")]
+        assert [(i.denoising_step, i.rule) for i in incidents] == [
+            (2, "norm_drift"),
+            (3, "non_finite"),
+        ]
         assert incidents[0].timestep == 500 and incidents[1].nonfinite_count == 1
         assert len(monitor.norms) == 4
         monitor.reset()
@@ -97,9 +107,14 @@ class TestDebugContext:
         await bus.drain()
         events = recorder.of_type(OperationCompleted)
         assert [(e.name, e.step) for e in events] == [
-            ("block", 3), ("async_block", None), ("sync_fn", None), ("async_fn", 9)
+            ("block", 3),
+            ("async_block", None),
+            ("sync_fn", None),
+            ("async_fn", 9),
         ]
-        assert all(e.cuda_allocated_delta_bytes is None or torch.cuda.is_available() for e in events)
+        assert all(
+            e.cuda_allocated_delta_bytes is None or torch.cuda.is_available() for e in events
+        )
 
     def test_error_is_recorded_and_propagates(self) -> None:
         """An exception in the block is named in the event and not swallowed."""
@@ -111,7 +126,10 @@ class TestDebugContext:
     def test_detect_anomaly_catches_nan_backward(self) -> None:
         """With detect_anomaly a NaN produced in backward raises inside the block."""
         x = torch.tensor([0.0], requires_grad=True)
-        with pytest.raises(RuntimeError, match="nan"), debug_context("anomaly", detect_anomaly=True):
+        with (
+            pytest.raises(RuntimeError, match="nan"),
+            debug_context("anomaly", detect_anomaly=True),
+        ):
             (torch.sqrt(x) * 0).sum().backward()  # d sqrt(0) = inf, times 0 = nan
 
     def test_empty_name(self) -> None:

@@ -93,7 +93,10 @@ class TestOptimizedStep:
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         step = OptimizedStep(
-            model, opt, nn.functional.mse_loss, OptimizationMode.GRADIENT_ACCUMULATION,
+            model,
+            opt,
+            nn.functional.mse_loss,
+            OptimizationMode.GRADIENT_ACCUMULATION,
             accumulation_steps=3,
         )
         x, y = _data()
@@ -107,7 +110,10 @@ class TestOptimizedStep:
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         x, y = _data()
         step = OptimizedStep(
-            model, opt, nn.functional.mse_loss, OptimizationMode.GRADIENT_ACCUMULATION,
+            model,
+            opt,
+            nn.functional.mse_loss,
+            OptimizationMode.GRADIENT_ACCUMULATION,
             accumulation_steps=2,
         )
         step.forward_backward(x[:6], y[:6])
@@ -151,8 +157,12 @@ class TestOptimizedStep:
         """accumulation_steps < 1 is rejected with the value."""
         model = _model()
         with pytest.raises(ValueError, match="accumulation_steps must be >= 1, got 0"):
-            OptimizedStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss,
-                          accumulation_steps=0)
+            OptimizedStep(
+                model,
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                nn.functional.mse_loss,
+                accumulation_steps=0,
+            )
 
     def test_compile_returns_module_sharing_parameters(self) -> None:
         """COMPILE wraps the model lazily; the wrapper shares the original's parameters."""

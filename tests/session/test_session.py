@@ -84,8 +84,15 @@ class TestSession:
         model, opt = _setup()
         recorder = RecordingSink()
         async with Session(
-            model, opt, log_dir=None, report=False, alerts=False, recovery=False, bus=bus,
-            sinks=[recorder], level="off",
+            model,
+            opt,
+            log_dir=None,
+            report=False,
+            alerts=False,
+            recovery=False,
+            bus=bus,
+            sinks=[recorder],
+            level="off",
         ) as session:
             assert session.report is None and session.alerts is None and session.recovery is None
             x, y = _batch()
@@ -105,15 +112,24 @@ class TestSession:
         model, opt = _setup()
         recorder = RecordingSink()
         async with Session(
-            model, opt, log_dir=None, report=False, alerts=False, sinks=[recorder],
-            input_spec=InputSpec(ndim=2, max_abs=3.0), output_checker=OutputChecker(expected_range=(-1e-3, 1e-3)),
+            model,
+            opt,
+            log_dir=None,
+            report=False,
+            alerts=False,
+            sinks=[recorder],
+            input_spec=InputSpec(ndim=2, max_abs=3.0),
+            output_checker=OutputChecker(expected_range=(-1e-3, 1e-3)),
         ) as session:
             x, y = _batch()
             x[0, 0] = 50.0
             await session.training_step(x, y, nn.functional.mse_loss)
             with session.debug_context("eval"):
                 model(x)
-            assert await session.check_tensor_anomalies_async(torch.tensor([1.0, math.inf]), "acts") is False
+            assert (
+                await session.check_tensor_anomalies_async(torch.tensor([1.0, math.inf]), "acts")
+                is False
+            )
             await session.update_progress_async(step=5, loss=0.1, epoch=0)
         assert recorder.of_type(InputValidationFailed)[0].rule == "range"
         assert recorder.of_type(OperationCompleted)[0].step == 0
@@ -131,7 +147,7 @@ class TestSession:
     def test_bad_arguments(self) -> None:
         """Bad model, optimizer, or both level and mode are rejected with clear messages."""
         model, opt = _setup()
-        with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
             Session("model", opt)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="either level= or mode="):
             Session(model, opt, level="basic", mode="full")

@@ -53,7 +53,7 @@ class TestValidateInput:
 
     def test_not_a_tensor(self) -> None:
         """A list is rejected with a message naming the argument."""
-        with pytest.raises(TypeError, match="inputs must be a torch.Tensor, got list"):
+        with pytest.raises(TypeError, match=r"inputs must be a torch\.Tensor, got list"):
             validate_input([1.0], InputSpec())  # type: ignore[arg-type]
 
     def test_bad_spec(self) -> None:
@@ -63,10 +63,14 @@ class TestValidateInput:
 
 
 class TestInputValidator:
-    async def test_report_policy_publishes_incidents(self, bus: EventBus, recorder: RecordingSink) -> None:
+    async def test_report_policy_publishes_incidents(
+        self, bus: EventBus, recorder: RecordingSink
+    ) -> None:
         """Under REPORT each violation is an InputValidationFailed incident; nothing raises."""
         bus.subscribe(recorder)
-        validator = InputValidator(InputSpec(max_abs=10), policy=ValidationPolicy.REPORT, name="flows")
+        validator = InputValidator(
+            InputSpec(max_abs=10), policy=ValidationPolicy.REPORT, name="flows"
+        )
         out = validator.check(torch.tensor([math.nan, 100.0]), publish=bus.publish_nowait, step=7)
         await bus.drain()
         events = recorder.of_type(InputValidationFailed)
@@ -77,7 +81,7 @@ class TestInputValidator:
     def test_raise_policy(self) -> None:
         """Under RAISE an invalid batch raises with every violation in the message."""
         validator = InputValidator(InputSpec(ndim=2, max_abs=1.0))
-        with pytest.raises(InputValidationError, match="dimensions.*range") as info:
+        with pytest.raises(InputValidationError, match=r"dimensions.*range") as info:
             validator.check(torch.tensor([5.0]))
         assert len(info.value.violations) == 2
         assert isinstance(info.value, ValueError)
@@ -93,9 +97,13 @@ class TestOutputChecker:
         (e,) = OutputChecker().check(torch.tensor([[0.2, 0.8]] * 5))
         assert e.rule == "collapsed" and e.std == 0.0
 
-    def test_non_finite_and_range(self, ) -> None:
+    def test_non_finite_and_range(
+        self,
+    ) -> None:
         """NaN outputs and out-of-range values are separate incidents."""
-        events = OutputChecker(expected_range=(0, 1)).check(torch.tensor([[math.nan], [3.0], [0.5]]))
+        events = OutputChecker(expected_range=(0, 1)).check(
+            torch.tensor([[math.nan], [3.0], [0.5]])
+        )
         assert [e.rule for e in events] == ["non_finite", "range"]
         assert events[0].nonfinite_count == 1 and events[1].max_value == 3.0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, NoReturn, TypeAlias, final
+from typing import Any, Final, NoReturn, TypeAlias, final
 
 import structlog
 import torch
@@ -13,6 +13,8 @@ from torch import nn
 from ...exceptions import TrainingStopped
 from ..engine import DecidedAction, RecoveryEngine
 from ..events import RecoveryAction, RecoveryApplied, StepSkipped
+from ..lr import scale_learning_rate
+from ..memory import free_memory
 from .snapshot import NoGoodStateError, StateSnapshots
 
 __all__ = ("AgreeHook", "SafePoint", "StepDecision")
@@ -71,8 +73,9 @@ class SafePoint:
     It waits until the engine handled every incident published so far (only the engine: a slow
     report writer does not delay training), passes the pending decisions through the *agree*
     hook, then applies them in a fixed order: STOP (raises), RESTORE_STATE, SCALE_LR,
-    CLIP_GRADIENTS, SKIP_STEP. A step with no decision is a good step: it resets the strategies'
-    consecutive counts and may refresh the snapshot of the last good state.
+    FREE_MEMORY, CLIP_GRADIENTS, SKIP_STEP. A step with no decision to apply may refresh the
+    snapshot of the last good state; a step with no incident at all (not even one answered
+    with ``CONTINUE``) also resets the strategies' consecutive counts.
 
     Args:
         engine: the recovery engine.
@@ -80,9 +83,13 @@ class SafePoint:
         optimizer: its optimizer (learning rates, state).
         snapshots: where the last good state is kept; ``None`` keeps one every 50 good steps.
         agree: the distributed agreement hook (see :data:`AgreeHook`).
+        schedulers: LR schedulers of *optimizer*. SCALE_LR also scales the base LRs they
+            recompute from (``base_lrs``, ``initial_lr``, OneCycleLR's ``max_lr``/``min_lr``),
+            so LambdaLR or OneCycleLR do not undo the decision at their next ``step()``.
 
     Raises:
-        TypeError: if *engine*, *model* or *optimizer* has the wrong type.
+        TypeError: if *engine*, *model* or *optimizer* has the wrong type, or a scheduler has
+            no ``step()``.
     """
 
     def __init__(
@@ -93,6 +100,7 @@ class SafePoint:
         *,
         snapshots: StateSnapshots | None = None,
         agree: AgreeHook | None = None,
+        schedulers: Sequence[Any] = (),
     ) -> None:
         if not isinstance(engine, RecoveryEngine):
             msg = f"engine must be a RecoveryEngine, got {engine!r}"
@@ -106,6 +114,13 @@ class SafePoint:
         self.engine = engine
         self.model = model
         self.optimizer = optimizer
+        for scheduler in schedulers:
+            if not callable(getattr(scheduler, "step", None)):
+                msg = (
+                    f"schedulers must hold LR schedulers (with a step() method), got {scheduler!r}"
+                )
+                raise TypeError(msg)
+        self.schedulers: tuple[Any, ...] = tuple(schedulers)
         self.snapshots = snapshots if snapshots is not None else StateSnapshots()
         self._agree = agree if agree is not None else _identity
         self._skip_remaining = 0
@@ -135,12 +150,16 @@ class SafePoint:
     # -- applying ----------------------------------------------------------------------------
 
     def _apply(self, step: int) -> StepDecision:
-        decided = list(self._agree(self.engine.take_pending()))
+        engine = self.engine
+        pending = engine.take_pending()
+        noted = engine.take_noted()
+        decided = list(self._agree(pending)) if pending or self._agree is not _identity else []
         if not decided:
             if self._skip_remaining > 0:
                 self._skip_remaining -= 1
                 return self._skip(step, self._skip_reason, (), ())
-            self.engine.mark_good()
+            if not noted:
+                engine.mark_good()
             self.snapshots.maybe_capture(step, self.model, self.optimizer)
             return StepDecision(step=step, should_step=True)
         actions: list[RecoveryAction] = []
@@ -175,16 +194,16 @@ class SafePoint:
         for d in by_action.get(RecoveryAction.SCALE_LR, ()):
             lr_factor *= float(d.decision.parameters.get("lr_factor", 1.0))
         if lr_factor != 1.0:
-            before = [float(g["lr"]) for g in self.optimizer.param_groups]
-            for group in self.optimizer.param_groups:
-                group["lr"] = group["lr"] * lr_factor
-            after = [float(g["lr"]) for g in self.optimizer.param_groups]
-            detail = (
-                f"lr x{lr_factor:g}: {_fmt(before)} -> {_fmt(after)} "
-                f"in {len(self.optimizer.param_groups)} param group(s)"
-            )
+            detail = scale_learning_rate(self.optimizer, lr_factor, self.schedulers)
             self._publish(step, RecoveryAction.SCALE_LR, detail, "applied")
             actions.append(RecoveryAction.SCALE_LR)
+            details.append(detail)
+
+        if RecoveryAction.FREE_MEMORY in by_action:
+            detail = free_memory().describe()
+            self._publish(step, RecoveryAction.FREE_MEMORY, detail, "applied")
+            _log.info("memory_freed", step=step, detail=detail)
+            actions.append(RecoveryAction.FREE_MEMORY)
             details.append(detail)
 
         clips = by_action.get(RecoveryAction.CLIP_GRADIENTS, ())
@@ -242,10 +261,3 @@ class SafePoint:
         self.engine.publish(
             RecoveryApplied(source=SOURCE, step=step, action=action, detail=detail, outcome=outcome)
         )
-
-
-def _fmt(values: Sequence[float]) -> str:
-    shown = sorted(set(values))
-    if len(shown) == 1:
-        return f"{shown[0]:.4g}"
-    return "[" + ", ".join(f"{v:.4g}" for v in values) + "]"

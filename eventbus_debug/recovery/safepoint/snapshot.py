@@ -16,6 +16,8 @@ import structlog
 import torch
 from torch import nn
 
+from ..lr import GROUP_LR_KEYS
+
 __all__ = ("NoGoodStateError", "StateSnapshots")
 
 _log = structlog.get_logger("eventbus_debug")
@@ -111,8 +113,9 @@ class StateSnapshots:
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int | None:
         """Load the held state into *model* and *optimizer*; returns its step.
 
-        The learning rates the optimizer has now are kept (a restore undoes the weights and
-        the optimizer's moments, not the LR decisions taken since).
+        The learning rates the optimizer has now are kept, with the scheduler keys
+        ``initial_lr``/``max_lr``/``min_lr`` (a restore undoes the weights and the optimizer's
+        moments, not the LR decisions taken since).
 
         Raises:
             NoGoodStateError: if no good state was captured or loaded.
@@ -125,10 +128,11 @@ class StateSnapshots:
             raise NoGoodStateError(msg)
         model.load_state_dict(self._model)
         if optimizer is not None and self._optimizer is not None:
-            lrs = [g["lr"] for g in optimizer.param_groups]
+            keys = ("lr", *GROUP_LR_KEYS)
+            lrs = [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
             optimizer.load_state_dict(copy.deepcopy(self._optimizer))
-            for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-                group["lr"] = lr
+            for group, kept in zip(optimizer.param_groups, lrs, strict=True):
+                group.update(kept)
         self.restores += 1
         self._good_since = 0
         _log.info("state_restored", step=self._step)

@@ -1,0 +1,117 @@
+"""Cost of the report writer's aggregation and of the alert sink's rule matching, per event.
+
+Both run in their sink's own task, never in the training step; the figures say how much event
+rate one core can absorb. Each is printed next to a baseline measured in the same run (a
+handler that only counts), as a ratio.
+
+    .venv/bin/python benchmarks/bench_report_alerts.py [--steps 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+
+import anyio
+
+from eventbus_debug import (
+    GradientExploded,
+    MemorySampled,
+    NonFiniteDetected,
+    StepChecked,
+    SystemSampled,
+    TensorRole,
+)
+from eventbus_debug.events import Event, StepCompleted
+from sinks import AlertSink, RunAggregator, rules, summarize
+from sinks.report_html import render_html
+
+
+def stream(steps: int) -> list[Event]:
+    out: list[Event] = []
+    for step in range(steps):
+        loss = math.nan if step % 997 == 0 else 1.0 / (step + 1)
+        out.append(StepChecked(step=step, loss=loss, grad_norm=1.0 + (step % 7)))
+        out.append(StepCompleted(step=step, loss=loss))
+        if step % 10 == 0:
+            out.append(MemorySampled(step=step, rss_bytes=100_000_000 + step))
+            out.append(SystemSampled(cpu_percent=50.0, memory_percent=40.0, disk_percent=10.0))
+        if step % 997 == 0:
+            out.append(NonFiniteDetected(step=step, role=TensorRole.LOSS, names=("loss",)))
+        if step % 501 == 0:
+            out.append(GradientExploded(step=step, total_norm=1e4, threshold=10.0))
+    return out
+
+
+def timed(fn: Callable[[], object], repeat: int = 3) -> float:
+    best = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+class _Null:
+    def publish_nowait(self, event: Event, /) -> None:
+        pass
+
+
+async def main(steps: int) -> None:
+    events = stream(steps)
+    n = len(events)
+
+    counted = [0]
+
+    def baseline() -> None:
+        for e in events:
+            counted[0] += e.seq
+
+    def aggregate() -> None:
+        agg = RunAggregator()
+        for e in events:
+            agg.add(e)
+        agg.summary()
+
+    base = timed(baseline)
+    agg = timed(aggregate)
+    summary = summarize(events)
+    html = timed(lambda: render_html(summary))
+
+    sink = AlertSink(_Null(), flush_interval=None)
+    for rule in rules.defaults():
+        sink.add_rule(rule, lambda alert: None)
+
+    async def noop(event: Event) -> None:
+        counted[0] += 1
+
+    t0 = time.perf_counter()
+    for e in events:
+        await noop(e)
+    alert_base = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for e in events:
+        await sink.handle(e)
+    alert = time.perf_counter() - t0
+
+    print(f"events: {n} ({steps} steps)")
+    print(
+        f"RunAggregator.add     {agg / n * 1e6:7.2f} us/event  "
+        f"(baseline loop {base / n * 1e6:.3f} us/event, ratio {agg / base:.0f}x)"
+    )
+    print(
+        f"render_html           {html * 1e3:7.1f} ms for the whole run ({len(render_html(summary)) // 1024} KiB)"
+    )
+    print(
+        f"AlertSink.handle      {alert / n * 1e6:7.2f} us/event with the 5 default rules "
+        f"(async no-op {alert_base / n * 1e6:.3f} us/event, ratio {alert / alert_base:.0f}x); "
+        f"{sink.statistics().delivered} deliveries, {sink.statistics().suppressed} suppressed"
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=20_000)
+    anyio.run(main, parser.parse_args().steps)

@@ -1,0 +1,86 @@
+"""Every example runs, with small sizes, so none can rot."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+
+
+def test_every_example_is_tested() -> None:
+    """Each file in examples/ has a test here."""
+    tested = {
+        "sync_training_loop",
+        "custom_sink",
+        "alert_handlers",
+        "error_recovery",
+        "security_input_validation",
+        "ads_diffusion_debugging",
+        "email_sequence_optimizer",
+    }
+    assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
+
+
+def test_sync_training_loop(tmp_path: Path) -> None:
+    """The plain loop logs every step and skips the NaN one."""
+    out = _load("sync_training_loop").main(30, str(tmp_path / "logs"))
+    assert out["skipped"] == 1 and out["events"] > 60
+
+
+async def test_custom_sink() -> None:
+    """The custom sink sees every step and is closed."""
+    average = await _load("custom_sink").main(20)
+    assert 0 < average < 10
+
+
+async def test_alert_handlers() -> None:
+    """Both handlers fire: NaN pages, explosion notes."""
+    received = await _load("alert_handlers").main(40)
+    assert any(r.startswith("page:") for r in received)
+    assert any(r.startswith("note:") for r in received)
+
+
+async def test_error_recovery() -> None:
+    """OOM shrinks the batch, timeouts are retried, the corrupt batch's step is skipped."""
+    counts = await _load("error_recovery").main(24)
+    assert counts["batch_size"] == 32 and counts["shrink_batch"] >= 1
+    assert counts["retries"] >= 2 and counts["skipped_steps"] >= 1
+
+
+async def test_security_input_validation() -> None:
+    """Both corrupt batches are rejected; the dead model's outputs are reported as collapsed."""
+    out = await _load("security_input_validation").main(24, 32)
+    assert out["rejected"] == 2 and out["validation_incidents"] == 2
+    assert out["output_anomalies"] >= 1
+
+
+async def test_ads_diffusion_debugging() -> None:
+    """The broken sample's latent drift is reported as an incident."""
+    out = await _load("ads_diffusion_debugging").main(5, 12, 8)
+    assert out["components"] == 2 and out["incidents"] >= 1
+
+
+async def test_email_sequence_optimizer(tmp_path: Path) -> None:
+    """results = await trainer.train() returns validated results and writes the report."""
+    results = await _load("email_sequence_optimizer").main(2, 128, str(tmp_path / "email"))
+    assert results.epochs_run == 2 and len(results.history) == 2
+    assert (tmp_path / "email" / "report.html").exists()
