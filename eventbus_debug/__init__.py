@@ -7,6 +7,9 @@ training loop.
 
 from __future__ import annotations
 
+# Feature packages re-export their public names here; each owns its own __all__, so adding a
+# feature never means editing this file.
+from . import probes as probes, recovery as recovery, session as _session_mod
 from ._bus import (
     BusStatistics as BusStatistics,
     EventBus as EventBus,
@@ -19,6 +22,7 @@ from ._sync import (
 from .encoding import (
     decode_event as decode_event,
     encode_event as encode_event,
+    encode_events as encode_events,
 )
 from .events import (
     Anomaly as Anomaly,
@@ -51,18 +55,14 @@ from .logfile import (
     log_files as log_files,
     read_events as read_events,
 )
+from .probes import *  # noqa: F403
+from .recovery import *  # noqa: F403
+from .session import *  # noqa: F403
 from .typing import (
     BatchSink as BatchSink,
     Handler as Handler,
     Sink as Sink,
 )
-
-# Feature packages re-export their public names here; each owns its own __all__, so adding a
-# feature never means editing this file.
-from . import probes as probes, recovery as recovery, session as _session_mod
-from .probes import *  # noqa: F403
-from .recovery import *  # noqa: F403
-from .session import *  # noqa: F403
 
 __version__ = "0.1.0"
 
@@ -96,6 +96,7 @@ _CORE = (
     "current_rank",
     "decode_event",
     "encode_event",
+    "encode_events",
     "event_type",
     "event_types",
     "log_file_name",
@@ -104,4 +105,4 @@ _CORE = (
     "refresh_rank",
 )
 
-__all__ = (*_CORE, *probes.__all__, *recovery.__all__, *_session_mod.__all__)  # noqa: PLE0604
+__all__ = (*_CORE, *probes.__all__, *recovery.__all__, *_session_mod.__all__)

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import datetime as _dt
 import gzip
+import importlib
 import math
 import sys
 import time
@@ -320,7 +321,7 @@ class LogFollower:
 
 def _cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
     try:
-        from . import demo
+        demo = importlib.import_module(f"{__package__}.demo")
     except ImportError as exc:
         msg = f"the demo is not available in this installation ({exc})"
         raise CommandError(msg) from None

@@ -11,4 +11,4 @@ from .console import *  # noqa: F403
 from .report import *  # noqa: F403
 from .rotating_file import *  # noqa: F403
 
-__all__ = (*_rf.__all__, *_console.__all__, *_alerts.__all__, *_report.__all__)  # noqa: PLE0604
+__all__ = (*_rf.__all__, *_console.__all__, *_alerts.__all__, *_report.__all__)

@@ -320,9 +320,8 @@ class AlertSink:
         timeout: seconds each handler call may take before it is cancelled (sync handlers are
             abandoned in their worker thread).
         clock: a monotonic clock in seconds; inject a fake one in tests.
-        flush_interval: how often, in real seconds, the sink looks for summaries whose
-            cooldown ended while no new event arrived; ``None`` disables the background check
-            (call :meth:`flush` yourself).
+        flush_interval: how often, in real seconds, :meth:`run_flusher` looks for summaries
+            whose cooldown ended while no new event arrived (``None``: the default, 1 s).
         name: the ``source`` of the incidents this sink publishes.
 
     Raises:

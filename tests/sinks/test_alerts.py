@@ -134,6 +134,29 @@ class TestCooldown:
         await sink.aclose()
         assert [(a.count, a.summary) for a in got] == [(1, False), (4, True)]
 
+    async def test_run_flusher_delivers_summaries_when_events_stop(self, clock: FakeClock) -> None:
+        """With run_flusher in a task group, a summary goes out once the cooldown is over even
+        though no further event arrives."""
+        sink = AlertSink(_NullBus(), clock=clock, flush_interval=0.01)
+        got: list[Alert] = []
+        summary_seen = anyio.Event()
+
+        async def handler(alert: Alert) -> None:
+            got.append(alert)
+            if alert.summary:
+                summary_seen.set()
+
+        sink.add_rule(AlertRule(event_types=(GradientExploded,), cooldown=30.0), handler)
+        for i in range(3):
+            await sink.handle(explosion(i))
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                await tg.start(sink.run_flusher)
+                clock.now += 30.0
+                await summary_seen.wait()
+                tg.cancel_scope.cancel()
+        assert [(a.count, a.summary) for a in got] == [(1, False), (2, True)]
+
 
 class TestRateLimit:
     async def test_rate_limit_caps_deliveries_per_window(self, clock: FakeClock) -> None:

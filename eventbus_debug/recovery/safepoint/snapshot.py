@@ -41,6 +41,27 @@ def _all_finite(model: nn.Module) -> bool:
     return bool(torch.isfinite(torch.stack(norms)).all().item())
 
 
+def _copy_tree(old: Any, new: Any) -> Any:
+    """A deep copy of *new* (a state dict), reusing *old*'s tensors where shapes match."""
+    if isinstance(new, torch.Tensor):
+        if (
+            isinstance(old, torch.Tensor)
+            and old.shape == new.shape
+            and old.dtype == new.dtype
+            and old.device == new.device
+        ):
+            return old.copy_(new.detach())
+        return new.detach().clone()
+    if isinstance(new, Mapping):
+        prev = old if isinstance(old, Mapping) else {}
+        return {k: _copy_tree(prev.get(k), v) for k, v in new.items()}
+    if isinstance(new, (list, tuple)):
+        prev_seq = old if isinstance(old, (list, tuple)) and len(old) == len(new) else ()
+        items = [_copy_tree(prev_seq[i] if prev_seq else None, v) for i, v in enumerate(new)]
+        return items if isinstance(new, list) else tuple(items)
+    return copy.deepcopy(new)
+
+
 @final
 class StateSnapshots:
     """Keeps the last good state of a model and its optimizer, to restore after a fault.
@@ -103,8 +124,11 @@ class StateSnapshots:
         if not _all_finite(model):
             _log.warning("snapshot_refused", step=step, reason="non-finite parameters")
             return False
-        self._model = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self._optimizer = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+        # Copy into the previous snapshot's buffers when the shapes match (no allocation).
+        self._model = _copy_tree(self._model, model.state_dict())
+        self._optimizer = (
+            _copy_tree(self._optimizer, optimizer.state_dict()) if optimizer is not None else None
+        )
         self._step = step
         self._good_since = 0
         self.captures += 1
