@@ -371,6 +371,7 @@ class RecoveryEngine:
         self._lock = threading.Lock()
         self._pending: list[DecidedAction] = []
         self._noted = 0
+        self._counting = False  # some strategy has a consecutive count > 0
         self._calls: dict[str, list[DecidedAction]] = {}
         self._stop_reason: str | None = None
         self._incidents = 0
@@ -488,6 +489,7 @@ class RecoveryEngine:
                 continue
             if decisions:
                 reg.record(incident.step, decisions)
+                self._counting = True
                 strategy = reg.name
                 break
         if not matched:
@@ -557,6 +559,8 @@ class RecoveryEngine:
 
     def take_pending(self) -> tuple[DecidedAction, ...]:
         """Remove and return the step-level decisions not applied yet (for safe points)."""
+        if not self._pending:  # the healthy-step fast path: no lock
+            return ()
         with self._lock:
             out = tuple(self._pending)
             self._pending.clear()
@@ -575,15 +579,20 @@ class RecoveryEngine:
         (a dead layer reported on every step is a run of consecutive incidents, not a good step).
         Errors of retried calls are not counted: they belong to the call, not to the step.
         """
+        if not self._noted:
+            return 0
         with self._lock:
             noted, self._noted = self._noted, 0
         return noted
 
     def mark_good(self) -> None:
         """A step passed with no incident: every strategy's consecutive count restarts."""
+        if not self._counting:
+            return
         with self._lock:
             for reg in self._registrations:
                 reg.consecutive = 0
+            self._counting = False
 
     def error_event(
         self,

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -55,7 +56,7 @@ def scripted_events(steps: int = 20) -> list[Event]:
     out: list[Event] = []
     seq = 0
 
-    def add(event_cls: type[Event], step: int | None, at: int = -1, **fields: object) -> None:
+    def add(event_cls: type[Event], step: int | None, at: int = -1, **fields: Any) -> None:
         nonlocal seq
         seq += 1
         at = step if step is not None else max(at, 0)
