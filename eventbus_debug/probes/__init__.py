@@ -39,7 +39,29 @@ from .localize import (
     debug_backward_pass,
     debug_forward_pass,
 )
+from .memory import (
+    LeakDetector,
+    LeakThresholds,
+    MemoryDelta,
+    MemoryProfile,
+    MemorySnapshot,
+    TensorCensus,
+    cuda_memory_history,
+    memory_snapshot,
+    memory_tracking,
+    profile_memory,
+    tensor_census,
+)
+from .profiler import ProfileSchedule, StepProfiler, TraceStore, profiling
 from .step import StepProbe, StepVerdict
+from .system import (
+    MetricSummary,
+    ResourceThresholds,
+    SystemReading,
+    SystemSampler,
+    SystemSummary,
+    read_system,
+)
 from .tensor import TensorStats, analyze_tensor
 
 __all__: tuple[str, ...] = (
@@ -68,6 +90,28 @@ __all__: tuple[str, ...] = (
     "debug_forward_pass",
     "monitor_training_step",
     "replay_with_anomaly_detection",
+    # memory, system, profiler
+    "LeakDetector",
+    "LeakThresholds",
+    "MemoryDelta",
+    "MemoryProfile",
+    "MemorySnapshot",
+    "MetricSummary",
+    "ProfileSchedule",
+    "ResourceThresholds",
+    "StepProfiler",
+    "SystemReading",
+    "SystemSampler",
+    "SystemSummary",
+    "TensorCensus",
+    "TraceStore",
+    "cuda_memory_history",
+    "memory_snapshot",
+    "memory_tracking",
+    "profile_memory",
+    "profiling",
+    "read_system",
+    "tensor_census",
     "AnomalyLocalized",
     "AutogradAnomalyDetected",
     "DebugLevel",

@@ -38,7 +38,7 @@ def dead_relu_model() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, t
         nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)
     )
     with torch.no_grad():
-        model[0].bias.fill_(-10.0)  # type: ignore[index]
+        model[0].bias.fill_(-10.0)  # type: ignore[index,operator]
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x = torch.randn(64, 4)
     return model, opt, x, x.sum(dim=1, keepdim=True)

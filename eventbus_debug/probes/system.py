@@ -1,0 +1,367 @@
+"""The system-resource sampler: CPU, memory, disk (and GPU through NVML) on a timer.
+
+Seed 000's ``PerformanceMonitor``, off the training path: the sampler runs as its own task,
+its psutil / NVML calls run in a worker thread (``anyio.to_thread.run_sync``), and it publishes
+:class:`~eventbus_debug.SystemSampled` telemetry plus a
+:class:`~eventbus_debug.ResourceThresholdExceeded` incident when a metric crosses its threshold
+(once per crossing: the metric must fall back below ``threshold - hysteresis`` to re-arm).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Final
+
+import anyio
+import anyio.abc
+import psutil
+import structlog
+from typing_extensions import Self
+
+from .._bus import EventBus
+from .._sync import SyncEventBus
+from ._publish import Publish, publisher_for
+from .events import ResourceThresholdExceeded, SystemSampled
+
+__all__ = (
+    "MetricSummary",
+    "ResourceThresholds",
+    "SystemReading",
+    "SystemSampler",
+    "SystemSummary",
+    "read_system",
+)
+
+_log = structlog.get_logger("eventbus_debug")
+
+METRICS: Final = (
+    "cpu_percent",
+    "memory_percent",
+    "disk_percent",
+    "gpu_utilization",
+    "gpu_memory_percent",
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SystemReading:
+    """One reading of the host (and GPU) utilisation, in percent.
+
+    Attributes:
+        cpu_percent: system-wide CPU utilisation since the previous reading.
+        memory_percent: used virtual memory.
+        disk_percent: used space of the sampled disk.
+        gpu_utilization: the busiest GPU's utilisation (None without NVML).
+        gpu_memory_percent: the fullest GPU's memory use (None without NVML).
+    """
+
+    cpu_percent: float
+    memory_percent: float
+    disk_percent: float
+    gpu_utilization: float | None = None
+    gpu_memory_percent: float | None = None
+
+    def value(self, metric: str) -> float | None:
+        """The reading of *metric* (one of ``METRICS``)."""
+        return getattr(self, metric)  # type: ignore[no-any-return]
+
+
+def _nvml() -> Any:
+    """The NVML module when ``pynvml`` is importable and a driver answers, else None."""
+    try:
+        import pynvml  # type: ignore[import-not-found,unused-ignore]  # noqa: PLC0415
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no package, no driver, no GPU: no GPU metrics
+        return None
+    return pynvml
+
+
+def _gpu_reading(nvml: Any) -> tuple[float | None, float | None]:
+    if nvml is None:
+        return None, None
+    try:
+        util = 0.0
+        mem = 0.0
+        for i in range(int(nvml.nvmlDeviceGetCount())):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            util = max(util, float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
+            info = nvml.nvmlDeviceGetMemoryInfo(handle)
+            mem = max(mem, 100.0 * float(info.used) / float(info.total or 1))
+    except Exception:  # noqa: BLE001 - a driver error mid-run: report no GPU metrics
+        return None, None
+    return util, mem
+
+
+def read_system(disk_path: str = "/", *, nvml: Any = None) -> SystemReading:
+    """Read CPU, memory and disk use now (blocking: call it from a worker thread).
+
+    The CPU figure is the utilisation since the previous call in this process (the first call
+    of a process reads 0.0).
+
+    Args:
+        disk_path: the path whose disk is sampled.
+        nvml: an initialised ``pynvml`` module for GPU metrics (None: no GPU metrics).
+    """
+    gpu_util, gpu_mem = _gpu_reading(nvml)
+    return SystemReading(
+        cpu_percent=float(psutil.cpu_percent(interval=None)),
+        memory_percent=float(psutil.virtual_memory().percent),
+        disk_percent=float(psutil.disk_usage(disk_path).percent),
+        gpu_utilization=gpu_util,
+        gpu_memory_percent=gpu_mem,
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResourceThresholds:
+    """The percentages above which a metric is an incident (None: never).
+
+    Attributes:
+        cpu_percent: default 90.
+        memory_percent: default 90.
+        disk_percent: default 95.
+        gpu_utilization: default None (a busy GPU is what training wants).
+        gpu_memory_percent: default 95.
+        hysteresis: a metric that fired re-arms only once it fell below
+            ``threshold - hysteresis`` (so a sustained condition is one incident).
+    """
+
+    cpu_percent: float | None = 90.0
+    memory_percent: float | None = 90.0
+    disk_percent: float | None = 95.0
+    gpu_utilization: float | None = None
+    gpu_memory_percent: float | None = 95.0
+    hysteresis: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not (self.hysteresis >= 0 and math.isfinite(self.hysteresis)):
+            msg = f"hysteresis must be a finite number >= 0, got {self.hysteresis!r}"
+            raise ValueError(msg)
+
+    def threshold(self, metric: str) -> float | None:
+        """The threshold of *metric*."""
+        return getattr(self, metric)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricSummary:
+    """Mean, minimum and maximum of one metric over the sampled period."""
+
+    mean: float
+    min: float
+    max: float
+    samples: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SystemSummary:
+    """Seed 000's ``get_performance_summary``: statistics per metric over the sampled period.
+
+    Attributes:
+        samples: how many readings were taken.
+        start_ns: when the first reading was taken (``time.time_ns()``; 0 with no reading).
+        end_ns: when the last one was taken.
+        metrics: per metric name, its :class:`MetricSummary` (metrics never read are absent).
+        incidents: how many threshold incidents were published.
+    """
+
+    samples: int
+    start_ns: int
+    end_ns: int
+    metrics: Mapping[str, MetricSummary] = field(default_factory=dict)
+    incidents: int = 0
+
+    @property
+    def span_s(self) -> float:
+        """Seconds between the first and the last reading."""
+        return (self.end_ns - self.start_ns) / 1e9
+
+
+@dataclass(slots=True)
+class _Acc:
+    total: float = 0.0
+    low: float = math.inf
+    high: float = -math.inf
+    n: int = 0
+
+    def add(self, v: float) -> None:
+        self.total += v
+        self.low = min(self.low, v)
+        self.high = max(self.high, v)
+        self.n += 1
+
+
+class SystemSampler:
+    """Sample the system every *interval* seconds, off the training path.
+
+    Run it as a task: ``async with SystemSampler(bus):`` (it starts its own task group) or
+    ``tg.start_soon(sampler.run)`` in yours. Each reading runs in a worker thread and is
+    published as a :class:`~eventbus_debug.SystemSampled`; a metric above its threshold
+    publishes one :class:`~eventbus_debug.ResourceThresholdExceeded` per crossing.
+
+    Args:
+        bus: the bus to publish onto (an :class:`~eventbus_debug.EventBus`; None: only
+            :meth:`summary`).
+        interval: seconds between readings.
+        thresholds: the incident thresholds (defaults: CPU and memory 90 %).
+        sample: a function returning a :class:`SystemReading` (default: :func:`read_system`
+            with NVML when ``pynvml`` is installed); tests inject fake readings here.
+        disk_path: the path whose disk is sampled by the default reader.
+        step: a function giving the current training step, stamped on the events.
+        source: the events' source.
+
+    Raises:
+        ValueError: if *interval* is not a positive finite number.
+        TypeError: if *bus* is not an EventBus, a SyncEventBus or None.
+    """
+
+    def __init__(
+        self,
+        bus: EventBus | SyncEventBus | None = None,
+        *,
+        interval: float = 10.0,
+        thresholds: ResourceThresholds | None = None,
+        sample: Callable[[], SystemReading] | None = None,
+        disk_path: str = "/",
+        step: Callable[[], int | None] | None = None,
+        source: str = "system_sampler",
+    ) -> None:
+        if not (isinstance(interval, int | float) and math.isfinite(interval) and interval > 0):
+            msg = f"interval must be a positive number of seconds, got {interval!r}"
+            raise ValueError(msg)
+        self.interval = float(interval)
+        self.thresholds = thresholds or ResourceThresholds()
+        self._publish: Publish = publisher_for(bus)
+        self._sample = sample
+        self._disk_path = disk_path
+        self._step = step
+        self.source = source
+        self._acc: dict[str, _Acc] = {}
+        self._fired: set[str] = set()
+        self._first_ns = 0
+        self._last_ns = 0
+        self._samples = 0
+        self._incidents = 0
+        self._nvml: Any = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self.last: SystemReading | None = None
+        """The latest reading (None before the first)."""
+
+    def _read(self) -> SystemReading:
+        if self._sample is not None:
+            return self._sample()
+        return read_system(self._disk_path, nvml=self._nvml)
+
+    async def sample_once(self) -> SystemReading:
+        """Take one reading now (in a worker thread), publish it and check the thresholds."""
+        reading = await anyio.to_thread.run_sync(self._read)
+        self._record(reading)
+        return reading
+
+    def _record(self, reading: SystemReading) -> None:
+        now = time.time_ns()
+        if not self._samples:
+            self._first_ns = now
+        self._last_ns = now
+        self._samples += 1
+        self.last = reading
+        step = self._step() if self._step is not None else None
+        self._publish(
+            SystemSampled(
+                step=step,
+                source=self.source,
+                cpu_percent=reading.cpu_percent,
+                memory_percent=reading.memory_percent,
+                disk_percent=reading.disk_percent,
+                gpu_utilization=reading.gpu_utilization,
+                gpu_memory_percent=reading.gpu_memory_percent,
+            )
+        )
+        for metric in METRICS:
+            value = reading.value(metric)
+            if value is None:
+                continue
+            self._acc.setdefault(metric, _Acc()).add(value)
+            limit = self.thresholds.threshold(metric)
+            if limit is None:
+                continue
+            if metric in self._fired:
+                if value < limit - self.thresholds.hysteresis:
+                    self._fired.discard(metric)
+                continue
+            if value > limit:
+                self._fired.add(metric)
+                self._incidents += 1
+                _log.info("resource_threshold_exceeded", metric=metric, value=value)
+                self._publish(
+                    ResourceThresholdExceeded(
+                        step=step,
+                        source=self.source,
+                        metric=metric,
+                        value=value,
+                        threshold=limit,
+                    )
+                )
+
+    async def run(
+        self,
+        *,
+        limit: int | None = None,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Sample every :attr:`interval` seconds until cancelled (or *limit* readings).
+
+        The first reading is taken at once; ``await tg.start(sampler.run)`` returns after it.
+        """
+        if self._sample is None and self._nvml is None:
+            self._nvml = await anyio.to_thread.run_sync(_nvml)
+        await self.sample_once()
+        task_status.started()
+        taken = 1
+        while limit is None or taken < limit:
+            await anyio.sleep(self.interval)
+            await self.sample_once()
+            taken += 1
+
+    def summary(self) -> SystemSummary:
+        """Mean / min / max per metric, the time span and the number of readings so far."""
+        return SystemSummary(
+            samples=self._samples,
+            start_ns=self._first_ns,
+            end_ns=self._last_ns,
+            metrics={
+                m: MetricSummary(mean=a.total / a.n, min=a.low, max=a.high, samples=a.n)
+                for m, a in self._acc.items()
+            },
+            incidents=self._incidents,
+        )
+
+    async def __aenter__(self) -> Self:
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        try:
+            await tg.start(self.run)
+        except BaseException:
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+            self._tg = None
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        tg, self._tg = self._tg, None
+        if tg is None:
+            return
+        tg.cancel_scope.cancel()
+        await tg.__aexit__(None, None, None)
