@@ -706,6 +706,22 @@ class EventBus:
                 return False
         return True
 
+    def has_undispatched(self, *event_types: type[Event]) -> bool:
+        """Whether an event of *event_types* (any, when none) was published but not dispatched.
+
+        Cheap (no await): it looks at the publisher-side buffers only. Events published from
+        other threads count as undispatched until the dispatcher picks them up. A safe point
+        uses it to skip a drain when nothing it cares about is in flight.
+        """
+        if self._thread_queue:
+            if not event_types:
+                return True
+            if any(isinstance(e, event_types) for e in tuple(self._thread_queue)):
+                return True
+        if not event_types:
+            return bool(self._buffer)
+        return any(isinstance(e, event_types) for e in self._buffer)
+
     def statistics(self) -> BusStatistics:
         """A snapshot of the bus's counters and of every subscription's."""
         return BusStatistics(

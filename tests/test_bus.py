@@ -593,6 +593,21 @@ class TestDrain:
             await bus.drain()
             await bus.drain(timeout=1.0)
 
+    async def test_has_undispatched_filters_by_type(self, bus: EventBus) -> None:
+        """has_undispatched sees published-but-not-dispatched events, by type, until dispatch."""
+        bus.subscribe(RecordingSink())
+        assert not bus.has_undispatched()
+        bus.publish_nowait(StepCompleted(step=0))
+        assert bus.has_undispatched()
+        assert bus.has_undispatched(StepCompleted)
+        assert not bus.has_undispatched(SinkFailed)
+        await bus.drain()
+        assert not bus.has_undispatched(StepCompleted)
+        bus.publish_threadsafe(_Alarm(step=1), wake=False)
+        assert bus.has_undispatched(_Alarm)
+        await bus.drain()
+        assert not bus.has_undispatched()
+
     async def test_drain_after_close_returns(self) -> None:
         """drain on a closed bus returns (everything was delivered by close)."""
         async with EventBus() as bus:

@@ -120,7 +120,7 @@ def _live_tensors() -> Iterator[torch.Tensor]:
             try:
                 if isinstance(obj, torch.Tensor):
                     yield obj
-            except Exception:  # noqa: BLE001,S112 - exotic proxies may raise on isinstance
+            except Exception:
                 continue
 
 
@@ -218,7 +218,7 @@ class MemoryDelta:
         return _diff(self.before.graph_tensors, self.after.graph_tensors)
 
 
-class memory_tracking:  # noqa: N801 - used like a function: `with memory_tracking("fwd"):`
+class memory_tracking:
     """Compare memory before and after a block: ``with`` or ``async with``.
 
     On exit it publishes two :class:`~eventbus_debug.MemorySampled` events (labels
@@ -641,10 +641,10 @@ def cuda_memory_history(
     if not torch.cuda.is_available():
         yield False
         return
-    record = torch.cuda.memory._record_memory_history  # noqa: SLF001 - the documented API
+    record = torch.cuda.memory._record_memory_history
     record(enabled="all", max_entries=max_entries)
     try:
         yield True
-        torch.cuda.memory._dump_snapshot(path)  # noqa: SLF001
+        torch.cuda.memory._dump_snapshot(path)
     finally:
         record(enabled=None)

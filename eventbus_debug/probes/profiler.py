@@ -183,7 +183,7 @@ def _store(
     return TraceStore(directory, max_traces=max_traces, max_bytes=max_bytes)
 
 
-class profiling:  # noqa: N801 - used like a function: `async with profiling(...)`
+class profiling:
     """Profile a block with ``torch.profiler``; on exit write its trace off the event loop.
 
     ::

@@ -73,10 +73,10 @@ class SystemReading:
 def _nvml() -> Any:
     """The NVML module when ``pynvml`` is importable and a driver answers, else None."""
     try:
-        import pynvml  # type: ignore[import-not-found,unused-ignore]  # noqa: PLC0415
+        import pynvml  # type: ignore[import-not-found,unused-ignore]
 
         pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no package, no driver, no GPU: no GPU metrics
+    except Exception:
         return None
     return pynvml
 
@@ -92,7 +92,7 @@ def _gpu_reading(nvml: Any) -> tuple[float | None, float | None]:
             util = max(util, float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu))
             info = nvml.nvmlDeviceGetMemoryInfo(handle)
             mem = max(mem, 100.0 * float(info.used) / float(info.total or 1))
-    except Exception:  # noqa: BLE001 - a driver error mid-run: report no GPU metrics
+    except Exception:
         return None, None
     return util, mem
 

@@ -702,19 +702,9 @@ class RecoveryEngine:
         await bus.drain(self.subscription, timeout=self.drain_timeout)
 
     def _caught_up(self, bus: EventBus) -> bool:
-        """True when no incident waits for the engine: undispatched or queued. Runs on the loop.
-
-        Reads the bus's undispatched buffer (no public API exposes its event types yet); when
-        that is not possible, or events wait in the thread-safe queue, it answers False and the
-        caller does the full ``bus.drain``.
-        """
-        buffer = getattr(bus, "_buffer", None)
-        thread_queue = getattr(bus, "_thread_queue", None)
-        if not isinstance(buffer, list) or thread_queue is None or len(thread_queue):
+        """True when no incident waits for the engine, undispatched or queued."""
+        if bus.has_undispatched(Anomaly):
             return False
-        for event in buffer:
-            if isinstance(event, Anomaly):
-                return False
         return self.subscription.statistics().queued == 0
 
     def drain_sync(self) -> None:

@@ -24,8 +24,13 @@ from eventbus_debug import (
     read_events,
 )
 from eventbus_debug.testing import RecordingSink
-from sinks import FileSinkStatistics, LogDirectoryError, LogWriteError, RotatingFileSink
-from sinks import rotating_file as rf
+from sinks import (
+    FileSinkStatistics,
+    LogDirectoryError,
+    LogWriteError,
+    RotatingFileSink,
+    rotating_file as rf,
+)
 
 
 @event_type
