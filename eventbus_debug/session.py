@@ -25,6 +25,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -47,7 +48,7 @@ from .diffusion import (
     PipelineAnalyzed,
     analyze_pipeline,
 )
-from .events import Event, SessionEnded, SessionStarted, StepCompleted
+from .events import Anomaly, Event, SessionEnded, SessionStarted, StepCompleted
 from .modes import DebugMode, DebugPlan, plan_for
 from .ops import DebugContext, OperationCompleted, debug_context
 from .optimization import (
@@ -62,7 +63,10 @@ from .optimization import (
 )
 from .probes import DebugLevel, NonFiniteDetected, TensorRole
 from .probes.levels import Cadence, Thresholds
+from .probes.memory import LeakDetector
+from .probes.profiler import StepProfiler
 from .probes.step import StepProbe, StepVerdict
+from .probes.system import SystemSampler
 from .recovery.engine import RecoveryEngine
 from .recovery.safepoint import SafePoint, StepDecision
 from .validation import (
@@ -125,6 +129,8 @@ __all__ = (
 _log = structlog.get_logger("eventbus_debug")
 
 DEFAULT_LOG_DIR: Final = "debug_logs"
+DEFAULT_SYSTEM_INTERVAL: Final = 10.0
+TRACE_DIR: Final = "traces"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -210,6 +216,8 @@ class _Core:
         skip_non_finite: bool,
         input_spec: InputSpec | None,
         output_checker: OutputChecker | None,
+        system_interval: float | None = DEFAULT_SYSTEM_INTERVAL,
+        leak_detector: LeakDetector | bool | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             msg = f"model must be a torch.nn.Module, got {type(model).__qualname__}"
@@ -241,6 +249,25 @@ class _Core:
             InputValidator(input_spec, policy=ValidationPolicy.REPORT) if input_spec else None
         )
         self.output_checker = output_checker
+        if system_interval is not None and not (
+            isinstance(system_interval, int | float) and system_interval > 0
+        ):
+            msg = f"system_interval must be a positive number of seconds or None, got {system_interval!r}"
+            raise ValueError(msg)
+        self._system_interval = system_interval
+        if leak_detector is True or (leak_detector is None and self.plan.memory_tracking):
+            leak_detector = LeakDetector(source=f"{name}.memory")
+        elif leak_detector is not None and not isinstance(leak_detector, LeakDetector | bool):
+            msg = f"leak_detector must be a LeakDetector, a bool or None, got {leak_detector!r}"
+            raise TypeError(msg)
+        self.leak_detector: LeakDetector | None = (
+            leak_detector if isinstance(leak_detector, LeakDetector) else None
+        )
+        """The memory leak detector, run at every safe point (None when off)."""
+        self.system: SystemSampler | None = None
+        """The system sampler, once the session started (None when off); see its ``summary()``."""
+        self.profiler: StepProfiler | None = None
+        """The step profiler (PROFILING / FULL modes, async :class:`Session` only)."""
         self.report: Any = None
         """The :class:`sinks.ReportWriter`, once the session started (None when removed)."""
         self.alerts: Any = None
@@ -297,6 +324,21 @@ class _Core:
             cadence=self._cadence,
             source=f"{self.name}.step_probe",
         )
+
+    def _make_system(self, bus: EventBus) -> SystemSampler | None:
+        if self._system_interval is None:
+            return None
+        self.system = SystemSampler(
+            bus,
+            interval=self._system_interval,
+            step=lambda: self.step,
+            source=f"{self.name}.system",
+        )
+        return self.system
+
+    def _observe_memory(self, step: int) -> None:
+        if self.leak_detector is not None:
+            self.leak_detector.observe(step)
 
     def _make_recovery(self, bus: EventBus | SyncEventBus) -> None:
         opt = self._recovery_opt
@@ -465,6 +507,13 @@ class Session(_Core):
             was not finite (with recovery, its strategies decide).
         input_spec: validate every batch of :meth:`training_step` against it (REPORT policy).
         output_checker: check the model's outputs in :meth:`training_step`.
+        system_interval: seconds between readings of the :class:`~eventbus_debug.SystemSampler`
+            the session runs as a task (``None``: no sampler); see :attr:`system`.
+        leak_detector: a :class:`~eventbus_debug.LeakDetector` run at every safe point,
+            ``True`` for a default one, ``False`` for none; ``None`` (default): one when the
+            mode asks for memory tracking (MEMORY_PROFILING, FULL). With the PROFILING or FULL
+            mode a :class:`~eventbus_debug.StepProfiler` captures a window of steps at the
+            start and after each incident, traces in ``log_dir/traces``.
 
     Raises:
         TypeError: if *model* is not a module or *optimizer* not an optimizer.
@@ -491,6 +540,8 @@ class Session(_Core):
         skip_non_finite: bool = True,
         input_spec: InputSpec | None = None,
         output_checker: OutputChecker | None = None,
+        system_interval: float | None = DEFAULT_SYSTEM_INTERVAL,
+        leak_detector: LeakDetector | bool | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -509,6 +560,8 @@ class Session(_Core):
             skip_non_finite=skip_non_finite,
             input_spec=input_spec,
             output_checker=output_checker,
+            system_interval=system_interval,
+            leak_detector=leak_detector,
         )
         if bus is not None and not isinstance(bus, EventBus):
             msg = f"bus must be an EventBus or None, got {bus!r}; for plain loops use SyncSession"
@@ -546,6 +599,23 @@ class Session(_Core):
                 stack.callback(tg.cancel_scope.cancel)
             self.probe = self._make_probe(bus)
             stack.callback(self.probe.close)
+            if self.leak_detector is not None:
+                self.leak_detector.bind(bus)
+            system = self._make_system(bus)
+            if system is not None:
+                # Off the training path: its own task, psutil in a worker thread.
+                tg = await stack.enter_async_context(anyio.create_task_group())
+                stack.callback(tg.cancel_scope.cancel)
+                tg.start_soon(system.run)
+            if self.plan.profiling:
+                traces = self.log_dir / TRACE_DIR if self.log_dir is not None else None
+                self.profiler = await stack.enter_async_context(
+                    StepProfiler(bus, traces, source=f"{self.name}.profiler")
+                )
+                self._subscriptions.append(
+                    bus.subscribe(self.profiler.handle, Anomaly, name=f"{self.name}.profiler")
+                )
+                self.profiler.arm(trigger="session_start")
             self._make_recovery(bus)
             bus.publish_nowait(self._started_event())
         except BaseException:
@@ -568,6 +638,8 @@ class Session(_Core):
         try:
             if self.probe is not None:
                 await self.probe.flush()
+            if self.profiler is not None:
+                await self.profiler.__aexit__(None, None, None)  # writes a capture under way
             self.bus.publish_nowait(self._ended_event(exc))
             if self._given_bus is not None:
                 with anyio.move_on_after(30):
@@ -602,6 +674,7 @@ class Session(_Core):
             raise RuntimeError(msg)
         self.step = step
         verdict = await self.probe.check_step(step, loss=loss)
+        self._observe_memory(step)
         decision = (
             await self.safe_point.before_optimizer_step(step)
             if self.safe_point is not None
@@ -618,6 +691,8 @@ class Session(_Core):
         samples: int | None = None,
     ) -> None:
         """Record that *step* finished (a :class:`~eventbus_debug.StepCompleted`) and yield."""
+        if self.profiler is not None:
+            self.profiler.step(step)
         await self.bus.publish(self._completed(step, loss, learning_rate, samples))
 
     async def training_step(
@@ -738,7 +813,8 @@ class SyncSession(_Core):
 
     Args:
         model, optimizer, log_dir, level, mode, name, console, report, alerts, recovery, sinks,
-        thresholds, cadence, skip_non_finite, input_spec, output_checker: as :class:`Session`.
+        thresholds, cadence, skip_non_finite, input_spec, output_checker, system_interval,
+        leak_detector: as :class:`Session` (the profiling mode needs the async Session).
     """
 
     def __init__(
@@ -760,6 +836,8 @@ class SyncSession(_Core):
         skip_non_finite: bool = True,
         input_spec: InputSpec | None = None,
         output_checker: OutputChecker | None = None,
+        system_interval: float | None = DEFAULT_SYSTEM_INTERVAL,
+        leak_detector: LeakDetector | bool | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -778,8 +856,11 @@ class SyncSession(_Core):
             skip_non_finite=skip_non_finite,
             input_spec=input_spec,
             output_checker=output_checker,
+            system_interval=system_interval,
+            leak_detector=leak_detector,
         )
         self._bus: SyncEventBus | None = None
+        self._system_task: Future[None] | None = None
 
     @property
     def bus(self) -> SyncEventBus:
@@ -805,6 +886,11 @@ class SyncSession(_Core):
             if self.alerts is not None and hasattr(self.alerts, "run_flusher"):
                 bus.portal.start_task_soon(self.alerts.run_flusher)
             self.probe = self._make_probe(bus)
+            if self.leak_detector is not None:
+                self.leak_detector.bind(bus)
+            system = self._make_system(bus.bus)
+            if system is not None:
+                self._system_task = bus.portal.start_task_soon(system.run)
             self._make_recovery(bus)
             bus.publish(self._started_event())
         except BaseException:
@@ -824,6 +910,9 @@ class SyncSession(_Core):
         if bus is None:
             return
         try:
+            task, self._system_task = self._system_task, None
+            if task is not None:
+                task.cancel()
             if self.probe is not None:
                 self.probe.flush_nowait()
                 self.probe.close()
@@ -849,6 +938,7 @@ class SyncSession(_Core):
             raise RuntimeError(msg)
         self.step = step
         verdict = self.probe.check_step_nowait(step, loss=loss)
+        self._observe_memory(step)
         decision = (
             self.safe_point.before_optimizer_step_sync(step)
             if self.safe_point is not None

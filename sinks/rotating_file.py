@@ -37,7 +37,7 @@ import anyio.to_thread
 import structlog
 
 # The submodules, not the package: mypy cannot see the package's computed __all__.
-from eventbus_debug.encoding import decode_event, encode_event
+from eventbus_debug.encoding import decode_event, encode_event, encode_events
 from eventbus_debug.events import Event, current_rank
 from eventbus_debug.exceptions import EventBusError, EventDecodeError
 from eventbus_debug.logfile import log_file_name
@@ -378,11 +378,11 @@ class RotatingFileSink:
     # -- worker-thread side (everything below holds self._lock) --------------------------------
 
     def _write_batch(self, events: Sequence[Event]) -> None:
-        lines, bad = _encode_all(events)
+        data, bad = _encode_all(events)
         with self._lock:
             self._encode_errors += len(bad)
             try:
-                self._append_locked(lines)
+                self._append_locked(data)
                 deferred, self._deferred = self._deferred, None
                 if (
                     deferred is not None
@@ -403,36 +403,46 @@ class RotatingFileSink:
             )
             raise LogWriteError(msg)
 
-    def _append_locked(self, lines: list[bytes]) -> None:
-        if not lines:
+    def _append_locked(self, data: bytes) -> None:
+        """Buffer whole lines, rotating between lines so that no file passes ``max_bytes``.
+
+        Encoded events never contain a raw newline (JSON escapes it), so line boundaries are
+        found with ``rfind`` on the joined batch instead of tracking each line.
+        """
+        if not data:
             return
-        data = b"".join(lines)
-        if self._max_bytes <= 0 or self._size + len(self._buffer) + len(data) <= self._max_bytes:
+        base = self._size + len(self._buffer)
+        if self._max_bytes <= 0 or base + len(data) <= self._max_bytes:
             self._buffer += data
-            self._buffer_lines += len(lines)
+            self._buffer_lines += data.count(b"\n")
             return
         # The batch crosses a rotation boundary: cut it between lines, one piece per file.
-        chunks: list[tuple[bytes, int]] = []
-        start, base, acc = 0, self._size + len(self._buffer), 0
-        for i, line in enumerate(lines):
-            n = len(line)
-            if base + acc > 0 and base + acc + n > self._max_bytes:
-                chunks.append((b"".join(lines[start:i]), i - start))
-                start, base, acc = i, 0, 0
-            acc += n
-        chunks.append((b"".join(lines[start:]), len(lines) - start))
-        for k, (chunk, count) in enumerate(chunks):
+        chunks: list[bytes] = []
+        start = 0
+        while start < len(data):
+            room = self._max_bytes - base
+            end = data.rfind(b"\n", start, start + room) + 1 if room > 0 else 0
+            if end <= start:
+                if base > 0:
+                    chunks.append(b"")  # the next line does not fit: rotate first
+                    base = 0
+                    continue
+                end = data.find(b"\n", start) + 1 or len(data)  # one line longer than max_bytes
+            chunks.append(data[start:end])
+            start = end
+            base = 0  # the next chunk, if any, starts a fresh file
+        for k, chunk in enumerate(chunks):
             self._buffer += chunk
-            self._buffer_lines += count
+            self._buffer_lines += chunk.count(b"\n")
             if k == len(chunks) - 1:
                 break
             try:
                 self._rotate_locked()
             except BaseException:
                 # Keep the rest for the next attempt (the live file may then exceed max_bytes).
-                for rest, rest_count in chunks[k + 1 :]:
+                for rest in chunks[k + 1 :]:
                     self._buffer += rest
-                    self._buffer_lines += rest_count
+                    self._buffer_lines += rest.count(b"\n")
                 raise
 
     def _locked_open(self) -> None:
@@ -623,9 +633,9 @@ class RotatingFileSink:
                 self._close_fd()
 
 
-def _encode_all(events: Sequence[Event]) -> tuple[list[bytes], list[tuple[Event, Exception]]]:
+def _encode_all(events: Sequence[Event]) -> tuple[bytes, list[tuple[Event, Exception]]]:
     try:
-        return [encode_event(e) for e in events], []
+        return encode_events(events), []
     except TypeError:
         pass
     lines: list[bytes] = []
@@ -635,7 +645,7 @@ def _encode_all(events: Sequence[Event]) -> tuple[list[bytes], list[tuple[Event,
             lines.append(encode_event(event))
         except TypeError as exc:
             bad.append((event, exc))
-    return lines, bad
+    return b"".join(lines), bad
 
 
 _E = TypeVar("_E", LogDirectoryError, LogWriteError)

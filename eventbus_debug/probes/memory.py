@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import time
 import warnings
 import weakref
@@ -82,7 +83,9 @@ class MemorySnapshot:
     graph_tensors: int | None = None
     time_ns: int = 0
 
-    def to_event(self, *, step: int | None = None, source: str = "", label: str = "") -> MemorySampled:
+    def to_event(
+        self, *, step: int | None = None, source: str = "", label: str = ""
+    ) -> MemorySampled:
         """This snapshot as a :class:`~eventbus_debug.MemorySampled` event."""
         return MemorySampled(
             step=step,
@@ -509,11 +512,14 @@ class LeakDetector:
         """
         self._publish = publisher_for(bus)
 
-    def _survivors(self) -> tuple[int, str]:
+    def _scan(self) -> tuple[int, int, str]:
+        """One heap pass: live tensors, graph tensors alive at the previous sample, and what."""
         # id -> weak reference: tensors compare elementwise, so they cannot go in a WeakSet.
         current: dict[int, weakref.ref[torch.Tensor]] = {}
         survived: Counter[tuple[str, tuple[int, ...]]] = Counter()
+        live = 0
         for t in _live_tensors():
+            live += 1
             fn = t.grad_fn
             if fn is None:
                 continue
@@ -531,7 +537,7 @@ class LeakDetector:
             if total
             else ""
         )
-        return total, retained
+        return live, total, retained
 
     def observe(self, step: int) -> tuple[MemoryLeakSuspected, ...]:
         """Account for *step*; on sampling steps, sample and return (and publish) any incident.
@@ -547,8 +553,7 @@ class LeakDetector:
         if snap.cuda_allocated is not None:
             values["cuda_allocated"] = float(snap.cuda_allocated)
         if self.count_tensors:
-            live = sum(1 for _ in _live_tensors())
-            graph, self._last_retained = self._survivors()
+            live, graph, self._last_retained = self._scan()
             values["live_tensors"] = float(live)
             values["graph"] = float(graph)
         self.samples += 1
@@ -586,7 +591,7 @@ class LeakDetector:
             return None
         values = list(series)
         slope = _slope(values)
-        rises = sum(1 for a, b in zip(values, values[1:], strict=False) if b > a)
+        rises = sum(1 for a, b in itertools.pairwise(values) if b > a)
         growth = slope * (len(values) - 1)
         if (
             slope <= 0
@@ -622,9 +627,7 @@ class LeakDetector:
 
 
 @contextlib.contextmanager
-def cuda_memory_history(
-    path: str, *, max_entries: int = DEFAULT_HISTORY_ENTRIES
-) -> Iterator[bool]:
+def cuda_memory_history(path: str, *, max_entries: int = DEFAULT_HISTORY_ENTRIES) -> Iterator[bool]:
     """Record the CUDA allocator's history inside the block and dump a snapshot to *path*.
 
     Wraps ``torch.cuda.memory._record_memory_history`` with a bounded *max_entries*; the
@@ -645,6 +648,6 @@ def cuda_memory_history(
     record(enabled="all", max_entries=max_entries)
     try:
         yield True
-        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._dump_snapshot(path)  # type: ignore[no-untyped-call]
     finally:
         record(enabled=None)

@@ -134,7 +134,9 @@ class TraceStore:
             total -= sizes[p]
             deleted.append(p)
         if deleted:
-            _log.info("profiler_traces_pruned", deleted=len(deleted), kept=len(traces) - len(deleted))
+            _log.info(
+                "profiler_traces_pruned", deleted=len(deleted), kept=len(traces) - len(deleted)
+            )
         return deleted
 
 
@@ -401,7 +403,9 @@ class StepProfiler:
             raise RuntimeError(msg)
         self._tg.start_soon(self._export, ready, window, step)
 
-    async def _export(self, prof: Any, window: tuple[ProfileSchedule, str], step: int | None) -> None:
+    async def _export(
+        self, prof: Any, window: tuple[ProfileSchedule, str], step: int | None
+    ) -> None:
         sched, trigger = window
         stem = f"step{step if step is not None else 'x'}_{time.time_ns() % 1_000_000_000:09d}"
         path, size, ops = await anyio.to_thread.run_sync(_export, prof, self.store, stem, self._top)
