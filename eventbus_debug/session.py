@@ -640,6 +640,8 @@ class Session(_Core):
                 await self.probe.flush()
             if self.profiler is not None:
                 await self.profiler.__aexit__(None, None, None)  # writes a capture under way
+            if self.system is not None:
+                self.system.stop()  # SessionEnded stays the session's last event
             self.bus.publish_nowait(self._ended_event(exc))
             if self._given_bus is not None:
                 with anyio.move_on_after(30):
@@ -891,6 +893,12 @@ class SyncSession(_Core):
             system = self._make_system(bus.bus)
             if system is not None:
                 self._system_task = bus.portal.start_task_soon(system.run)
+            if self.plan.profiling:
+                _log.warning(
+                    "profiling_needs_async_session",
+                    session=self.name,
+                    detail="SyncSession has no event loop to write traces from; use Session",
+                )
             self._make_recovery(bus)
             bus.publish(self._started_event())
         except BaseException:
@@ -911,7 +919,8 @@ class SyncSession(_Core):
             return
         try:
             task, self._system_task = self._system_task, None
-            if task is not None:
+            if task is not None and self.system is not None:
+                self.system.stop()
                 task.cancel()
             if self.probe is not None:
                 self.probe.flush_nowait()

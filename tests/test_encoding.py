@@ -91,7 +91,7 @@ class TestRoundTrip:
     )
     def test_non_finite_in_every_shape(self, shape: str, value: float) -> None:
         """NaN, +Inf and -Inf survive in plain, Optional, tuple, Mapping and nested fields."""
-        kwargs: dict[str, Any] = {
+        cases: dict[str, dict[str, Any]] = {
             "plain": {"plain": value},
             "optional": {"optional": value},
             "pairs": {"pairs": (("a", 1.0), ("b", value))},
@@ -101,7 +101,8 @@ class TestRoundTrip:
             "point_y": {"point": _Point(x=1.0, y=value)},
             "points": {"points": (_Point(x=1.0), _Point(x=value, y=value))},
             "either": {"either": value},
-        }[shape]
+        }
+        kwargs = cases[shape]
         ev = _Floats(**kwargs)
         line = encode_event(ev)
         token = {"nan": b'"NaN"', "inf": b'"Infinity"', "-inf": b'"-Infinity"'}

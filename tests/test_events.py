@@ -44,7 +44,7 @@ class TestHeader:
         ev = _Thing(value=1, step=3, time_ns=5, rank=2, source="probe", severity=Severity.ERROR)
         assert (ev.step, ev.time_ns, ev.rank, ev.source) == (3, 5, 2, "probe")
         with pytest.raises(TypeError):
-            _Thing(1)  # type: ignore[misc]
+            _Thing(1)  # type: ignore[call-arg]
 
     def test_frozen_and_slotted(self) -> None:
         """Events are immutable and have no __dict__."""
@@ -128,8 +128,8 @@ class TestRegistry:
         """Only Event subclasses can be decorated."""
         with pytest.raises(TypeError, match="@event_type needs a subclass of Event"):
 
-            @event_type  # type: ignore[type-var]
-            class _Plain:
+            @event_type
+            class _Plain:  # type: ignore[type-var]
                 kind: ClassVar[str] = "test.events.plain"
 
     def test_subclass_of_event_type(self) -> None:

@@ -61,6 +61,7 @@ def test_top_level_reexports_subpackages() -> None:
 def _violations(source: str, filename: str) -> list[str]:
     """Imports of *source* that reach past eventbus_debug's public API."""
     problems = []
+    imports: list[tuple[str, tuple[str, ...]]]
     for node in ast.walk(ast.parse(source, filename=filename)):
         if isinstance(node, ast.Import):
             imports = [(alias.name, ()) for alias in node.names]

@@ -55,6 +55,7 @@ from .memory import (
 from .profiler import ProfileSchedule, StepProfiler, TraceStore, profiling
 from .step import StepProbe, StepVerdict
 from .system import (
+    CpuMeter,
     MetricSummary,
     ResourceThresholds,
     SystemReading,
@@ -91,6 +92,7 @@ __all__: tuple[str, ...] = (
     "monitor_training_step",
     "replay_with_anomaly_detection",
     # memory, system, profiler
+    "CpuMeter",
     "LeakDetector",
     "LeakThresholds",
     "MemoryDelta",

@@ -28,6 +28,7 @@ from ._publish import Publish, publisher_for
 from .events import ResourceThresholdExceeded, SystemSampled
 
 __all__ = (
+    "CpuMeter",
     "MetricSummary",
     "ResourceThresholds",
     "SystemReading",
@@ -97,19 +98,54 @@ def _gpu_reading(nvml: Any) -> tuple[float | None, float | None]:
     return util, mem
 
 
-def read_system(disk_path: str = "/", *, nvml: Any = None) -> SystemReading:
-    """Read CPU, memory and disk use now (blocking: call it from a worker thread).
+class CpuMeter:
+    """System-wide CPU utilisation between successive readings (``psutil.cpu_times`` deltas).
 
-    The CPU figure is the utilisation since the previous call in this process (the first call
-    of a process reads 0.0).
+    Holds its own previous reading (psutil's ``cpu_percent(interval=None)`` keeps it per
+    thread, which a pool of worker threads defeats). The first reading measures over
+    *first_interval* seconds (blocking).
+    """
+
+    def __init__(self, first_interval: float = 0.1) -> None:
+        self.first_interval = first_interval
+        self._last: tuple[float, float] | None = None
+
+    @staticmethod
+    def _times() -> tuple[float, float]:
+        t = psutil.cpu_times()
+        idle = float(t.idle) + float(getattr(t, "iowait", 0.0))
+        # Linux counts guest time inside user/nice too (psutil subtracts it the same way).
+        guest = float(getattr(t, "guest", 0.0)) + float(getattr(t, "guest_nice", 0.0))
+        return float(sum(t)) - guest, idle
+
+    def percent(self) -> float:
+        """The utilisation since the previous call (blocking on the first call)."""
+        if self._last is None:
+            self._last = self._times()
+            time.sleep(self.first_interval)
+        total, idle = self._times()
+        last_total, last_idle = self._last
+        self._last = (total, idle)
+        d_total = total - last_total
+        if d_total <= 0:
+            return 0.0
+        return max(0.0, min(100.0, 100.0 * (1.0 - (idle - last_idle) / d_total)))
+
+
+def read_system(
+    disk_path: str = "/", *, nvml: Any = None, cpu: CpuMeter | None = None
+) -> SystemReading:
+    """Read CPU, memory and disk use now (blocking: call it from a worker thread).
 
     Args:
         disk_path: the path whose disk is sampled.
         nvml: an initialised ``pynvml`` module for GPU metrics (None: no GPU metrics).
+        cpu: the meter giving CPU use since its previous reading (default: a new one, which
+            measures over 0.1 s).
     """
     gpu_util, gpu_mem = _gpu_reading(nvml)
     return SystemReading(
-        cpu_percent=float(psutil.cpu_percent(interval=None)),
+        cpu_percent=(cpu or CpuMeter()).percent(),
         memory_percent=float(psutil.virtual_memory().percent),
         disk_percent=float(psutil.disk_usage(disk_path).percent),
         gpu_utilization=gpu_util,
@@ -248,22 +284,35 @@ class SystemSampler:
         self._samples = 0
         self._incidents = 0
         self._nvml: Any = None
+        self._cpu = CpuMeter()
         self._tg: anyio.abc.TaskGroup | None = None
+        self._stopped = False
         self.last: SystemReading | None = None
         """The latest reading (None before the first)."""
 
     def _read(self) -> SystemReading:
         if self._sample is not None:
             return self._sample()
-        return read_system(self._disk_path, nvml=self._nvml)
+        return read_system(self._disk_path, nvml=self._nvml, cpu=self._cpu)
 
     async def sample_once(self) -> SystemReading:
         """Take one reading now (in a worker thread), publish it and check the thresholds."""
-        reading = await anyio.to_thread.run_sync(self._read)
+        # Abandoned on cancel: a session's exit never waits for a reading.
+        reading = await anyio.to_thread.run_sync(self._read, abandon_on_cancel=True)
         self._record(reading)
         return reading
 
+    def stop(self) -> None:
+        """Publish nothing more: a reading still in its worker thread is discarded.
+
+        Call it before publishing a final event (a session's end) that must come last; the
+        task itself ends at its next wake-up, or when cancelled.
+        """
+        self._stopped = True
+
     def _record(self, reading: SystemReading) -> None:
+        if self._stopped:
+            return
         now = time.time_ns()
         if not self._samples:
             self._first_ns = now
@@ -323,7 +372,7 @@ class SystemSampler:
         await self.sample_once()
         task_status.started()
         taken = 1
-        while limit is None or taken < limit:
+        while (limit is None or taken < limit) and not self._stopped:
             await anyio.sleep(self.interval)
             await self.sample_once()
             taken += 1
@@ -363,5 +412,6 @@ class SystemSampler:
         tg, self._tg = self._tg, None
         if tg is None:
             return
+        self.stop()
         tg.cancel_scope.cancel()
         await tg.__aexit__(None, None, None)

@@ -24,6 +24,8 @@ from eventbus_debug import (
 )
 from eventbus_debug.testing import capture_events
 
+from .conftest import grads_of, linear_at
+
 
 class Block(nn.Module):
     def __init__(self) -> None:
@@ -43,7 +45,8 @@ class MaskedAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
 
     def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        qkv: torch.Tensor = self.qkv(h)
+        q, k, v = qkv.chunk(3, dim=-1)
         scores = (q @ k.transpose(-1, -2)).masked_fill(mask[:, None, :], -math.inf)
         return scores.softmax(-1) @ v  # a fully masked row: softmax of all -inf is NaN
 
@@ -56,7 +59,8 @@ class Attn(nn.Module):
         self.head = nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.head(self.attn(self.embed(x), mask))
+        out: torch.Tensor = self.head(self.attn(self.embed(x), mask))
+        return out
 
 
 class SqrtAct(nn.Module):
@@ -83,7 +87,9 @@ class TestLocalization:
         """A NaN in block 3's weight is blamed on `3.lin`, the first module to output NaN."""
         model = nn.Sequential(*[Block() for _ in range(6)])
         with torch.no_grad():
-            model[3].lin.weight[0, 0] = math.nan
+            block = model[3]
+            assert isinstance(block, Block)
+            block.lin.weight[0, 0] = math.nan
         locator = FirstNonFiniteLocator(model)
         found = await locator.localize(lambda: model(torch.randn(4, 8)))
         assert found is not None and found.module == "3.lin"
@@ -92,8 +98,8 @@ class TestLocalization:
         """sqrt(x * x) is finite forward but not backward: the backward phase names it."""
         model = nn.Sequential(nn.Linear(8, 8), SqrtAct(), nn.Linear(8, 1))
         with torch.no_grad():
-            model[0].weight.zero_()
-            model[0].bias.zero_()
+            linear_at(model, 0).weight.zero_()
+            linear_at(model, 0).bias.zero_()
         locator = FirstNonFiniteLocator(model)
         found = await locator.localize(lambda: model(torch.randn(4, 8)).sum().backward())
         assert found is not None and found.phase == "backward" and found.module == "1"
@@ -113,6 +119,7 @@ class TestLocalization:
         assert [r.module for r in report.layers] == ["0", "1", "2", ""]
         assert report.layers[0].shapes == ((3, 4),) and report.layers[1].min >= 0.0
         assert report.finite
+        assert isinstance(out, torch.Tensor)
         back = debug_backward_pass(out.sum(), model)
         assert set(back.grad_norms) == {"0.weight", "0.bias", "2.weight", "2.bias"}
         assert back.non_finite == () and back.total_norm is not None and back.total_norm > 0
@@ -123,7 +130,7 @@ class TestAutogradAnomaly:
         """sqrt(x*x) at 0: inf * 0 makes MulBackward0 return NaN; its forward stack is captured."""
         x = torch.zeros(3, requires_grad=True)
         with pytest.raises(RuntimeError), capture_autograd_anomaly() as cap:
-            torch.sqrt(x * x).sum().backward()
+            torch.autograd.backward(torch.sqrt(x * x).sum())
         assert cap.event is not None and cap.event.backward_fn == "MulBackward0"
         assert "test_localize_autograd_tensor.py" in cap.event.forward_stack
 
@@ -132,7 +139,7 @@ class TestAutogradAnomaly:
         x = torch.zeros(3, requires_grad=True)
         async with capture_events(bus, AutogradAnomalyDetected) as events:
             found = replay_with_anomaly_detection(
-                lambda: torch.sqrt(x * x).sum().backward(), bus, step=9
+                lambda: torch.autograd.backward(torch.sqrt(x * x).sum()), bus, step=9
             )
         assert found is not None and found.step == 9 and events == [found]
 
@@ -177,7 +184,7 @@ class TestSeedFunctions:
         model(torch.randn(2, 4)).sum().mul(1e3).backward()
         report = check_gradients(model, gradient_threshold=10.0)
         assert report.finite and report.total_norm == pytest.approx(
-            torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item(), rel=1e-5
+            torch.nn.utils.get_total_norm(grads_of(model)).item(), rel=1e-5
         )
         assert set(check_gradient_explosion(model, threshold=10.0)) == set(report.above)
         assert check_gradient_vanishing(model, threshold=1e-7) == ()

@@ -34,7 +34,7 @@ def _train(steps: int, *, leak: bool, detector: LeakDetector) -> list[MemoryLeak
         x, y = batch(step)
         loss = nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
-        loss.backward()
+        torch.autograd.backward(loss)
         optimizer.step()
         if leak:
             kept.append(loss)  # the bug: the loss keeps its autograd graph alive
@@ -188,3 +188,19 @@ def test_sync_session_runs_the_leak_detector(tmp_path: Path) -> None:
     assert any(e.resource == "graph" for e in leaks)
     assert Session(model, mode="memory_profiling").leak_detector is not None
     assert Session(model).leak_detector is None
+
+
+def test_profile_memory_peak_sees_a_transient_allocation() -> None:
+    """A forward that allocates and frees 128 MiB inside shows it in the peak, not after."""
+
+    class Transient(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scratch = torch.ones(32 << 20)  # 128 MiB, touched, freed before returning
+            total = scratch.sum()
+            for _ in range(10):  # keep it alive long enough for the 1 ms poller
+                total = total + scratch.sum()
+            del scratch
+            return x * (total > 0)
+
+    profile = profile_memory(Transient(), torch.ones(2))
+    assert profile.peak_rss_bytes - profile.initial.rss_bytes >= 64 << 20

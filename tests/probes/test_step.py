@@ -17,18 +17,19 @@ from eventbus_debug import (
     NonFiniteDetected,
     StepChecked,
     StepProbe,
+    StepVerdict,
     TensorRole,
     Thresholds,
 )
 from eventbus_debug.testing import capture_events
 
-from .conftest import batch, make_mlp
+from .conftest import batch, grad_of, grads_of, linear_at, make_mlp
 
 
 def mse_step(model: nn.Module, seed: int) -> torch.Tensor:
     x, y = batch(seed)
     loss = nn.functional.mse_loss(model(x), y)
-    loss.backward()
+    torch.autograd.backward(loss)
     return loss
 
 
@@ -43,7 +44,7 @@ class TestHealthyTraining:
             async with capture_events(bus) as events:
                 for step in range(5):
                     loss = mse_step(mlp, step)
-                    expected = torch.nn.utils.get_total_norm([p.grad for p in mlp.parameters()])
+                    expected = torch.nn.utils.get_total_norm(grads_of(mlp))
                     verdict = await probe.check_step(step, loss=loss)
                     assert verdict.ok and verdict.finite
                     assert verdict.grad_norm == pytest.approx(expected.item(), rel=1e-5)
@@ -52,7 +53,9 @@ class TestHealthyTraining:
                     opt.zero_grad()
         assert [type(e) for e in events] == [StepChecked] * 5
         assert [e.step for e in events] == list(range(5))
-        assert events[0].param_norm is not None and events[1].param_norm is None  # every 10
+        first, second = events[0], events[1]
+        assert isinstance(first, StepChecked) and isinstance(second, StepChecked)
+        assert first.param_norm is not None and second.param_norm is None  # every 10
 
 
 class TestNonFinite:
@@ -62,8 +65,10 @@ class TestNonFinite:
         """sqrt at 0 in the forward makes 0.weight's gradient NaN: named, counted, not the loss."""
         probe = StepProbe(mlp, bus)
         x, y = batch(0)
-        loss = nn.functional.mse_loss(mlp(x), y) + torch.sqrt(mlp[0].weight[0, 0] * 0).sum()
-        loss.backward()
+        loss = (
+            nn.functional.mse_loss(mlp(x), y) + torch.sqrt(linear_at(mlp, 0).weight[0, 0] * 0).sum()
+        )
+        torch.autograd.backward(loss)
         async with capture_events(bus, NonFiniteDetected) as events:
             verdict = await probe.check_step(7, loss=loss)
         assert not verdict.finite and verdict.fired == ("non_finite_detected",)
@@ -79,7 +84,7 @@ class TestNonFinite:
         probe = StepProbe(mlp, bus)
         x, _ = batch(1)
         loss = torch.log(mlp(x).sum() * 0)
-        loss.backward()
+        torch.autograd.backward(loss)
         async with capture_events(bus, NonFiniteDetected) as events:
             verdict = await probe.check_step(3, loss=loss)
         roles = {e.role for e in events if isinstance(e, NonFiniteDetected)}
@@ -95,7 +100,7 @@ class TestNonFinite:
         """An Inf written into a parameter is reported with role PARAMETER and its name."""
         probe = StepProbe(mlp, bus, cadence=Cadence(param_every=2))
         with torch.no_grad():
-            mlp[2].bias[0] = math.inf
+            linear_at(mlp, 2).bias[0] = math.inf
         async with capture_events(bus, NonFiniteDetected) as events:
             await probe.check_step(2)
         (event,) = [e for e in events if isinstance(e, NonFiniteDetected)]
@@ -107,7 +112,7 @@ class TestNonFinite:
         model = nn.Linear(4, 4).half()
         x = torch.full((2, 4), 60000.0, dtype=torch.float16)
         loss = model(x).float().pow(2).sum()
-        loss.backward()
+        torch.autograd.backward(loss)
         probe = StepProbe(model, bus)
         verdict = await probe.check_step(0, loss=loss)
         assert not verdict.finite and "non_finite_detected" in verdict.fired
@@ -144,8 +149,8 @@ class TestExplosionAndVanishing:
         """Zero-initialised first layer + ReLU: no gradient reaches it; the dead layers are named."""
         model = make_mlp()
         with torch.no_grad():
-            model[0].weight.zero_()
-            model[0].bias.fill_(-1.0)
+            linear_at(model, 0).weight.zero_()
+            linear_at(model, 0).bias.fill_(-1.0)
         probe = StepProbe(model, bus)
         async with capture_events(bus, GradientVanished) as events:
             await probe.check_step(0, loss=mse_step(model, 0))
@@ -158,7 +163,7 @@ class TestExplosionAndVanishing:
         """A loss that does not depend on the output: every gradient is zero."""
         probe = StepProbe(mlp, bus)
         x, _ = batch(0)
-        (mlp(x).sum() * 0).backward()
+        torch.autograd.backward(mlp(x).sum() * 0)
         async with capture_events(bus, GradientVanished) as events:
             await probe.check_step(0)
         assert isinstance(events[0], GradientVanished) and events[0].all_zero
@@ -185,19 +190,20 @@ class TestModes:
         """Deferred mode returns step N's verdict at step N+1, equal to the immediate one."""
         a, b = make_mlp(), make_mlp()
         now, late = StepProbe(a, bus), StepProbe(b, bus, deferred=True)
-        immediate, deferred = [], []
+        immediate: list[StepVerdict] = []
+        deferred: list[StepVerdict | None] = []
         for step in range(4):
             la, lb = mse_step(a, step), mse_step(b, step)
             if step == 2:
                 with torch.no_grad():
-                    a[0].weight.grad[0, 0] = math.nan
-                    b[0].weight.grad[0, 0] = math.nan
+                    grad_of(linear_at(a, 0).weight)[0, 0] = math.nan
+                    grad_of(linear_at(b, 0).weight)[0, 0] = math.nan
             immediate.append(await now.check_step(step, loss=la))
             deferred.append(await late.check_step(step, loss=lb))
             a.zero_grad()
             b.zero_grad()
         deferred.append(await late.flush())
-        assert not deferred[0].checked
+        assert deferred[0] is not None and not deferred[0].checked
         for x, y in zip(immediate, deferred[1:], strict=True):
             assert y is not None and y.deferred and x.step == y.step
             assert (x.finite, x.fired, x.grad_norm) == (y.finite, y.fired, y.grad_norm) or (
@@ -250,17 +256,22 @@ class TestModelShapes:
                 self.extra = nn.Parameter(torch.randn(3, dtype=torch.float64))
 
             def forward(self, idx: torch.Tensor) -> torch.Tensor:
-                return self.tied(self.frozen(self.emb(idx))).sum() + self.extra.sum().float()
+                logits: torch.Tensor = self.tied(self.frozen(self.emb(idx)))
+                return logits.sum() + self.extra.sum().float()
 
         torch.manual_seed(0)
         model = Net()
         loss = model(torch.tensor([1, 2, 2]))
-        loss.backward()
+        torch.autograd.backward(loss)
         probe = StepProbe(model, bus)
         names = probe.parameter_names
         assert names.count("out.weight") == 1 and "tied.weight" not in names
         verdict = await probe.check_step(0, loss=loss)
-        grads = [model.emb.weight.grad.to_dense(), model.out.weight.grad, model.extra.grad]
+        grads = [
+            grad_of(model.emb.weight).to_dense(),
+            grad_of(model.out.weight),
+            grad_of(model.extra),
+        ]
         expected = math.sqrt(sum(g.double().pow(2).sum().item() for g in grads))
         assert verdict.grad_norm == pytest.approx(expected, rel=1e-5) and verdict.finite
 

@@ -115,3 +115,17 @@ async def test_session_runs_the_sampler_as_a_task(tmp_path: object) -> None:
         assert sync.system is not None
     with pytest.raises(ValueError, match="system_interval"):
         Session(model, system_interval=0)
+
+
+def test_cpu_meter_sees_a_busy_thread() -> None:
+    """The meter's deltas see this process spinning (bounded, not timed)."""
+    import time
+
+    from eventbus_debug.probes import CpuMeter
+
+    meter = CpuMeter(first_interval=0.05)
+    meter.percent()
+    end = time.perf_counter() + 0.2
+    while time.perf_counter() < end:
+        pass
+    assert 0.0 < meter.percent() <= 100.0

@@ -21,7 +21,6 @@ import io
 import pkgutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
@@ -36,6 +35,7 @@ from eventbus_debug import (
     event_types,
 )
 from eventbus_debug.testing import RecordingSink, make_sample_event
+from sinks import AlertSink
 
 Factory = Callable[[Path, EventBus], object]
 
@@ -84,7 +84,8 @@ def _factories() -> dict[str, Factory]:
 
 
 def _alert_sink(tmp: Path, bus: EventBus) -> object:
-    alerts: Any = _sink_classes()["AlertSink"](bus, flush_interval=None)
+    alert_sink: type[AlertSink] = _sink_classes()["AlertSink"]
+    alerts = alert_sink(bus, flush_interval=None)
     heard: list[object] = []
 
     @alerts.on(Event)
