@@ -44,6 +44,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+	$(BIN)/mypy tests
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -28,7 +28,13 @@ import torch
 from torch import nn
 
 from .logfile import log_files
-from .probes import GradientExploded, MemoryLeakSuspected, NonFiniteDetected
+from .probes import (
+    GradientExploded,
+    MemoryLeakSuspected,
+    MemorySampled,
+    NonFiniteDetected,
+    SystemSampled,
+)
 from .probes.levels import Thresholds
 from .probes.memory import LeakDetector, LeakThresholds
 from .recovery.retry import CallState, Retrying
@@ -176,7 +182,13 @@ async def run_demo(
     device = _Device(batch_size)
     console_sink: object = False
     if console:
-        console_sink = sinks.ConsoleSink(stream or sys.stderr, step_every=max(1, steps // 20))
+        # Memory and system samples are plotted in the report; the console shows progress,
+        # incidents and recovery.
+        console_sink = sinks.ConsoleSink(
+            stream or sys.stderr,
+            step_every=max(1, steps // 20),
+            exclude=(MemorySampled, SystemSampled),
+        )
     # Explosion is judged against the warm-up's largest norm: keep the warm-up short enough
     # for short runs to reach the injected fault.
     warmup = max(1, min(100, (faults.explode_step or steps) // 2))

@@ -94,6 +94,10 @@ class Cadence:
         update_every: the weight-update ratio (ADVANCED and above); measured between the
             chosen step and the next one.
         activation_every: activation statistics (EXTREME only).
+        vanishing_every: the mean ``|grad|`` pass of the vanishing check, on gradient-check
+            steps. It costs about as much as the 2-norms themselves on CPU, and vanishing is a
+            trend over many steps; all-zero gradients are still caught at every gradient
+            check, from the 2-norms.
 
     Raises:
         ValueError: if a value is not an int >= 1.
@@ -104,9 +108,17 @@ class Cadence:
     param_every: int = 10
     update_every: int = 10
     activation_every: int = 1
+    vanishing_every: int = 10
 
     def __post_init__(self) -> None:
-        for name in ("loss_every", "grad_every", "param_every", "update_every", "activation_every"):
+        for name in (
+            "loss_every",
+            "grad_every",
+            "param_every",
+            "update_every",
+            "activation_every",
+            "vanishing_every",
+        ):
             _positive_int(name, getattr(self, name))
 
 
@@ -120,6 +132,7 @@ class Checks:
     layers: bool = False
     updates: bool = False
     activations: bool = False
+    vanishing: bool = False
 
     @property
     def any(self) -> bool:
@@ -135,7 +148,9 @@ def checks_due(level: DebugLevel, cadence: Cadence, step: int) -> Checks:
     if level is DebugLevel.OFF:
         return _NONE
     if level is DebugLevel.EXTREME:
-        return Checks(True, True, True, True, True, step % cadence.activation_every == 0)
+        return Checks(
+            True, True, True, True, True, step % cadence.activation_every == 0, vanishing=True
+        )
     advanced = level is DebugLevel.ADVANCED
     grads = step % cadence.grad_every == 0
     return Checks(
@@ -145,4 +160,5 @@ def checks_due(level: DebugLevel, cadence: Cadence, step: int) -> Checks:
         layers=advanced and grads,
         updates=advanced and step % cadence.update_every == 0,
         activations=False,
+        vanishing=grads and step % cadence.vanishing_every == 0,
     )

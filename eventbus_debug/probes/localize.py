@@ -12,6 +12,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio.lowlevel
 import structlog
@@ -274,7 +275,7 @@ class ForwardReport:
 
 def debug_forward_pass(
     model: nn.Module, inputs: object, *, layer_hooks: bool = True
-) -> tuple[object, ForwardReport]:
+) -> tuple[Any, ForwardReport]:
     """Run ``model(inputs)`` once and report per-layer shapes, statistics and timing.
 
     Every statistic stays on the device until the end; one transfer moves them all.

@@ -375,18 +375,23 @@ class StepProbe:
             self._grad_plans[key] = cached
         return cached
 
-    def _l1_needed(self, l2: torch.Tensor, numels: tuple[int, ...]) -> bool:
+    def _l1_needed(self, l2: torch.Tensor, numels: tuple[int, ...], *, due: bool) -> bool:
         """Whether mean ``|grad|`` must be computed, given the 2-norms (CPU only: reading is free).
 
         ``‖g‖₁ >= ‖g‖₂``, so ``mean|g| >= ‖g‖₂ / n``: when that bound clears the vanishing
         threshold for the whole model (and every parameter, when checked per layer), no
         gradient can have vanished and the sum of absolute values (about twice the cost of
-        the 2-norm) is skipped. Non-finite norms are decided by the norms alone.
+        the 2-norm) is skipped. Non-finite norms are decided by the norms alone. When the
+        vanishing check is not *due* this step, the pass runs only for an all-zero gradient.
         """
         th = self.thresholds.vanishing
         values: list[float] = l2.tolist()
         if not all(map(math.isfinite, values)):
             return False
+        if not due:
+            # Between vanishing checks (Cadence.vanishing_every), only an exactly-zero
+            # gradient (a dead layer, visible in its 2-norm) triggers the pass.
+            return any(n and v == 0.0 for v, n in zip(values, numels, strict=True))
         total_numel = sum(numels)
         if total_numel and math.fsum(values) / total_numel < th:
             return True
@@ -411,8 +416,8 @@ class StepProbe:
                 present = [grads[i] for i in planned.present]
                 home = plan.home
                 on_cpu = home.type == "cpu"
-                l2, l1 = plan.reduce(present, l1=not on_cpu)  # type: ignore[arg-type]
-                if on_cpu and self._l1_needed(l2, grad_numels):
+                l2, l1 = plan.reduce(present, l1=checks.vanishing and not on_cpu)  # type: ignore[arg-type]
+                if on_cpu and self._l1_needed(l2, grad_numels, due=checks.vanishing):
                     _, l1 = plan.reduce(present, l1=True, l2=False)  # type: ignore[arg-type]
                 parts.append(l2)
                 if l1 is not None:
@@ -605,6 +610,19 @@ class StepProbe:
                     total_norm=total,
                     threshold=threshold,
                     top=tuple(top),
+                )
+            )
+        if not l1 and l2 and all(v == 0.0 for v in l2):
+            # No mean-|grad| pass this step (see Cadence.vanishing_every), but all-zero
+            # gradients show in the 2-norms: report them at every gradient check.
+            incidents.append(
+                GradientVanished(
+                    step=step,
+                    source=self.source,
+                    mean_abs=0.0,
+                    threshold=th.vanishing,
+                    layers=tuple(self._names[s] for s in lay.grad_slots),
+                    all_zero=True,
                 )
             )
         if l1:
