@@ -19,6 +19,7 @@ import contextlib
 import datetime as _dt
 import gzip
 import importlib
+import logging
 import math
 import sys
 import time
@@ -490,10 +491,17 @@ _COMMANDS: Final[dict[str, Callable[[argparse.Namespace, IO[str]], int]]] = {
 @contextlib.contextmanager
 def _diagnostics_to(stream: TextIO) -> Iterator[None]:
     """Send the library's structlog lines to *stream* while a command runs, so they never mix
-    with a command's output on stdout; the previous configuration is restored afterwards."""
+    with a command's output on stdout; the previous configuration is restored afterwards.
+
+    Only warnings and errors are shown: the command's own output (and, for ``demo``, the
+    console sink) already tells what happened; the library's info lines would repeat it.
+    """
     was_configured = structlog.is_configured()
     previous = structlog.get_config()
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(stream))
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+    )
     try:
         yield
     finally:
