@@ -642,10 +642,7 @@ class RecoveryEngine:
         if not isinstance(bus, EventBus):
             msg = "report_error() needs an EventBus; this engine uses a SyncEventBus: call report_error_sync()"
             raise TypeError(msg)
-        retry_id = uuid.uuid4().hex
-        event = self.error_event(
-            exc, attempt=attempt, context={**(context or {}), RETRY_ID_KEY: retry_id}, step=step
-        )
+        retry_id, event = self._tagged_error_event(exc, context, attempt, step)
         bus.publish_nowait(event)
         await bus.drain(self.subscription, timeout=self.drain_timeout)
         return self.take_call_decisions(retry_id)
@@ -668,13 +665,24 @@ class RecoveryEngine:
         if not isinstance(bus, SyncEventBus):
             msg = "report_error_sync() needs a SyncEventBus; this engine uses an EventBus: await report_error()"
             raise TypeError(msg)
+        retry_id, event = self._tagged_error_event(exc, context, attempt, step)
+        bus.publish(event)
+        bus.drain(self.subscription, timeout=self.drain_timeout)
+        return self.take_call_decisions(retry_id)
+
+    def _tagged_error_event(
+        self,
+        exc: BaseException,
+        context: Mapping[str, str] | None,
+        attempt: int,
+        step: int | None,
+    ) -> tuple[str, ErrorRaised]:
+        """An :class:`ErrorRaised` for *exc* tagged with a fresh retry id (for its decisions)."""
         retry_id = uuid.uuid4().hex
         event = self.error_event(
             exc, attempt=attempt, context={**(context or {}), RETRY_ID_KEY: retry_id}, step=step
         )
-        bus.publish(event)
-        bus.drain(self.subscription, timeout=self.drain_timeout)
-        return self.take_call_decisions(retry_id)
+        return retry_id, event
 
     def publish(self, event: Event) -> None:
         """Publish from the training side (the right call for either kind of bus)."""

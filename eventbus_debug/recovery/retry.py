@@ -137,6 +137,14 @@ class Attempt:
         self.state = retrying.state
         self.state.attempt = number
 
+    def _retryable(self, exc: BaseException | None) -> bool:
+        """Whether the attempt's outcome goes to the engine; records a success on the way."""
+        if exc is None:
+            self._retrying._succeeded(self.number)
+            self._tenacity.__exit__(None, None, None)
+            return False
+        return isinstance(exc, Exception) and not isinstance(exc, TrainingStopped)
+
     def __enter__(self) -> Attempt:
         return self
 
@@ -146,12 +154,9 @@ class Attempt:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        if exc is None:
-            self._retrying._succeeded(self.number)
-            self._tenacity.__exit__(None, None, None)
+        if not self._retryable(exc):
             return False
-        if not isinstance(exc, Exception) or isinstance(exc, TrainingStopped):
-            return False
+        assert isinstance(exc, Exception)
         decided = self._retrying._report_sync(exc, self.number)
         return self._feed(exc, decided)
 
@@ -164,12 +169,9 @@ class Attempt:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        if exc is None:
-            self._retrying._succeeded(self.number)
-            self._tenacity.__exit__(None, None, None)
+        if not self._retryable(exc):
             return False
-        if not isinstance(exc, Exception) or isinstance(exc, TrainingStopped):
-            return False
+        assert isinstance(exc, Exception)
         decided = await self._retrying._report_async(exc, self.number)
         return self._feed(exc, decided)
 
