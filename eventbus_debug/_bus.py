@@ -16,7 +16,7 @@ import math
 import time
 import traceback
 import warnings
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from types import TracebackType
@@ -24,9 +24,10 @@ from typing import Any, Final, Protocol, final
 
 import anyio
 import anyio.lowlevel
-import structlog
 from anyio.abc import TaskGroup
 from typing_extensions import Self
+
+from eventbus_debug._logging import get_logger
 
 from .events import (
     SELF_EXCLUDING,
@@ -34,23 +35,37 @@ from .events import (
     Event,
     EventsDropped,
     EventsUndelivered,
+    LoopStalled,
+    SinkCloseFailed,
     SinkDisabled,
     SinkFailed,
+    SinkUnresponsive,
     refresh_rank,
 )
 from .exceptions import BusClosedError, SubscriptionError
 
 __all__ = ("BusStatistics", "EventBus", "Subscription", "SubscriptionStatistics")
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 DEFAULT_CAPACITY: Final = 1024
 DEFAULT_CLOSE_TIMEOUT: Final = 30.0
 DEFAULT_MAX_CONSECUTIVE_FAILURES: Final = 5
 DEFAULT_DROP_REPORT_INTERVAL: Final = 1.0
+DEFAULT_STALL_THRESHOLD: Final = 0.25
 MAX_BATCH: Final = 4096
 HANDLE_ROUND: Final = 64
 """A ``handle(event)`` sink yields to the event loop at least once per this many events."""
+DISPATCH_ROUND: Final = 4096
+"""The dispatcher yields to the event loop after fanning out at most this many events."""
+FLOW_STALL_TIMEOUT: Final = 1.0
+"""A flow-controlled sink that completes no batch for this long stops holding publishers back."""
+CLOSE_GRACE: Final = 1.0
+"""Seconds granted to each sink's close (and to the last reports) once the deadline passed."""
+STALL_WINDOW: Final = 1.0
+"""Loop holds by one sink are summed over windows of this many seconds (see LoopStalled)."""
+STALL_SHARE: Final = 0.2
+"""A sink holding the loop this share of a window is reported even without one long hold."""
 
 
 class _State(Enum):
@@ -114,7 +129,7 @@ class _Route:
     """Where events of one class go, resolved on first dispatch of that class."""
 
     subs: tuple[Subscription, ...]
-    appends: tuple[Callable[[_QueueItem], None], ...]  # each sub's _staged.append
+    appends: tuple[Callable[[_QueueItem], None], ...]  # each sub's staged list's append
     incident: bool
     self_excluding: bool
 
@@ -181,6 +196,10 @@ class Subscription:
 
     Returned by :meth:`EventBus.subscribe`. Cancel it with :meth:`cancel` (or use it as a
     context manager) to stop delivery; events already queued are dropped and counted.
+
+    The queue is two FIFOs, incidents and telemetry, merged by sequence number when the sink
+    reads them: shedding the oldest telemetry is one ``popleft`` whatever the queue holds, so
+    a burst of any size is queued in linear time.
     """
 
     __slots__ = (
@@ -190,13 +209,24 @@ class Subscription:
         "_cancel_scope",
         "_consecutive",
         "_done",
+        "_high_water",
+        "_incidents",
         "_inflight_min_seq",
         "_inflight_n",
         "_input_closed",
-        "_queue",
+        "_last_progress",
+        "_low_water",
+        "_pressing",
         "_sink_closed",
-        "_staged",
+        "_staged_incidents",
+        "_staged_telemetry",
+        "_stall_blocked",
+        "_stall_longest",
+        "_stall_window_start",
+        "_stalled",
+        "_telemetry",
         "_waiter",
+        "backpressure",
         "capacity",
         "delivered",
         "disabled",
@@ -219,6 +249,7 @@ class Subscription:
         event_types: tuple[type[Event], ...],
         name: str,
         capacity: int,
+        backpressure: bool = False,
     ) -> None:
         self._bus: EventBus | None = bus
         self.sink = sink
@@ -226,9 +257,14 @@ class Subscription:
         self.event_types = event_types
         self.name = name
         self.capacity = capacity
-        self._queue: collections.deque[_QueueItem] = collections.deque()
-        # Filled by the dispatcher during one dispatch round, then moved into _queue at once.
-        self._staged: list[_QueueItem] = []
+        self.backpressure = backpressure
+        self._high_water = max(1, capacity // 2)
+        self._low_water = capacity // 4
+        self._incidents: collections.deque[_QueueItem] = collections.deque()
+        self._telemetry: collections.deque[_QueueItem] = collections.deque()
+        # Filled by the dispatcher during one dispatch round, then moved into the queues at once.
+        self._staged_incidents: list[_QueueItem] = []
+        self._staged_telemetry: list[_QueueItem] = []
         self._waiter: _Waiter | None = None
         self._input_closed = False
         self._inflight_min_seq = -1
@@ -237,6 +273,12 @@ class Subscription:
         self._cancel_scope: anyio.CancelScope | None = None
         self._done: anyio.Event | None = None
         self._sink_closed = False
+        self._pressing = False  # holding back `await publish` (flow control)
+        self._stalled = False  # made no progress while pressing: released until it does
+        self._last_progress = 0.0
+        self._stall_window_start = 0.0
+        self._stall_blocked = 0.0
+        self._stall_longest = 0.0
         self.delivered = 0
         self.failed = 0
         self.shed = 0
@@ -258,7 +300,7 @@ class Subscription:
         return SubscriptionStatistics(
             name=self.name,
             capacity=self.capacity,
-            queued=len(self._queue) + self._inflight_n,
+            queued=self._queued() + self._inflight_n,
             delivered=self.delivered,
             failed=self.failed,
             shed=self.shed,
@@ -284,53 +326,100 @@ class Subscription:
 
     # -- internals used by the bus ----------------------------------------------------------
 
-    def _take_staged(self) -> int:
-        """Move the events staged by the dispatcher into the queue; returns how many were shed.
+    def _queued(self) -> int:
+        return len(self._incidents) + len(self._telemetry)
 
-        The common case (room for all) is one ``deque.extend``; otherwise each is offered in
-        turn, shedding the oldest queued telemetry to make room.
+    def _clear(self) -> int:
+        """Empty the queues; returns how many events they held."""
+        n = self._queued()
+        self._incidents.clear()
+        self._telemetry.clear()
+        return n
+
+    def _take_staged(self) -> int:
+        """Move the events staged by the dispatcher into the queues; returns how many were shed.
+
+        Incidents are always queued. Telemetry beyond the room the incidents leave is shed,
+        oldest first: queued telemetry before staged, one ``popleft`` per shed event.
         """
-        staged = self._staged
-        queue = self._queue
+        staged_inc = self._staged_incidents
+        staged_tel = self._staged_telemetry
+        incidents = self._incidents
+        telemetry = self._telemetry
+        if staged_inc:
+            incidents.extend(staged_inc)
+            staged_inc.clear()
         shed = 0
-        if len(queue) + len(staged) <= self.capacity:
-            queue.extend(staged)
+        excess = len(incidents) + len(telemetry) + len(staged_tel) - self.capacity
+        if excess <= 0:
+            if staged_tel:
+                telemetry.extend(staged_tel)
+                staged_tel.clear()
         else:
-            for item in staged:
-                shed += self._offer(item)
-        staged.clear()
+            while excess and telemetry:
+                self._count_shed(telemetry.popleft()[1])
+                excess -= 1
+                shed += 1
+            if staged_tel:
+                cut = min(excess, len(staged_tel))
+                for item in staged_tel[:cut]:
+                    self._count_shed(item[1])
+                shed += cut
+                telemetry.extend(staged_tel[cut:] if cut else staged_tel)
+                staged_tel.clear()
+        if self.backpressure and not self._pressing and not self._stalled:
+            if len(incidents) + len(telemetry) >= self._high_water:
+                self._press()
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
             waiter.set()
         return shed
 
-    def _offer(self, item: _QueueItem) -> int:
-        """Queue one item; returns the number of events shed to make room (0 or 1)."""
-        queue = self._queue
-        shed = 0
-        if len(queue) >= self.capacity:
-            head = queue[0] if queue else None
-            if head is not None and not head[2]:  # the usual case: the oldest is telemetry
-                queue.popleft()
-                self._count_shed(head[1])
-                shed = 1
+    def _press(self) -> None:
+        bus = self._bus
+        if bus is not None:
+            self._pressing = True
+            self._last_progress = time.monotonic()
+            bus._pressing += 1
+
+    def _release(self) -> None:
+        if self._pressing:
+            self._pressing = False
+            bus = self._bus
+            if bus is not None:
+                bus._pressing -= 1
+                bus._signal_progress()
+
+    def _pop(self) -> _QueueItem:
+        """The queued item with the lowest sequence number (the queues must not be empty)."""
+        incidents = self._incidents
+        telemetry = self._telemetry
+        if incidents and (not telemetry or incidents[0][0] < telemetry[0][0]):
+            return incidents.popleft()
+        return telemetry.popleft()
+
+    def _take_batch(self, n: int) -> list[_QueueItem]:
+        """Up to *n* queued items in sequence order (a merge of the two queues)."""
+        incidents = self._incidents
+        telemetry = self._telemetry
+        if not incidents:
+            pop = telemetry.popleft
+            return [pop() for _ in range(min(n, len(telemetry)))]
+        if not telemetry:
+            pop = incidents.popleft
+            return [pop() for _ in range(min(n, len(incidents)))]
+        out: list[_QueueItem] = []
+        append = out.append
+        while incidents and telemetry and len(out) < n:
+            if incidents[0][0] < telemetry[0][0]:
+                append(incidents.popleft())
             else:
-                victim = -1
-                for i, queued in enumerate(queue):
-                    if not queued[2]:
-                        victim = i
-                        break
-                if victim >= 0:
-                    old = queue[victim][1]
-                    del queue[victim]
-                    self._count_shed(old)
-                    shed = 1
-                elif not item[2]:  # a full queue of incidents: the new telemetry goes
-                    self._count_shed(item[1])
-                    return 1
-        queue.append(item)
-        return shed
+                append(telemetry.popleft())
+        rest = incidents or telemetry
+        for _ in range(min(n - len(out), len(rest))):
+            append(rest.popleft())
+        return out
 
     def _count_shed(self, event: Event) -> None:
         self.shed += 1
@@ -343,8 +432,11 @@ class Subscription:
             return True
         if self._inflight_n and self._inflight_min_seq <= target:
             return False
-        queue = self._queue
-        return not queue or queue[0][0] > target
+        incidents = self._incidents
+        telemetry = self._telemetry
+        if incidents and incidents[0][0] <= target:
+            return False
+        return not telemetry or telemetry[0][0] > target
 
 
 @final
@@ -352,8 +444,8 @@ class EventBus:
     """Routes published events to subscribers; one bounded queue and task per subscriber.
 
     Use it as ``async with EventBus() as bus:``. Leaving the block stops accepting events,
-    drains every queue, then closes sinks in reverse subscription order, each bounded by
-    *close_timeout*.
+    drains every queue, then closes sinks in reverse subscription order; the whole close is
+    bounded (see :meth:`aclose`), also when the caller's scope is cancelled.
 
     Example::
 
@@ -366,10 +458,14 @@ class EventBus:
             await bus.drain()
 
     Args:
-        capacity: default queue bound per subscription (overridable in :meth:`subscribe`).
-        close_timeout: seconds granted to drain all queues at close, and to each sink's close.
+        capacity: default queue bound per subscription (overridable in :meth:`subscribe`; a
+            sink may ask for its own with a ``queue_capacity`` attribute).
+        close_timeout: seconds granted to drain all queues and close the sinks at close.
         max_consecutive_failures: a sink raising this many times in a row is disabled.
         drop_report_interval: at most one :class:`EventsDropped` per sink per this many seconds.
+        stall_threshold: a sink holding the event loop this long in one go (synchronous work
+            in an async handler) is reported by a :class:`LoopStalled` incident; ``None``
+            turns the measurement off.
 
     Raises:
         ValueError: if an argument is out of range (the message names it).
@@ -382,11 +478,16 @@ class EventBus:
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
         max_consecutive_failures: int = DEFAULT_MAX_CONSECUTIVE_FAILURES,
         drop_report_interval: float = DEFAULT_DROP_REPORT_INTERVAL,
+        stall_threshold: float | None = DEFAULT_STALL_THRESHOLD,
     ) -> None:
         _check_positive_int("capacity", capacity)
         _check_positive_int("max_consecutive_failures", max_consecutive_failures)
         _check_positive_float("close_timeout", close_timeout)
         _check_positive_float("drop_report_interval", drop_report_interval)
+        if stall_threshold is not None:
+            _check_positive_float("stall_threshold", stall_threshold)
+        self._stall_threshold = None if stall_threshold is None else float(stall_threshold)
+        self._pressing = 0  # flow-controlled subscriptions above their high-water mark
         self._capacity = capacity
         self._close_timeout = float(close_timeout)
         self._max_failures = max_consecutive_failures
@@ -411,6 +512,7 @@ class EventBus:
         self._dispatcher_done: anyio.Event | None = None
         self._names: set[str] = set()
         self._stop_dispatcher = False
+        self._dispatcher_scope: anyio.CancelScope | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -427,6 +529,7 @@ class EventBus:
         self._state = _State.RUNNING
         self._accepting = True
         self._dispatcher_done = anyio.Event()
+        self._dispatcher_scope = anyio.CancelScope(shield=True)
         tg.start_soon(self._dispatch_loop, name="eventbus-dispatcher")
         for sub in self._subs:
             self._start_pump(sub)
@@ -448,11 +551,17 @@ class EventBus:
     async def aclose(self) -> None:
         """Stop accepting events, deliver everything queued, close the sinks. Idempotent.
 
-        Every queue gets *close_timeout* seconds in total to drain; a sink still busy then is
-        cancelled, and what it had left is reported as an :class:`EventsUndelivered` incident
-        to the other sinks, in ``statistics()`` and in the library's log. Each sink's close is
-        then bounded by the same timeout, in reverse order of subscription. Runs shielded from
-        cancellation, so cancelling the training task does not lose queued events.
+        Bounded: every queue gets *close_timeout* seconds in total to drain. A sink still busy
+        then is abandoned (its task cancelled; a worker thread stuck in a call is left behind
+        as a daemon) and what it had left is reported by :class:`EventsUndelivered` and
+        :class:`SinkUnresponsive` incidents, in ``statistics()`` and in the library's log.
+        The sinks are then closed one by one in reverse order of subscription, each within
+        what is left of the timeout but at least ``CLOSE_GRACE`` (1 s); the sinks not closed
+        yet still receive the reports about the others (so the log, subscribed first, records
+        them). Worst case: *close_timeout* plus one second per sink and one for the reports.
+
+        Runs shielded from cancellation, and the sinks' tasks are shielded too: cancelling the
+        caller's scope (``move_on_after``, a cancelled training task) loses no queued event.
         """
         if self._state in (_State.CLOSING, _State.CLOSED):
             return
@@ -462,24 +571,20 @@ class EventBus:
             return
         self._state = _State.CLOSING
         started = time.monotonic()
+        deadline = started + self._close_timeout
         with anyio.CancelScope(shield=True):
             hung = await self._drain_for_close()
             if hung:
-                await self._report_undelivered(hung)
-            # Stop the pumps (hung ones are cancelled) and the dispatcher.
-            for sub in self._subs:
-                sub._input_closed = True
-                self._wake_sub(sub)
-                if sub in hung and sub._cancel_scope is not None:
-                    sub._cancel_scope.cancel()
+                self._report_undelivered(hung)
+            for sub in reversed(list(self._subs)):
+                await self._close_one(sub, deadline, sub in hung)
             self._stop_dispatcher = True
             self._wake_dispatcher()
             if self._dispatcher_done is not None:
-                await self._dispatcher_done.wait()
-            for sub in self._subs:
-                if sub._done is not None:
-                    await sub._done.wait()
-            await self._close_sinks()
+                with anyio.move_on_after(CLOSE_GRACE):
+                    await self._dispatcher_done.wait()
+                if not self._dispatcher_done.is_set() and self._dispatcher_scope is not None:
+                    self._dispatcher_scope.cancel()
         self._state = _State.CLOSED
         elapsed = time.monotonic() - started
         if elapsed > 1.0:
@@ -515,12 +620,21 @@ class EventBus:
         *event_types: type[Event],
         name: str | None = None,
         capacity: int | None = None,
+        backpressure: bool | None = None,
     ) -> Subscription:
         """Deliver events of *event_types* (all events when none are given) to *sink*.
 
         *sink* is an ``async def handler(event)`` or an object with an async ``handle(event)``
         and/or ``handle_batch(events)``, and optionally async ``start()`` and ``aclose()``.
         Types match by subclass, so ``subscribe(sink, Event)`` receives everything.
+
+        *capacity* bounds the sink's queue (default: the sink's ``queue_capacity`` attribute,
+        else the bus's). With *backpressure* (default: the sink's ``backpressure`` attribute,
+        else off) the sink is flow-controlled: while its queue is over half full, ``await
+        bus.publish(...)`` waits until it is down to a quarter, so a publisher faster than
+        the sink is slowed to the sink's pace instead of shedding. ``publish_nowait`` never
+        waits; a full queue then sheds telemetry as for any sink. A flow-controlled sink that
+        completes no batch for a second stops holding publishers back until it does.
 
         Raises:
             SubscriptionError: if *sink* is not usable, a type is not an :class:`Event`
@@ -538,7 +652,15 @@ class EventBus:
                 )
                 raise SubscriptionError(msg)
         if capacity is None:
-            capacity = self._capacity
+            hint = getattr(sink, "queue_capacity", None)
+            capacity = hint if isinstance(hint, int) and not isinstance(hint, bool) else None
+            if capacity is None or capacity < 1:
+                capacity = self._capacity
+        if backpressure is None:
+            backpressure = getattr(sink, "backpressure", False) is True
+        elif not isinstance(backpressure, bool):
+            msg = f"backpressure must be True, False or None, got {backpressure!r}"
+            raise SubscriptionError(msg)
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             msg = f"capacity must be a positive integer, got {capacity!r}"
             raise SubscriptionError(msg)
@@ -557,7 +679,7 @@ class EventBus:
         types = tuple(t for t in event_types if t is not Event)
         if len(types) < len(event_types):
             types = ()
-        sub = Subscription(self, sink, adapter, types, name, capacity)
+        sub = Subscription(self, sink, adapter, types, name, capacity, backpressure)
         self._subs.append(sub)
         self._names.add(name)
         self._routes.clear()
@@ -573,9 +695,9 @@ class EventBus:
         self._subs.remove(sub)
         self._names.discard(sub.name)
         self._routes.clear()
+        sub.discarded += sub._clear()
+        sub._release()
         sub._bus = None
-        sub.discarded += len(sub._queue)
-        sub._queue.clear()
         sub._input_closed = True
         if sub._cancel_scope is not None:
             sub._cancel_scope.cancel()
@@ -634,9 +756,34 @@ class EventBus:
         self._wake_dispatcher()
 
     async def publish(self, event: Event, /) -> None:
-        """Like :meth:`publish_nowait`, plus a checkpoint so that subscribers get to run."""
+        """Like :meth:`publish_nowait`, plus a checkpoint so that subscribers get to run.
+
+        If a flow-controlled sink (the canonical log) is behind, waits until it caught up:
+        the publisher is slowed to the sink's pace rather than the log losing events (see
+        :meth:`subscribe`); a sink that stops making progress never holds it for long.
+        """
         self.publish_nowait(event)
+        if self._pressing:
+            await self._wait_for_room()
         await anyio.lowlevel.checkpoint()
+
+    async def _wait_for_room(self) -> None:
+        """Wait while a flow-controlled sink is over its high-water mark and making progress."""
+        while self._pressing and self._state is _State.RUNNING:
+            now = time.monotonic()
+            oldest = now
+            for sub in self._subs:
+                if sub._pressing:
+                    if now - sub._last_progress >= FLOW_STALL_TIMEOUT:
+                        sub._release()
+                        sub._stalled = True  # until it completes a batch
+                        _log.warning("flow_control_released", sink=sub.name)
+                    else:
+                        oldest = min(oldest, sub._last_progress)
+            if not self._pressing:
+                return
+            with anyio.move_on_after(oldest + FLOW_STALL_TIMEOUT - now):
+                await self._await_progress()
 
     def publish_threadsafe(self, event: Event, /, *, wake: bool = True) -> None:
         """Accept *event* from any thread (autograd engine threads, a sync training loop).
@@ -776,31 +923,37 @@ class EventBus:
         self._wake_dispatcher()
 
     async def _dispatch_loop(self) -> None:
+        scope = self._dispatcher_scope
+        assert scope is not None
         try:
-            while True:
-                self._pull_thread_events()
-                if self._buffer:
-                    self._dispatch()
-                    self._signal_progress()
-                    await anyio.lowlevel.checkpoint()
-                    continue
-                if self._stop_dispatcher:
-                    break
-                unreported = self._report_drops(force=self._state is not _State.RUNNING)
-                if self._buffer:
-                    continue
-                self._wake_pending = False
-                wake = self._new_waiter()
-                self._wake = wake.trigger
-                if unreported:
-                    with anyio.move_on_after(self._drop_interval):
-                        await wake.wait()
-                else:
-                    await wake.wait()
-                self._wake = None
+            with scope:  # shielded: only aclose stops the dispatcher
+                await self._dispatch_forever()
         finally:
             if self._dispatcher_done is not None:
                 self._dispatcher_done.set()
+
+    async def _dispatch_forever(self) -> None:
+        while True:
+            self._pull_thread_events()
+            if self._buffer:
+                self._dispatch()
+                self._signal_progress()
+                await anyio.lowlevel.checkpoint()
+                continue
+            if self._stop_dispatcher:
+                break
+            unreported = self._report_drops(force=self._state is not _State.RUNNING)
+            if self._buffer:
+                continue
+            self._wake_pending = False
+            wake = self._new_waiter()
+            self._wake = wake.trigger
+            if unreported:
+                with anyio.move_on_after(self._drop_interval):
+                    await wake.wait()
+            else:
+                await wake.wait()
+            self._wake = None
 
     def _dispatch(self) -> None:
         """Stamp sequence numbers on the buffered events and fan them out.
@@ -811,7 +964,11 @@ class EventBus:
         per round, which also wakes its pump once per round.
         """
         batch = self._buffer
-        self._buffer = []
+        if len(batch) > DISPATCH_ROUND:  # a huge burst: fan out in rounds, yielding between
+            self._buffer = batch[DISPATCH_ROUND:]
+            batch = batch[:DISPATCH_ROUND]
+        else:
+            self._buffer = []
         routes = self._routes
         seq = self._seq
         set_seq = _SET_SEQ
@@ -824,26 +981,29 @@ class EventBus:
             item = (seq, event, route.incident)
             if route.self_excluding:
                 sink_name = event.sink  # type: ignore[attr-defined]
-                for sub in route.subs:
+                for append, sub in zip(route.appends, route.subs, strict=True):
                     if sub.name != sink_name:
-                        sub._staged.append(item)
+                        append(item)
             else:
                 for append in route.appends:
                     append(item)
         self._seq = seq
         shed = 0
         for sub in self._subs:
-            if sub._staged:
+            if sub._staged_incidents or sub._staged_telemetry:
                 shed += sub._take_staged()
         if shed:
             self._report_drops(force=False)
 
     def _resolve(self, cls: type[Event]) -> _Route:
         subs = tuple(s for s in self._subs if not s.disabled and s.accepts(cls))
+        incident = cls.delivery is Delivery.INCIDENT
         route = _Route(
             subs=subs,
-            appends=tuple(s._staged.append for s in subs),
-            incident=cls.delivery is Delivery.INCIDENT,
+            appends=tuple(
+                (s._staged_incidents if incident else s._staged_telemetry).append for s in subs
+            ),
+            incident=incident,
             self_excluding=issubclass(cls, SELF_EXCLUDING),
         )
         self._routes[cls] = route
@@ -882,24 +1042,30 @@ class EventBus:
     def _start_pump(self, sub: Subscription) -> None:
         assert self._tg is not None
         sub._done = anyio.Event()
+        sub._stall_window_start = time.monotonic()
         self._tg.start_soon(self._pump, sub, name=f"eventbus-sink-{sub.name}")
 
     async def _pump(self, sub: Subscription) -> None:
         adapter = sub._adapter
-        queue = sub._queue
+        timed = self._stall_threshold is not None
         try:
-            with anyio.CancelScope() as scope:
+            # Shielded: cancelling the scope around the bus must not kill delivery; only the
+            # bus cancels a pump (a sink still busy at the close deadline, an unsubscribe).
+            with anyio.CancelScope(shield=True) as scope:
                 sub._cancel_scope = scope
                 if adapter.start is not None:
                     try:
-                        await adapter.start()
+                        if timed:
+                            await _Timed(adapter.start(), self, sub)
+                        else:
+                            await adapter.start()
                     except Exception as exc:
                         self._record_failure(sub, exc, None)
                 while True:
-                    if not queue or sub.disabled:
-                        if sub.disabled and queue:
-                            sub.discarded += len(queue)
-                            queue.clear()
+                    if sub.disabled or not (sub._incidents or sub._telemetry):
+                        if sub.disabled:
+                            sub.discarded += sub._clear()
+                            sub._release()
                         self._signal_progress()
                         if sub._input_closed:
                             break
@@ -907,13 +1073,16 @@ class EventBus:
                         await waiter.wait()
                         continue
                     if adapter.handle_batch is not None:
-                        n = min(len(queue), MAX_BATCH)
-                        items = [queue.popleft() for _ in range(n)]
+                        items = sub._take_batch(MAX_BATCH)
+                        n = len(items)
                         sub._inflight_min_seq = items[0][0]
                         sub._inflight_n = n
                         events = [item[1] for item in items]
                         try:
-                            await adapter.handle_batch(events)
+                            if timed:
+                                await _Timed(adapter.handle_batch(events), self, sub)
+                            else:
+                                await adapter.handle_batch(events)
                         except Exception as exc:
                             sub.failed += n
                             self._record_failure(sub, exc, events[0])
@@ -921,20 +1090,22 @@ class EventBus:
                             sub.delivered += n
                             sub._consecutive = 0
                         sub._inflight_n = 0
-                        if self._progress is not None:
-                            self._signal_progress()
+                        self._after_batch(sub)
                     else:
                         handle = adapter.handle
                         assert handle is not None
                         # One event at a time, up to a round of HANDLE_ROUND before yielding.
-                        for _ in range(min(len(queue), HANDLE_ROUND)):
-                            if not queue or sub.disabled:
+                        for _ in range(min(sub._queued(), HANDLE_ROUND)):
+                            if sub.disabled or not (sub._incidents or sub._telemetry):
                                 break
-                            seq, event, _ = queue.popleft()
+                            seq, event, _ = sub._pop()
                             sub._inflight_min_seq = seq
                             sub._inflight_n = 1
                             try:
-                                await handle(event)
+                                if timed:
+                                    await _Timed(handle(event), self, sub)
+                                else:
+                                    await handle(event)
                             except Exception as exc:
                                 sub.failed += 1
                                 self._record_failure(sub, exc, event)
@@ -944,13 +1115,60 @@ class EventBus:
                             sub._inflight_n = 0
                             if self._progress is not None:
                                 self._signal_progress()
+                        self._after_batch(sub)
                     # A sink that never awaits must still let the loop breathe.
                     await anyio.lowlevel.checkpoint()
         finally:
             sub._inflight_n = 0
+            sub._release()
             if sub._done is not None:
                 sub._done.set()
             self._signal_progress()
+
+    def _after_batch(self, sub: Subscription) -> None:
+        """Flow control bookkeeping after a batch; wakes drains and held-back publishers."""
+        sub._stalled = False
+        if sub._pressing:
+            sub._last_progress = time.monotonic()
+            if sub._queued() <= sub._low_water:
+                sub._release()
+        if self._progress is not None:
+            self._signal_progress()
+
+    def _note_holds(self, sub: Subscription, longest: float, total: float) -> None:
+        """Account for how long one call of *sub* held the loop; report a stall if due."""
+        threshold = self._stall_threshold
+        if threshold is None:
+            return
+        now = time.monotonic()
+        sub._stall_blocked += total
+        if longest > sub._stall_longest:
+            sub._stall_longest = longest
+        window = now - sub._stall_window_start
+        if longest >= threshold or (
+            window >= STALL_WINDOW and sub._stall_blocked >= STALL_SHARE * window
+        ):
+            _log.warning(
+                "sink_stalled_loop",
+                sink=sub.name,
+                stall_s=round(sub._stall_longest, 4),
+                blocked_s=round(sub._stall_blocked, 4),
+            )
+            self._publish_internal(
+                LoopStalled(
+                    source="eventbus",
+                    sink=sub.name,
+                    stall_s=sub._stall_longest,
+                    blocked_s=sub._stall_blocked,
+                    window_s=max(window, longest),
+                    threshold_s=threshold,
+                )
+            )
+        elif window < STALL_WINDOW:
+            return
+        sub._stall_window_start = now
+        sub._stall_blocked = 0.0
+        sub._stall_longest = 0.0
 
     def _record_failure(self, sub: Subscription, exc: Exception, event: Event | None) -> None:
         sub._consecutive += 1
@@ -977,9 +1195,9 @@ class EventBus:
         )
         if sub._consecutive >= self._max_failures and not sub.disabled:
             sub.disabled = True
-            discarded = len(sub._queue)
+            discarded = sub._clear()
             sub.discarded += discarded
-            sub._queue.clear()
+            sub._release()
             self._routes.clear()
             reason = f"{sub._consecutive} consecutive failures, last: {type(exc).__name__}: {exc}"
             _log.error("sink_disabled", sink=sub.name, reason=reason)
@@ -1006,25 +1224,33 @@ class EventBus:
                 if self._drained_up_to(target, None) and not self._buffer:
                     if not self._thread_queue and not any(s.shed_unreported for s in self._subs):
                         return []
-                progress = self._progress
-                if progress is None:
-                    progress = self._progress = _AnyioWaiter()  # shared by many waiters
-                self._wake_dispatcher()
-                await progress.wait()
+                await self._await_progress()
         target = self._seq + len(self._buffer)
         return [s for s in self._subs if not s._idle_up_to(target)]
 
-    async def _report_undelivered(self, hung: list[Subscription]) -> None:
-        healthy = [s for s in self._subs if s not in hung and not s.disabled]
+    async def _await_progress(self) -> None:
+        progress = self._progress
+        if progress is None:
+            progress = self._progress = _AnyioWaiter()  # shared by many waiters
+        self._wake_dispatcher()
+        await progress.wait()
+
+    def _report_undelivered(self, hung: list[Subscription]) -> None:
+        """Abandon the sinks still busy at the deadline and report what they lost."""
         for sub in hung:
-            lost = len(sub._queue) + sub._inflight_n
+            lost = sub._clear() + sub._inflight_n
             sub.undelivered += lost
-            sub._queue.clear()
+            sub._release()
+            sub._input_closed = True
+            if sub._cancel_scope is not None:
+                sub._cancel_scope.cancel()
+            abandoned = bool(getattr(sub.sink, "thread_busy", False))
             _log.error(
                 "close_timed_out",
                 sink=sub.name,
                 undelivered=lost,
                 timeout_s=self._close_timeout,
+                thread_abandoned=abandoned,
             )
             self._publish_internal(
                 EventsUndelivered(
@@ -1034,41 +1260,149 @@ class EventBus:
                     timeout_s=self._close_timeout,
                 )
             )
-        # Give the healthy sinks a short grace to record the report.
-        with anyio.move_on_after(min(1.0, self._close_timeout)):
-            target = self._seq + len(self._buffer)
-            while not self._drained_up_to(target, tuple(healthy)):
-                progress = self._progress
-                if progress is None:
-                    progress = self._progress = _AnyioWaiter()  # shared by many waiters
-                self._wake_dispatcher()
-                await progress.wait()
+            self._publish_internal(
+                SinkUnresponsive(
+                    source="eventbus",
+                    sink=sub.name,
+                    phase="drain",
+                    waited_s=self._close_timeout,
+                    thread_abandoned=abandoned,
+                )
+            )
 
-    async def _close_sinks(self) -> None:
-        for sub in reversed(self._subs):
-            aclose = sub._adapter.aclose
-            if aclose is None or sub._sink_closed:
-                continue
-            sub._sink_closed = True
-            with anyio.move_on_after(self._close_timeout) as scope:
-                try:
-                    result = aclose()
-                    if inspect.isawaitable(result):
-                        await result
-                except Exception as exc:
-                    _log.warning(
-                        "sink_close_failed",
-                        sink=sub.name,
-                        error=f"{type(exc).__name__}: {exc}",
-                        exc_info=True,
+    async def _close_one(self, sub: Subscription, deadline: float, hung: bool) -> None:
+        """Deliver what is left to *sub* (the reports about the sinks closed before it), stop
+        its task and close it, each step bounded by the deadline (at least CLOSE_GRACE)."""
+        if not hung and not sub.disabled:
+            with anyio.move_on_after(max(deadline - time.monotonic(), CLOSE_GRACE)):
+                while True:
+                    self._pull_thread_events()
+                    target = self._seq + len(self._buffer)
+                    if self._drained_up_to(target, (sub,)):
+                        break
+                    await self._await_progress()
+        sub._input_closed = True
+        self._wake_sub(sub)
+        done = sub._done
+        if done is not None and not done.is_set():
+            with anyio.move_on_after(CLOSE_GRACE):
+                await done.wait()
+            if not done.is_set() and sub._cancel_scope is not None:
+                lost = sub._clear() + sub._inflight_n
+                if lost:
+                    sub.undelivered += lost
+                    self._publish_internal(
+                        EventsUndelivered(
+                            source="eventbus",
+                            sink=sub.name,
+                            undelivered=lost,
+                            timeout_s=self._close_timeout,
+                        )
                     )
-            if scope.cancelled_caught:
-                _log.error("sink_close_timed_out", sink=sub.name, timeout_s=self._close_timeout)
+                sub._cancel_scope.cancel()
+                with anyio.move_on_after(CLOSE_GRACE):
+                    await done.wait()
+        aclose = sub._adapter.aclose
+        if aclose is None or sub._sink_closed:
+            return
+        sub._sink_closed = True
+        budget = max(deadline - time.monotonic(), CLOSE_GRACE)
+        with anyio.move_on_after(budget) as scope:
+            try:
+                result = aclose()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception as exc:
+                _log.warning(
+                    "sink_close_failed",
+                    sink=sub.name,
+                    error=f"{type(exc).__name__}: {exc}",
+                    exc_info=True,
+                )
+                self._publish_internal(
+                    SinkCloseFailed(
+                        source="eventbus",
+                        sink=sub.name,
+                        error_type=type(exc).__qualname__,
+                        message=str(exc),
+                    )
+                )
+        if scope.cancelled_caught:
+            abandoned = bool(getattr(sub.sink, "thread_busy", False))
+            _log.error(
+                "sink_close_timed_out",
+                sink=sub.name,
+                timeout_s=round(budget, 3),
+                thread_abandoned=abandoned,
+            )
+            self._publish_internal(
+                SinkUnresponsive(
+                    source="eventbus",
+                    sink=sub.name,
+                    phase="close",
+                    waited_s=budget,
+                    thread_abandoned=abandoned,
+                )
+            )
 
     def _closed_message(self) -> str:
         if self._state is _State.NEW:
             return "the bus is not running yet; publish inside `async with EventBus() as bus:`"
         return "the bus is closed; events can no longer be published to it"
+
+
+class _Timed:
+    """Awaits a sink's coroutine, timing each synchronous slice of it (between two awaits).
+
+    A slice is time the event loop was held by the sink: nothing else (training included) ran.
+    The longest slice and their total go to :meth:`EventBus._note_holds` when the call ends.
+    """
+
+    __slots__ = ("_bus", "_coro", "_sub")
+
+    def __init__(self, coro: Awaitable[Any], bus: EventBus, sub: Subscription) -> None:
+        self._coro = coro
+        self._bus = bus
+        self._sub = sub
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro = self._coro
+        if not inspect.iscoroutine(coro):  # an awaitable object: not timed
+            return (yield from coro.__await__())
+        send = coro.send
+        clock = time.perf_counter
+        longest = 0.0
+        total = 0.0
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                t0 = clock()
+                try:
+                    if error is None:
+                        yielded = send(value)
+                    else:
+                        err, error = error, None
+                        yielded = coro.throw(err)
+                except StopIteration as stop:
+                    dt = clock() - t0
+                    total += dt
+                    longest = max(longest, dt)
+                    return stop.value
+                dt = clock() - t0
+                total += dt
+                if dt > longest:
+                    longest = dt
+                try:
+                    value = yield yielded
+                except GeneratorExit:
+                    coro.close()
+                    raise
+                except BaseException as exc:  # a cancellation: hand it to the sink
+                    error = exc
+                    value = None
+        finally:
+            self._bus._note_holds(self._sub, longest, total)
 
 
 class _Waiter(Protocol):
