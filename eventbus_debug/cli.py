@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final, TextIO
 
 import orjson
-import structlog
 
+from ._logging import LOGGER_NAME
 from .encoding import decode_event
 from .events import Event, SessionEnded, Severity
 from .exceptions import EventBusError, EventDecodeError, LogReadError
@@ -490,25 +490,26 @@ _COMMANDS: Final[dict[str, Callable[[argparse.Namespace, IO[str]], int]]] = {
 
 @contextlib.contextmanager
 def _diagnostics_to(stream: TextIO) -> Iterator[None]:
-    """Send the library's structlog lines to *stream* while a command runs, so they never mix
-    with a command's output on stdout; the previous configuration is restored afterwards.
+    """Show the library's warnings and errors on *stream* while a command runs.
 
+    The command line is an application, so it may configure logging: one handler on the
+    ``eventbus_debug`` logger (never on stdout, where command output goes), removed afterwards.
     Only warnings and errors are shown: the command's own output (and, for ``demo``, the
-    console sink) already tells what happened; the library's info lines would repeat it.
+    console view) already tells what happened.
     """
-    was_configured = structlog.is_configured()
-    previous = structlog.get_config()
-    structlog.configure(
-        logger_factory=structlog.PrintLoggerFactory(stream),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-    )
+    logger = logging.getLogger(LOGGER_NAME)
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    previous = logger.level
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET or logger.level > logging.WARNING:
+        logger.setLevel(logging.WARNING)
     try:
         yield
     finally:
-        if was_configured:
-            structlog.configure(**previous)
-        else:
-            structlog.reset_defaults()
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

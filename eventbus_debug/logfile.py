@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Final
 
-import structlog
+from eventbus_debug._logging import get_logger
 
 from .encoding import decode_event
 from .events import Event
@@ -25,7 +25,7 @@ from .exceptions import EventDecodeError, LogReadError
 
 __all__ = ("LOG_STEM", "LOG_SUFFIX", "log_file_name", "log_files", "read_events")
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 LOG_STEM: Final = "events"
 LOG_SUFFIX: Final = ".jsonl"

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final, cast
 
-import structlog
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from eventbus_debug._logging import get_logger
 
 __all__ = (
     "OptimizationMode",
@@ -41,7 +42,7 @@ __all__ = (
     "optimize_model",
 )
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 DEFAULT_ACCUMULATION_STEPS: Final = 4
 

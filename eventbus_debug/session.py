@@ -33,10 +33,11 @@ from typing import IO, Any, Final
 
 import anyio
 import anyio.lowlevel
-import structlog
 import torch
 from torch import nn
 from typing_extensions import Self
+
+from eventbus_debug._logging import get_logger
 
 from ._bus import EventBus, Subscription
 from ._sync import SyncEventBus
@@ -126,7 +127,7 @@ __all__ = (
     "debug_context",
 )
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 DEFAULT_LOG_DIR: Final = "debug_logs"
 DEFAULT_SYSTEM_INTERVAL: Final = 10.0

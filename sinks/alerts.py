@@ -48,7 +48,6 @@ from typing import IO, Any, ClassVar, Final, Protocol, TypeAlias, TypeVar
 import anyio
 import anyio.to_thread
 import orjson
-import structlog
 
 from eventbus_debug import (
     GradientExploded,
@@ -56,6 +55,7 @@ from eventbus_debug import (
     ResourceThresholdExceeded,
     SystemSampled,
 )
+from eventbus_debug._logging import get_logger
 from eventbus_debug.encoding import encode_event
 from eventbus_debug.events import Event, Severity, event_type
 
@@ -74,7 +74,7 @@ __all__ = (
     "rules",
 )
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 DEFAULT_COOLDOWN: Final = 60.0
 DEFAULT_TIMEOUT: Final = 5.0
@@ -654,18 +654,21 @@ def _handler_name(handler: object) -> str:
 
 @dataclass(frozen=True, slots=True)
 class LogAlert:
-    """Log each alert through structlog (sync: runs in a worker thread).
+    """Log each alert through standard :mod:`logging` (sync: runs in a worker thread).
+
+    The line goes to the stdlib logger *logger_name* (under ``eventbus_debug``): silent until
+    the application configures logging, never on stdout. A session with a console view does
+    not use it, so an incident is shown once.
 
     Args:
-        logger_name: the structlog logger name; the library never configures structlog, your
-            application decides where these lines go.
+        logger_name: the logger name; names outside ``eventbus_debug`` are placed under it.
     """
 
     logger_name: str = "eventbus_debug.alerts"
 
     def __call__(self, alert: Alert, /) -> None:
         level = alert.event.severity
-        logger = structlog.get_logger(self.logger_name)
+        logger = get_logger(self.logger_name)
         method = {
             Severity.DEBUG: logger.debug,
             Severity.INFO: logger.info,

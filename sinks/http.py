@@ -37,10 +37,10 @@ from typing import Any, Final, Protocol, runtime_checkable
 
 import anyio
 import orjson
-import structlog
 from typing_extensions import Self
 
 from eventbus_debug import DebugLevel
+from eventbus_debug._logging import get_logger
 from eventbus_debug.encoding import encode_event
 from eventbus_debug.events import Event
 
@@ -61,7 +61,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 __all__ = ("DebugServer", "LevelTarget", "SummarySource")
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 DEFAULT_RING_SIZE: Final = 2000
 MAX_EVENTS_PER_PAGE: Final = 1000

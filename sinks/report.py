@@ -30,8 +30,8 @@ from typing import Final
 
 import anyio.to_thread
 import orjson
-import structlog
 
+from eventbus_debug._logging import get_logger
 from eventbus_debug.events import Event
 from eventbus_debug.logfile import read_events
 
@@ -74,7 +74,7 @@ __all__ = (
     "write_report",
 )
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 REPORT_FORMAT: Final = "eventbus-debug.report/1"
 JSON_NAME: Final = "report.json"

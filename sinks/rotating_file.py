@@ -34,7 +34,8 @@ from typing import Final, TypeVar
 
 import anyio
 import anyio.to_thread
-import structlog
+
+from eventbus_debug._logging import get_logger
 
 # The submodules, not the package: mypy cannot see the package's computed __all__.
 from eventbus_debug.encoding import decode_event, encode_event, encode_events
@@ -51,7 +52,7 @@ __all__ = (
     "RotatingFileSink",
 )
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 DEFAULT_MAX_BYTES: Final = 100 * 1024 * 1024
 """Rotate when the live file would exceed 100 MiB."""

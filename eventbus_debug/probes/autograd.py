@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import structlog
 import torch
+
+from eventbus_debug._logging import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
@@ -18,7 +19,7 @@ from .events import AutogradAnomalyDetected
 
 __all__ = ("AnomalyCapture", "capture_autograd_anomaly", "replay_with_anomaly_detection")
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 _FN_NAME = re.compile(r"Function '(\w+)' returned nan")
 _ERROR_FN = re.compile(r"Error detected in (\w+)\.")
 

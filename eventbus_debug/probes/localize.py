@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio.lowlevel
-import structlog
 import torch
 from torch import nn
+
+from eventbus_debug._logging import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
@@ -33,7 +34,7 @@ __all__ = (
     "debug_forward_pass",
 )
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 
 def _tensors(value: object) -> list[torch.Tensor]:

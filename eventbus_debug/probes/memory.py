@@ -24,10 +24,11 @@ from types import TracebackType
 from typing import Any, Final
 
 import psutil
-import structlog
 import torch
 from torch import nn
 from typing_extensions import Self
+
+from eventbus_debug._logging import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
@@ -48,7 +49,7 @@ __all__ = (
     "tensor_census",
 )
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 MIB: Final = 1 << 20
 DEFAULT_HISTORY_ENTRIES: Final = 100_000

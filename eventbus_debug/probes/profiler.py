@@ -28,10 +28,11 @@ from typing import Any, Final
 
 import anyio
 import anyio.abc
-import structlog
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 from typing_extensions import Self
+
+from eventbus_debug._logging import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
@@ -41,7 +42,7 @@ from .events import ProfileCaptured
 
 __all__ = ("ProfileSchedule", "StepProfiler", "TraceStore", "profiling")
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 TRACE_SUFFIX: Final = ".pt.trace.json.gz"
 DEFAULT_MAX_TRACES: Final = 5

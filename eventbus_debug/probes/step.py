@@ -17,9 +17,10 @@ from typing import Final
 
 import anyio
 import anyio.lowlevel
-import structlog
 import torch
 from torch import nn
+
+from eventbus_debug._logging import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
@@ -41,7 +42,7 @@ __all__ = ("StepProbe", "StepVerdict")
 
 _ForwardHook = Callable[[nn.Module, object, object], None]
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 _F32: Final = torch.float32
 _MAX_PLANS: Final = 8

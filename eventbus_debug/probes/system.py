@@ -19,8 +19,9 @@ from typing import Any, Final
 import anyio
 import anyio.abc
 import psutil
-import structlog
 from typing_extensions import Self
+
+from eventbus_debug._logging import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
@@ -37,7 +38,7 @@ __all__ = (
     "read_system",
 )
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 METRICS: Final = (
     "cpu_percent",

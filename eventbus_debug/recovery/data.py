@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Generic, TypeVar, final
 
-import structlog
 from torch.utils.data import DataLoader, Dataset, default_collate
+
+from eventbus_debug._logging import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
@@ -37,7 +38,7 @@ __all__ = (
     "skip_corrupt_samples",
 )
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 T = TypeVar("T")
 

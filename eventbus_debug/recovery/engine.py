@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Final, TypeAlias, final
 
 import anyio.lowlevel
-import structlog
+
+from eventbus_debug._logging import get_logger
 
 from .._bus import EventBus, Subscription
 from .._sync import SyncEventBus
@@ -58,7 +59,7 @@ __all__ = (
     "default_strategies",
 )
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 ENGINE_SOURCE: Final = "recovery"
 RETRY_ID_KEY: Final = "retry_id"

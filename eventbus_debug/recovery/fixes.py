@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-import structlog
 import torch
 from torch import nn
+
+from eventbus_debug._logging import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
@@ -27,7 +28,7 @@ from .safepoint import StateSnapshots
 
 __all__ = ("CommonFixes", "apply_common_fixes")
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 SOURCE: Final = "recovery.common_fixes"
 

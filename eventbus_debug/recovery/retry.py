@@ -27,8 +27,9 @@ from types import TracebackType
 from typing import Any, Final, ParamSpec, TypeVar, final, overload
 
 import anyio
-import structlog
 import tenacity
+
+from eventbus_debug._logging import get_logger
 
 from ..exceptions import TrainingStopped
 from .engine import DecidedAction, RecoveryEngine
@@ -38,7 +39,7 @@ from .strategies import CALL_ACTIONS, Decision
 
 __all__ = ("Attempt", "CallState", "Retrying", "retrying")
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -10,7 +11,6 @@ from pathlib import Path
 import anyio
 import orjson
 import pytest
-import structlog
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -400,15 +400,18 @@ class TestBuiltinHandlers:
         assert out.count("\n") == 1
         assert out.startswith("[WARNING] gradient_explosion: gradient_exploded step 3")
 
-    async def test_log_alert_goes_through_structlog(self) -> None:
-        """LogAlert emits a structlog event at the event's severity."""
+    async def test_log_alert_goes_through_stdlib_logging(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """LogAlert emits a stdlib record under eventbus_debug at the event's severity."""
         sink = AlertSink(_NullBus())
         sink.add_rule(rules.non_finite(), LogAlert())
-        with structlog.testing.capture_logs() as logs:
+        with caplog.at_level(logging.DEBUG, logger="eventbus_debug"):
             await sink.handle(NonFiniteDetected(step=2, role=TensorRole.LOSS, names=("loss",)))
-        [entry] = [e for e in logs if e["event"] == "alert"]
-        assert entry["log_level"] == "error"
-        assert entry["rule"] == "non_finite" and entry["step"] == 2
+        [record] = [r for r in caplog.records if r.name == "eventbus_debug.alerts"]
+        assert record.levelno == logging.ERROR
+        assert record.getMessage().startswith("alert ")
+        assert "rule=non_finite" in record.getMessage() and "step=2" in record.getMessage()
 
     async def test_webhook_posts_json(self) -> None:
         """WebhookAlert POSTs the alert as JSON to a real local server; a 500 is a failure."""

@@ -6,9 +6,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn, TypeAlias, final
 
-import structlog
 import torch
 from torch import nn
+
+from eventbus_debug._logging import get_logger
 
 from ...exceptions import TrainingStopped
 from ..engine import DecidedAction, RecoveryEngine
@@ -19,7 +20,7 @@ from .snapshot import NoGoodStateError, StateSnapshots
 
 __all__ = ("AgreeHook", "SafePoint", "StepDecision")
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 SOURCE: Final = "recovery.safe_point"
 

@@ -12,15 +12,16 @@ import os
 from collections.abc import Mapping
 from typing import Any, Final, final
 
-import structlog
 import torch
 from torch import nn
+
+from eventbus_debug._logging import get_logger
 
 from ..lr import GROUP_LR_KEYS
 
 __all__ = ("NoGoodStateError", "StateSnapshots")
 
-_log = structlog.get_logger("eventbus_debug")
+_log = get_logger(__name__)
 
 DEFAULT_EVERY: Final = 50
 
