@@ -6,6 +6,8 @@ contract between them. Events carry host-side numbers and strings only, never te
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping
 from dataclasses import field
 from enum import Enum
@@ -70,6 +72,7 @@ class TensorRole(Enum):
     LOSS = "loss"
     GRADIENT = "gradient"
     PARAMETER = "parameter"
+    BUFFER = "buffer"
     ACTIVATION = "activation"
     OUTPUT = "output"
     INPUT = "input"
@@ -190,8 +193,12 @@ class GradientExploded(Anomaly):
 
     Attributes:
         total_norm: the total 2-norm of all gradients.
-        threshold: the threshold it exceeded (fixed, or 10x the warm-up maximum).
+        threshold: the threshold it exceeded (the absolute cap, or ``explosion_factor`` x the
+            running median of the run's accepted norms).
         top: the largest per-parameter gradient norms, ``(name, norm)``, largest first.
+        baseline: the running median of accepted norms (``nan`` at the first check).
+        largest: the largest norm the run had accepted before (``0.0`` at the first check).
+        rule: ``"growth"`` (against the median) or ``"cap"`` (the absolute cap).
     """
 
     kind: ClassVar[str] = "gradient_exploded"
@@ -199,6 +206,9 @@ class GradientExploded(Anomaly):
     total_norm: float
     threshold: float
     top: tuple[tuple[str, float], ...] = ()
+    baseline: float = math.nan
+    largest: float = 0.0
+    rule: str = "growth"
 
 
 @event_type
@@ -206,9 +216,12 @@ class GradientVanished(Anomaly):
     """The mean absolute gradient fell below its threshold.
 
     Attributes:
-        mean_abs: the mean of ``|grad|`` over every gradient element.
-        threshold: the threshold it fell below.
-        layers: the parameters whose own mean ``|grad|`` is below the threshold.
+        mean_abs: the mean of ``|grad|`` over every gradient element (``nan`` when only dead
+            layers were found and the model-wide mean was not computed at this step).
+        threshold: the threshold it fell below (absolute for the model, relative to the
+            model's gradient for dead layers).
+        layers: the parameters that had a gradient and lost it (their gradient RMS fell below
+            ``vanishing_relative`` x the model's for ``vanishing_patience`` checks in a row).
         all_zero: True when every gradient element is exactly zero.
     """
 
@@ -226,10 +239,14 @@ class LossSpiked(Anomaly):
 
     Attributes:
         loss: the loss of this step.
-        running_mean: the mean loss of the recent window.
-        ratio: ``loss / running_mean``.
-        rule: which rule fired: ``"ratio"`` (loss > k x running mean) or ``"zscore"``
-            (loss more than z standard deviations above the running mean).
+        running_mean: the baseline: the running median of the recent finite, non-spiking
+            losses (the name is kept for compatibility).
+        ratio: ``loss / running_mean`` (``inf`` for a zero baseline; negative losses give
+            ratios below 1 or negative values — read *tolerance* instead).
+        rule: ``"spike"`` (one loss far above the baseline) or ``"sustained"`` (``patience``
+            spikes in a row: the strong evidence a rollback needs).
+        tolerance: how far above the baseline a loss could go before it was a spike.
+        streak: spiking steps in a row, this one included.
     """
 
     kind: ClassVar[str] = "loss_spiked"
@@ -238,19 +255,29 @@ class LossSpiked(Anomaly):
     running_mean: float
     ratio: float
     rule: str
+    tolerance: float = 0.0
+    streak: int = 1
 
 
 @event_type
 class AnomalyLocalized(Anomaly):
-    """The first module whose output (or gradient) became non-finite was found.
+    """Where a NaN/Inf was made: the first module whose inputs were finite and output not.
+
+    In the backward pass: the first module that received finite gradients and produced a
+    non-finite one, or the parameter whose gradient alone is non-finite. When the model's own
+    inputs already held NaN/Inf, *role* is INPUT and *module* the first module that got them.
 
     Attributes:
         module: the qualified name of that module (``""`` for the root module).
         phase: ``"forward"`` or ``"backward"``.
-        role: what was non-finite (its OUTPUT in forward, a GRADIENT in backward).
+        role: what was non-finite (its OUTPUT in forward, a GRADIENT in backward, its INPUT
+            when the NaN/Inf came in with the model's inputs).
         shapes: the shapes of the offending tensors.
         input_min: the smallest finite input value of that module, when known.
         input_max: the largest finite input value of that module, when known.
+        parameter: the qualified name of the parameter whose gradient was the first
+            non-finite one, when the NaN/Inf exists only in a parameter's gradient (``""``
+            otherwise); *module* is then the module that owns it.
     """
 
     kind: ClassVar[str] = "anomaly_localized"
@@ -261,6 +288,7 @@ class AnomalyLocalized(Anomaly):
     shapes: tuple[tuple[int, ...], ...] = ()
     input_min: float | None = None
     input_max: float | None = None
+    parameter: str = ""
 
 
 @event_type

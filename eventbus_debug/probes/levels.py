@@ -31,24 +31,36 @@ def _positive_float(name: str, value: object, *, allow_none: bool = False) -> No
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Thresholds:
-    """When the step probe's checks fire. Defaults come from widely used tools.
+    """When the step probe's checks fire. The defaults are tuned for zero false alarms on long,
+    noisy, healthy runs (``benchmarks/bench_decisions.py`` measures them).
 
     Args:
-        vanishing: mean ``|grad|`` below which gradients vanished (SageMaker Debugger: 1e-7).
-        vanishing_per_layer: also fire when a single parameter's mean ``|grad|`` is below
-            *vanishing* (a dead layer), not only the whole model's.
-        explosion: a fixed cap on the total gradient norm; ``None`` for none.
-        explosion_factor: after the warm-up, the total norm may not exceed this many times the
-            largest norm seen during the warm-up (Megatron-LM: 10).
-        explosion_warmup: how many gradient checks the warm-up lasts (Megatron-LM: 100).
-        spike_window: how many recent losses the running mean covers (Lightning: 10).
-        spike_deviation: the ``"deviation"`` rule fires when
-            ``|loss - running mean| >= spike_deviation * running mean`` (Lightning: 2).
-        spike_ratio: the ``"sustained"`` rule counts steps with
-            ``loss >= spike_ratio * running mean`` (llm-foundry: 2) ...
-        spike_patience: ... and fires when more than this many are consecutive (llm-foundry: 4).
+        vanishing: mean ``|grad|`` of the whole model below which gradients vanished
+            (SageMaker Debugger: 1e-7); never fires while the loss has converged.
+        vanishing_relative: a parameter whose mean ``|grad|`` falls below this fraction of the
+            model's mean ``|grad|`` is a dead layer, but only if it once had a gradient above
+            that fraction: gradients that are zero by construction (attention key biases, tied
+            or unused parameters) are never "vanishing".
+        vanishing_patience: vanishing checks in a row before an incident.
+        vanishing_per_layer: look for dead layers at all (not only the whole model).
+        explosion: an absolute cap on the total gradient norm, checked from the first step;
+            ``None`` for none.
+        explosion_factor: the total norm may not exceed this many times the running median of
+            the last *explosion_window* accepted norms (checked from the second step).
+        explosion_window: how many accepted norms the running median covers.
+        spike_window: how many recent losses the loss baseline (a running median) covers.
+        spike_warmup: finite losses seen before the first spike check (Lightning: 1).
+        spike_rtol: a loss more than ``spike_rtol x |baseline|`` above the baseline may be a
+            spike (Lightning: 2) ...
+        spike_mad: ... and more than this many noise sigmas (from the window's median absolute
+            deviation) above it ...
+        spike_atol: ... and more than this absolute amount ...
+        spike_scale_tol: ... and more than this fraction of the largest baseline the run had
+            (converged losses near zero wobble by tiny amounts; that is not a spike).
+        spike_patience: spikes in a row reported as a *sustained* spike (the strong,
+            persistent evidence a rollback needs); the baseline then restarts at the new level.
         update_ratio_low: weight-update ratios ``‖Δw‖/‖w‖`` below this are reported as stalled
-            (SageMaker: 1e-8).
+            (SageMaker: 1e-8); frozen and gradient-less parameters are never included.
         update_ratio_high: ratios above this are reported as too large (SageMaker: 10).
         top_k: how many of the largest per-parameter norms an explosion incident lists.
 
@@ -57,26 +69,56 @@ class Thresholds:
     """
 
     vanishing: float = 1e-7
+    vanishing_relative: float = 1e-4
+    vanishing_patience: int = 3
     vanishing_per_layer: bool = True
-    explosion: float | None = None
+    explosion: float | None = 1e6
     explosion_factor: float = 10.0
-    explosion_warmup: int = 100
-    spike_window: int = 10
-    spike_deviation: float = 2.0
-    spike_ratio: float = 2.0
-    spike_patience: int = 4
+    explosion_window: int = 50
+    spike_window: int = 50
+    spike_warmup: int = 1
+    spike_rtol: float = 2.0
+    spike_mad: float = 8.0
+    spike_atol: float = 0.0
+    spike_scale_tol: float = 1e-3
+    spike_patience: int = 5
     update_ratio_low: float = 1e-8
     update_ratio_high: float = 10.0
     top_k: int = 5
 
     def __post_init__(self) -> None:
-        for name in ("vanishing", "explosion_factor", "spike_deviation", "spike_ratio"):
-            _positive_float(name, getattr(self, name))
-        for name in ("update_ratio_low", "update_ratio_high"):
+        for name in (
+            "vanishing",
+            "vanishing_relative",
+            "explosion_factor",
+            "spike_rtol",
+            "spike_mad",
+            "spike_scale_tol",
+            "update_ratio_low",
+            "update_ratio_high",
+        ):
             _positive_float(name, getattr(self, name))
         _positive_float("explosion", self.explosion, allow_none=True)
-        for name in ("explosion_warmup", "spike_window", "spike_patience", "top_k"):
+        atol = self.spike_atol
+        if (
+            isinstance(atol, bool)
+            or not isinstance(atol, int | float)
+            or not (math.isfinite(atol) and atol >= 0)
+        ):
+            msg = f"spike_atol must be a finite number >= 0, got {atol!r}"
+            raise ValueError(msg)
+        for name in (
+            "vanishing_patience",
+            "explosion_window",
+            "spike_window",
+            "spike_warmup",
+            "spike_patience",
+            "top_k",
+        ):
             _positive_int(name, getattr(self, name))
+        if not isinstance(self.vanishing_per_layer, bool):
+            msg = f"vanishing_per_layer must be a bool, got {self.vanishing_per_layer!r}"
+            raise TypeError(msg)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

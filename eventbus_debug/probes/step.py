@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -27,6 +26,7 @@ from .._sync import SyncEventBus
 from ..events import Event
 from ._publish import publisher_for
 from ._reduce import NormPlan
+from .detectors import ExplosionDetector, LossSpikeDetector
 from .events import (
     DebugLevel,
     GradientExploded,
@@ -45,6 +45,10 @@ _ForwardHook = Callable[[nn.Module, object, object], None]
 _log = get_logger(__name__)
 
 _F32: Final = torch.float32
+_F64: Final = torch.float64
+_CONVERGED: Final = 1e-6
+"""A loss within this fraction of the largest loss the run had has converged: gradients near
+zero are then the optimum, not a vanishing problem."""
 _MAX_PLANS: Final = 8
 OFFLOAD_NUMEL: Final = 1 << 24
 """Default gradient size (elements, CPU only) above which reductions run in a worker thread."""
@@ -69,6 +73,8 @@ class StepVerdict:
         param_norm: the total parameter 2-norm, when parameters were checked.
         fired: the ``kind`` of every incident published for this step.
         deferred: True when the values were read one step late, without waiting.
+        overflow: True when the gradients overflowed under an AMP ``GradScaler`` (its routine
+            business: ``scaler.step`` skips the update and lowers the scale; not an incident).
     """
 
     step: int
@@ -79,6 +85,7 @@ class StepVerdict:
     param_norm: float | None = None
     fired: tuple[str, ...] = ()
     deferred: bool = False
+    overflow: bool = False
 
     @property
     def ok(self) -> bool:
@@ -100,10 +107,11 @@ class _Layout:
     step: int
     checks: Checks
     has_loss: bool
+    host_loss: float | None  # a Python number: judged on the host, in float64
     grad_slots: tuple[int, ...]  # parameter index per gradient position
     grad_numels: tuple[int, ...]
     with_l1: bool
-    param_slots: tuple[int, ...]
+    param_slots: tuple[int, ...]  # slots >= len(params) are buffers
     update_slots: tuple[int, ...]
     activations: tuple[tuple[str, str], ...]  # (module name, "dead" | "saturated")
 
@@ -164,10 +172,16 @@ class StepProbe:
         offload_numel: on CPU, run the reductions in a worker thread when the gradients hold
             more elements than this (the event loop keeps serving sinks meanwhile).
         source: the ``source`` stamped on events.
+        scaler: the AMP ``torch.amp.GradScaler`` the loop uses, if any. Gradient norms are
+            then judged unscaled (divided by the scale on the device, no synchronization,
+            unless ``scaler.unscale_(optimizer)`` already ran), and non-finite gradients with a
+            finite loss are the scaler's overflow steps (``verdict.overflow``), not incidents.
+        optimizer: the optimizer *scaler* steps (tells whether the gradients are unscaled).
 
     Raises:
         TypeError: if *model* is not an ``nn.Module``, *bus* is not a bus or ``None``, or
-            *level*/*cadence*/*thresholds* have the wrong type.
+            *level*/*cadence*/*thresholds*/*scaler* have the wrong type.
+        ValueError: if the model has parameters on the meta device (they hold no values).
     """
 
     def __init__(
@@ -181,6 +195,8 @@ class StepProbe:
         deferred: bool = False,
         offload_numel: int = OFFLOAD_NUMEL,
         source: str = "step_probe",
+        scaler: torch.amp.GradScaler | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             msg = f"model must be a torch.nn.Module, got {type(model).__qualname__}"
@@ -191,8 +207,21 @@ class StepProbe:
         if thresholds is not None and not isinstance(thresholds, Thresholds):
             msg = f"thresholds must be a Thresholds, got {thresholds!r}"
             raise TypeError(msg)
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            msg = f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__qualname__}"
+            raise TypeError(msg)
+        meta = [n for n, p in model.named_parameters() if p.is_meta]
+        if meta:
+            msg = (
+                f"the model has {len(meta)} parameter(s) on the meta device (e.g. {meta[0]!r}), "
+                "which hold no values to check; materialize it first (model.to_empty(device=...) "
+                "and initialize, or load a state dict with assign=True)"
+            )
+            raise ValueError(msg)
         self._model = model
         self._publish = publisher_for(bus)
+        self._scaler = scaler
+        self._optimizer = optimizer
         self.cadence = cadence or Cadence()
         self.thresholds = thresholds or Thresholds()
         self.deferred = bool(deferred)
@@ -205,16 +234,30 @@ class StepProbe:
         ]
         self._names: tuple[str, ...] = tuple(n for n, _ in named)
         self._params: tuple[nn.Parameter, ...] = tuple(p for _, p in named)
+        # Floating buffers (BatchNorm running statistics) are checked with the parameters:
+        # a NaN batch poisons them without touching a parameter.
+        buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+        self._state_names: tuple[str, ...] = self._names + tuple(n for n, _ in buffers)
+        self._state: tuple[torch.Tensor, ...] = self._params + tuple(b for _, b in buffers)
         self._grad_plans: dict[tuple[object, ...], _GradPlan] = {}
         self._param_plan: NormPlan | None = None
         self._snapshot: list[torch.Tensor] | None = None
         self._pending: _Pending | None = None
         self._lock = threading.Lock()
         # judge state
-        self._checked_grads = 0
-        self._warmup_max = 0.0
-        self._losses: deque[float] = deque(maxlen=self.thresholds.spike_window)
-        self._streak = 0
+        self._spikes: LossSpikeDetector
+        self._explosions: ExplosionDetector
+        self._build_detectors()
+        self._loss_scale = 0.0
+        self._converged = False
+        n = len(self._params)
+        self._alive = [False] * n  # the parameter once had a gradient worth the name
+        self._dead_streak = [0] * n
+        self._dead_reported: set[int] = set()
+        self._vanish_streak = 0
+        self._vanish_reported = False
+        self._zero_reported = False
+        self._update_idx: tuple[int, ...] = ()
         # activation statistics (EXTREME)
         self._act_modules: tuple[tuple[str, nn.Module, str], ...] = tuple(
             (name, m, "dead" if isinstance(m, _RELU_LIKE) else "saturated")
@@ -250,6 +293,47 @@ class StepProbe:
             self._snapshot = None
         if hasattr(self, "_configured"):
             _log.info("debug_level_changed", source=self.source, old=old.value, new=value.value)
+
+    @property
+    def thresholds(self) -> Thresholds:
+        """The thresholds; assigning new ones restarts the detectors."""
+        return self._thresholds
+
+    @thresholds.setter
+    def thresholds(self, value: Thresholds) -> None:
+        if not isinstance(value, Thresholds):
+            msg = f"thresholds must be a Thresholds, got {value!r}"
+            raise TypeError(msg)
+        self._thresholds = value
+        if hasattr(self, "_spikes"):
+            self._build_detectors()
+
+    def _build_detectors(self) -> None:
+        th = self._thresholds
+        self._spikes = LossSpikeDetector(
+            window=th.spike_window,
+            warmup=th.spike_warmup,
+            rtol=th.spike_rtol,
+            atol=th.spike_atol,
+            mad_factor=th.spike_mad,
+            scale_tol=th.spike_scale_tol,
+            patience=th.spike_patience,
+        )
+        self._explosions = ExplosionDetector(
+            window=th.explosion_window, factor=th.explosion_factor, cap=th.explosion
+        )
+
+    def rebaseline(self) -> None:
+        """Restart the loss-spike and explosion baselines (call it after restoring a state).
+
+        The restored model's loss is legitimately that of an older state: judged against the
+        window of the steps just undone it would look like a new spike, and rollbacks would
+        feed on themselves. Thread-safe; the session calls it after every restore.
+        """
+        with self._lock:
+            self._spikes.reset()
+            self._explosions.reset()
+            self._snapshot = None
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
@@ -379,26 +463,41 @@ class StepProbe:
     def _l1_needed(self, l2: torch.Tensor, numels: tuple[int, ...], *, due: bool) -> bool:
         """Whether mean ``|grad|`` must be computed, given the 2-norms (CPU only: reading is free).
 
-        ``‖g‖₁ >= ‖g‖₂``, so ``mean|g| >= ‖g‖₂ / n``: when that bound clears the vanishing
-        threshold for the whole model (and every parameter, when checked per layer), no
-        gradient can have vanished and the sum of absolute values (about twice the cost of
-        the 2-norm) is skipped. Non-finite norms are decided by the norms alone. When the
-        vanishing check is not *due* this step, the pass runs only for an all-zero gradient.
+        Only the model-wide vanishing check needs it (dead layers are judged from the 2-norms).
+        ``‖g‖₁ >= ‖g‖₂``, so ``mean|g| >= Σ‖g‖₂ / n``: when that bound clears the threshold no
+        gradient can have vanished and the pass (about twice the cost of the 2-norms) is
+        skipped. Non-finite norms are decided by the norms alone.
         """
-        th = self.thresholds.vanishing
+        if not due:
+            return False
         values: list[float] = l2.tolist()
         if not all(map(math.isfinite, values)):
             return False
-        if not due:
-            # Between vanishing checks (Cadence.vanishing_every), only an exactly-zero
-            # gradient (a dead layer, visible in its 2-norm) triggers the pass.
-            return any(n and v == 0.0 for v, n in zip(values, numels, strict=True))
         total_numel = sum(numels)
-        if total_numel and math.fsum(values) / total_numel < th:
-            return True
-        if self.thresholds.vanishing_per_layer:
-            return any(n and v / n < th for v, n in zip(values, numels, strict=True))
-        return False
+        return bool(total_numel) and math.fsum(values) / total_numel < self.thresholds.vanishing
+
+    def _state_norms(self) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """2-norms of every parameter and floating buffer (fused), with their slots."""
+        if self._param_plan is None:
+            self._param_plan = NormPlan(self._state)
+        plan = self._param_plan
+        l2, _ = plan.reduce(self._state, l1=False)
+        return l2, plan.order
+
+    def _inverse_scale(self) -> torch.Tensor | None:
+        """``1 / scale`` of the AMP scaler while the gradients are still scaled (on device)."""
+        scaler = self._scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        scale = getattr(scaler, "_scale", None)
+        if not isinstance(scale, torch.Tensor):
+            return None  # scaler.scale() never ran: the gradients are not scaled
+        states = getattr(scaler, "_per_optimizer_states", None)
+        if self._optimizer is not None and isinstance(states, Mapping):
+            stage = states.get(id(self._optimizer), {}).get("stage")
+            if getattr(stage, "name", "") == "UNSCALED":
+                return None
+        return scale.double().reciprocal()
 
     def _launch(self, step: int, loss: torch.Tensor | float | None, checks: Checks) -> _Pending:
         parts: list[torch.Tensor] = []
@@ -418,33 +517,41 @@ class StepProbe:
                 home = plan.home
                 on_cpu = home.type == "cpu"
                 l2, l1 = plan.reduce(present, l1=checks.vanishing and not on_cpu)  # type: ignore[arg-type]
+                inverse = self._inverse_scale()
+                if inverse is not None:
+                    l2 = l2 * inverse.to(device=l2.device, dtype=l2.dtype)
                 if on_cpu and self._l1_needed(l2, grad_numels, due=checks.vanishing):
                     _, l1 = plan.reduce(present, l1=True, l2=False)  # type: ignore[arg-type]
+                if l1 is not None and inverse is not None:
+                    l1 = l1 * inverse.to(device=l1.device, dtype=l1.dtype)
                 parts.append(l2)
                 if l1 is not None:
                     parts.append(l1)
                     with_l1 = True
         param_slots: tuple[int, ...] = ()
-        if checks.params and self._params:
-            if self._param_plan is None:
-                self._param_plan = NormPlan(self._params)
-            plan = self._param_plan
-            l2, _ = plan.reduce(self._params, l1=False)
-            home = home or plan.home
+        if checks.params and self._state:
+            l2, param_slots = self._state_norms()
+            home = home or l2.device
             parts.append(l2)
-            param_slots = plan.order
         update_slots: tuple[int, ...] = ()
         if self._snapshot is not None:
             # ‖Δw‖ and ‖w‖ between the step that took the snapshot and this one.
-            diffs = torch._foreach_sub(list(self._params), self._snapshot)
+            current: list[torch.Tensor] = [self._params[i] for i in self._update_idx]
+            diffs = torch._foreach_sub(current, self._snapshot)
             d2 = torch.stack(torch._foreach_norm(diffs, 2, dtype=_F32))
             w2 = torch.stack(torch._foreach_norm(self._snapshot, 2, dtype=_F32))
             home = home or d2.device
             parts += [d2.to(home), w2.to(home)]
-            update_slots = tuple(range(len(self._params)))
+            update_slots = self._update_idx
             self._snapshot = None
         if checks.updates and self._params:
-            self._snapshot = list(torch._foreach_mul(list(self._params), 1.0))
+            # Only parameters that train now: frozen and gradient-less ones never "stall".
+            self._update_idx = tuple(
+                i for i, p in enumerate(self._params) if p.requires_grad and p.grad is not None
+            )
+            if self._update_idx:
+                now: list[torch.Tensor] = [self._params[i] for i in self._update_idx]
+                self._snapshot = list(torch._foreach_mul(now, 1.0))
         activations: tuple[tuple[str, str], ...] = ()
         if checks.activations and self._act_values:
             activations = tuple(self._act_values)
@@ -452,17 +559,24 @@ class StepProbe:
             home = home or stats.device
             parts.append(stats.to(home))
         has_loss = checks.loss and loss is not None
+        host_loss: float | None = None
+        wide = False
         if has_loss:
             if isinstance(loss, torch.Tensor):
                 lt = loss.detach().reshape(1)
                 if lt.is_complex():
                     lt = lt.abs()
+                # Checked in its own precision: a finite float64 loss of 1e39 is finite.
+                wide = lt.dtype == _F64
                 home = home or lt.device
-                parts.insert(0, lt.to(device=home, dtype=_F32))
+                parts.insert(0, lt.to(device=home, dtype=_F64 if wide else _F32))
             else:
-                parts.insert(0, torch.tensor([float(loss)], dtype=_F32, device=home))  # type: ignore[arg-type]
+                host_loss = float(loss)  # type: ignore[arg-type]
+                has_loss = False
         home = home or torch.device("cpu")
         moved = [p if p.device == home else p.to(home, non_blocking=True) for p in parts]
+        if wide:
+            moved = [p.to(_F64) for p in moved]
         if not moved:
             vector = torch.zeros(0, dtype=_F32)
         elif len(moved) == 1:
@@ -473,6 +587,7 @@ class StepProbe:
             step=step,
             checks=checks,
             has_loss=has_loss,
+            host_loss=host_loss,
             grad_slots=grad_slots,
             grad_numels=grad_numels,
             with_l1=with_l1,
@@ -489,17 +604,17 @@ class StepProbe:
         step = lay.step
         incidents: list[Event] = []
         pos = 0
-        finite = True
-        loss_value: float | None = None
+        loss_value: float | None = lay.host_loss
         if lay.has_loss:
             loss_value = values[0]
             pos = 1
-            if math.isfinite(loss_value):
-                spike = self._loss_spike(loss_value, step)
-                if spike is not None:
-                    incidents.append(spike)
+        loss_finite = loss_value is None or math.isfinite(loss_value)
+        finite = loss_finite
+        if loss_value is not None:
+            if loss_finite:
+                self._loss_scale = max(self._loss_scale, abs(loss_value))
+                self._converged = abs(loss_value) <= _CONVERGED * self._loss_scale
             else:
-                finite = False
                 incidents.append(
                     NonFiniteDetected(
                         step=step,
@@ -511,6 +626,8 @@ class StepProbe:
                     )
                 )
         grad_norm: float | None = None
+        grad_finite = True
+        overflow = False
         layer_norms: dict[str, float] = {}
         k = len(lay.grad_slots)
         if k:
@@ -518,22 +635,56 @@ class StepProbe:
             pos += k
             l1 = values[pos : pos + k] if lay.with_l1 else []
             pos += k if lay.with_l1 else 0
-            grad_norm, grad_finite, found = self._judge_grads(pending, l2, l1, step)
+            grad_norm, grad_finite, found = self._judge_grads(
+                pending, l2, l1, step, loss_finite=loss_finite
+            )
+            overflow = not grad_finite and not found and loss_finite
             finite = finite and grad_finite
             incidents += found
             if lay.checks.layers:
                 layer_norms = {self._names[s]: v for s, v in zip(lay.grad_slots, l2, strict=True)}
+        if loss_value is not None and loss_finite and not overflow:
+            spike = self._spikes.observe(loss_value)
+            if spike is not None:
+                base = spike.baseline
+                incidents.append(
+                    LossSpiked(
+                        step=step,
+                        source=self.source,
+                        loss=loss_value,
+                        running_mean=base,
+                        ratio=loss_value / base if base else math.inf,
+                        rule=spike.rule.value,
+                        tolerance=spike.tolerance,
+                        streak=spike.streak,
+                    )
+                )
         param_norm: float | None = None
         m = len(lay.param_slots)
+        n_params = len(self._params)
         if m:
             p2 = values[pos : pos + m]
             pos += m
-            param_norm = math.sqrt(math.fsum(v * v for v in p2))
-            if not math.isfinite(param_norm):
-                bad = [s for s, v in zip(lay.param_slots, p2, strict=True) if not math.isfinite(v)]
-                if bad:
-                    finite = False
-                    incidents.append(self._non_finite(TensorRole.PARAMETER, bad, None, step))
+            param_norm = math.sqrt(
+                math.fsum(v * v for s, v in zip(lay.param_slots, p2, strict=True) if s < n_params)
+            )
+            bad = [s for s, v in zip(lay.param_slots, p2, strict=True) if not math.isfinite(v)]
+        elif not finite and not overflow and self._state:
+            # The loss or the gradients are not finite and the parameters were not due: look
+            # at them now (one more transfer, only on a fire) so that a NaN parameter or
+            # buffer is restored at this step, not up to param_every steps later.
+            norms, slots = self._state_norms()
+            bad = [s for s, v in zip(slots, norms.tolist(), strict=True) if not math.isfinite(v)]
+        else:
+            bad = []
+        if bad:
+            finite = False
+            params = [s for s in bad if s < n_params]
+            buffers = [s for s in bad if s >= n_params]
+            if params:
+                incidents.append(self._non_finite(TensorRole.PARAMETER, params, None, step))
+            if buffers:
+                incidents.append(self._non_finite(TensorRole.BUFFER, buffers, None, step))
         ratios: dict[str, float] = {}
         u = len(lay.update_slots)
         if u:
@@ -575,31 +726,44 @@ class StepProbe:
             param_norm=param_norm,
             fired=fired,
             deferred=deferred,
+            overflow=overflow,
         )
 
     def _judge_grads(
-        self, pending: _Pending, l2: Sequence[float], l1: Sequence[float], step: int
+        self,
+        pending: _Pending,
+        l2: Sequence[float],
+        l1: Sequence[float],
+        step: int,
+        *,
+        loss_finite: bool,
     ) -> tuple[float, bool, list[Event]]:
         lay = pending.layout
         th = self.thresholds
         incidents: list[Event] = []
         total = math.sqrt(math.fsum(v * v for v in l2))
-        finite = True
         if not math.isfinite(total):
             bad = [j for j, v in enumerate(l2) if not math.isfinite(v)]
             counts = self._count_non_finite(pending, bad)
             really_bad = [j for j, (n, i) in zip(bad, counts, strict=True) if n or i or n is None]
             if really_bad:
-                finite = False
+                if self._scaler is not None and self._scaler.is_enabled() and loss_finite:
+                    # A GradScaler overflow: scaler.step() skips the update and halves the
+                    # scale. Routine in fp16 training, not an incident (the session reports
+                    # a StepSkipped with the scales once scaler.update() ran).
+                    return total, False, []
                 known = [c for c in counts if c[0] is not None]
                 nan = sum(c[0] or 0 for c in known) if known else None
                 inf = sum(c[1] or 0 for c in known) if known else None
                 slots = [lay.grad_slots[j] for j in really_bad]
                 incidents.append(self._non_finite(TensorRole.GRADIENT, slots, (nan, inf), step))
-                return total, finite, incidents
-            # the values are finite but the fp32 sum of squares overflowed: an explosion
-        threshold = self._explosion_threshold(total)
-        if threshold is not None and total > threshold:
+                return total, False, incidents
+            # finite values whose fp32 sum of squares overflowed: judge the float64 norm
+            total = math.sqrt(math.fsum(float(v) ** 2 for v in l2 if math.isfinite(v)))
+            if not math.isfinite(total):
+                total = math.inf
+        exploded = self._explosions.observe(total) if math.isfinite(total) else None
+        if exploded is not None or total == math.inf:
             top = sorted(
                 zip((self._names[s] for s in lay.grad_slots), l2, strict=True),
                 key=lambda kv: -kv[1] if not math.isnan(kv[1]) else 0.0,
@@ -609,58 +773,82 @@ class StepProbe:
                     step=step,
                     source=self.source,
                     total_norm=total,
-                    threshold=threshold,
+                    threshold=exploded.threshold if exploded else math.inf,
                     top=tuple(top),
+                    baseline=exploded.baseline if exploded else math.nan,
+                    largest=exploded.largest if exploded else self._explosions.largest,
+                    rule=exploded.rule if exploded else "cap",
                 )
             )
-        if not l1 and l2 and all(v == 0.0 for v in l2):
-            # No mean-|grad| pass this step (see Cadence.vanishing_every), but all-zero
-            # gradients show in the 2-norms: report them at every gradient check.
-            incidents.append(
+        incidents += self._vanishing(lay, l2, l1, step)
+        return total, True, incidents
+
+    def _vanishing(
+        self, lay: _Layout, l2: Sequence[float], l1: Sequence[float], step: int
+    ) -> list[Event]:
+        """Dead layers and vanishing gradients: persistent, relative, never on a converged run.
+
+        A parameter is a dead layer when its gradient RMS falls below ``vanishing_relative``
+        times the model's for ``vanishing_patience`` checks in a row, having once been above
+        it: gradients that are zero by construction never were. Each is reported once, when it
+        dies. The whole model vanished when its mean ``|grad|`` stays below ``vanishing`` (or
+        every gradient is exactly zero) while the loss has not converged.
+        """
+        th = self.thresholds
+        if self._converged:
+            self._vanish_streak = 0
+            self._dead_streak = [0] * len(self._dead_streak)
+            return []
+        out: list[Event] = []
+        numels = lay.grad_numels
+        total_numel = sum(numels)
+        all_zero = bool(l2) and all(v == 0.0 for v in l2)
+        dead: list[int] = []
+        if th.vanishing_per_layer and total_numel and not all_zero:
+            model_rms = math.sqrt(math.fsum(v * v for v in l2) / total_numel)
+            floor = th.vanishing_relative * model_rms
+            for slot, v, n in zip(lay.grad_slots, l2, numels, strict=True):
+                if not n:
+                    continue
+                low = v / math.sqrt(n) < floor
+                if not low:
+                    self._alive[slot] = True
+                    self._dead_streak[slot] = 0
+                    self._dead_reported.discard(slot)
+                elif self._alive[slot]:
+                    self._dead_streak[slot] += 1
+                    if (
+                        self._dead_streak[slot] >= th.vanishing_patience
+                        and slot not in self._dead_reported
+                    ):
+                        self._dead_reported.add(slot)
+                        dead.append(slot)
+        mean_abs = math.fsum(l1) / total_numel if l1 and total_numel else math.nan
+        vanished = all_zero or (bool(l1) and mean_abs < th.vanishing)
+        if l1 or all_zero:
+            self._vanish_streak = self._vanish_streak + 1 if vanished else 0
+            if not vanished:
+                self._vanish_reported = False
+        model_fired = (
+            vanished
+            and (all_zero or self._vanish_streak >= th.vanishing_patience)
+            and not self._vanish_reported
+        )
+        if model_fired:
+            self._vanish_reported = True
+        if model_fired or dead:
+            layers = tuple(self._names[s] for s in (lay.grad_slots if all_zero else dead))
+            out.append(
                 GradientVanished(
                     step=step,
                     source=self.source,
-                    mean_abs=0.0,
-                    threshold=th.vanishing,
-                    layers=tuple(self._names[s] for s in lay.grad_slots),
-                    all_zero=True,
+                    mean_abs=0.0 if all_zero else mean_abs,
+                    threshold=th.vanishing if model_fired else th.vanishing_relative,
+                    layers=layers,
+                    all_zero=all_zero,
                 )
             )
-        if l1:
-            numel = sum(lay.grad_numels)
-            total_l1 = math.fsum(l1)
-            mean_abs = total_l1 / numel if numel else 0.0
-            layers: tuple[str, ...] = ()
-            if th.vanishing_per_layer or mean_abs < th.vanishing:
-                layers = tuple(
-                    self._names[s]
-                    for s, a, n in zip(lay.grad_slots, l1, lay.grad_numels, strict=True)
-                    if n and a / n < th.vanishing
-                )
-            if mean_abs < th.vanishing or layers:
-                incidents.append(
-                    GradientVanished(
-                        step=step,
-                        source=self.source,
-                        mean_abs=mean_abs,
-                        threshold=th.vanishing,
-                        layers=layers,
-                        all_zero=total_l1 == 0.0,
-                    )
-                )
-        return total, finite, incidents
-
-    def _explosion_threshold(self, total: float) -> float | None:
-        th = self.thresholds
-        self._checked_grads += 1
-        adaptive: float | None = None
-        if self._checked_grads <= th.explosion_warmup:
-            if math.isfinite(total):
-                self._warmup_max = max(self._warmup_max, total)
-        elif self._warmup_max > 0:
-            adaptive = th.explosion_factor * self._warmup_max
-        candidates = [t for t in (th.explosion, adaptive) if t is not None]
-        return min(candidates) if candidates else None
+        return out
 
     def _count_non_finite(
         self, pending: _Pending, positions: list[int]
@@ -692,34 +880,9 @@ class StepProbe:
             step=step,
             source=self.source,
             role=role,
-            names=tuple(self._names[s] for s in slots),
+            names=tuple(self._state_names[s] for s in slots),
             nan_count=nan,
             inf_count=inf,
-        )
-
-    def _loss_spike(self, loss: float, step: int) -> LossSpiked | None:
-        th = self.thresholds
-        window = self._losses
-        if len(window) < th.spike_window:
-            window.append(loss)
-            return None
-        mean = math.fsum(window) / len(window)
-        ratio = loss / mean if mean else math.inf
-        high = loss >= th.spike_ratio * mean if mean > 0 else False
-        self._streak = self._streak + 1 if high else 0
-        rule: str | None = None
-        if self._streak > th.spike_patience:
-            rule = "sustained"
-            self._streak = 0
-            window.clear()  # the loss moved: re-baseline on what follows
-        elif abs(loss - mean) >= th.spike_deviation * abs(mean):
-            rule = "deviation"
-        if not high and rule is None:
-            window.append(loss)  # spikes stay out of the baseline
-        if rule is None:
-            return None
-        return LossSpiked(
-            step=step, source=self.source, loss=loss, running_mean=mean, ratio=ratio, rule=rule
         )
 
     def _log_update_ratios(self, ratios: dict[str, float], step: int) -> None:

@@ -9,14 +9,22 @@ skipped step — rare — the scale is read (``get_scale()``, one sync each befo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final, final
 
 import torch
 
+from ..events import Event
 from .engine import RecoveryEngine
-from .events import StepSkipped
+from .events import ScalerInTrouble, StepSkipped
 
-__all__ = ("ScalerStepWatcher",)
+__all__ = ("ScalerMonitor", "ScalerStepWatcher")
+
+SCALE_FLOOR: Final = 1.0
+"""A loss scale below 1 means fp16 overflows even unscaled: the scaler is in trouble."""
+
+MAX_CONSECUTIVE_SKIPS: Final = 10
+"""Overflow steps in a row before the scaler is reported in trouble."""
 
 SOURCE: Final = "recovery.amp"
 
@@ -84,3 +92,91 @@ class ScalerStepWatcher:
     def close(self) -> None:
         """Remove the optimizer hook. Idempotent."""
         self._handle.remove()
+
+
+@final
+class ScalerMonitor:
+    """Turns a ``GradScaler``'s overflow steps into :class:`StepSkipped` events (not incidents).
+
+    The session calls :meth:`overflowed` at the check of a step whose gradients overflowed
+    (one scale read, only then) and :meth:`completed` when the step completed (after the loop's
+    ``scaler.update()``). The scaler skips those steps itself; an incident,
+    :class:`ScalerInTrouble`, is published only when the scale falls below *floor* or
+    *max_skips* steps in a row overflowed.
+
+    Args:
+        scaler: the ``torch.amp.GradScaler``.
+        publish: where events go.
+        source: the ``source`` of the events.
+        floor: the scale below which the scaler is in trouble.
+        max_skips: overflow steps in a row before it is.
+
+    Raises:
+        TypeError: if *scaler* is not a ``GradScaler``.
+        ValueError: if *floor* is not positive or *max_skips* < 1.
+    """
+
+    def __init__(
+        self,
+        scaler: torch.amp.GradScaler,
+        publish: Callable[[Event], None],
+        *,
+        source: str = SOURCE,
+        floor: float = SCALE_FLOOR,
+        max_skips: int = MAX_CONSECUTIVE_SKIPS,
+    ) -> None:
+        if not isinstance(scaler, torch.amp.GradScaler):
+            msg = f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}"
+            raise TypeError(msg)
+        if not (isinstance(floor, (int, float)) and floor > 0):
+            msg = f"floor must be a number > 0, got {floor!r}"
+            raise ValueError(msg)
+        if isinstance(max_skips, bool) or not isinstance(max_skips, int) or max_skips < 1:
+            msg = f"max_skips must be an int >= 1, got {max_skips!r}"
+            raise ValueError(msg)
+        self.scaler = scaler
+        self._publish = publish
+        self.source = source
+        self.floor = float(floor)
+        self.max_skips = max_skips
+        self.skipped = 0
+        self._pending: tuple[int, float] | None = None
+        self._run = 0
+        self._reported = False
+
+    def overflowed(self, step: int) -> None:
+        """The gradients of *step* overflowed: remember the scale before ``update()``."""
+        self._pending = (step, float(self.scaler.get_scale()))
+
+    def completed(self, step: int) -> None:
+        """*step* completed: report it if it overflowed (the scaler updated its scale by now)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            self._run = 0
+            self._reported = False
+            return
+        before = pending[1]
+        after = float(self.scaler.get_scale())
+        self.skipped += 1
+        self._run += 1
+        self._publish(
+            StepSkipped(
+                source=self.source,
+                step=pending[0],
+                reason="AMP overflow: the GradScaler skipped optimizer.step() and lowered its "
+                f"scale ({before:g} -> {after:g})",
+                scale_before=before,
+                scale_after=after,
+            )
+        )
+        if not self._reported and (after < self.floor or self._run >= self.max_skips):
+            self._reported = True
+            self._publish(
+                ScalerInTrouble(
+                    source=self.source,
+                    step=pending[0],
+                    scale=after,
+                    floor=self.floor,
+                    consecutive_skips=self._run,
+                )
+            )

@@ -40,6 +40,8 @@ from .strategies import (
     Decision,
     FreeMemoryOnLeak,
     ModelLoadingFallback,
+    RecoveryPolicy,
+    ReportNonFinite,
     ReportVanishing,
     RestoreLastGood,
     RollbackOnLossSpike,
@@ -90,14 +92,83 @@ class StrategySpec:
     max_consecutive: int | None = None
 
 
-def default_strategies() -> list[StrategySpec]:
-    """The built-in strategies, in the order they are tried (a new list each call)."""
+def _call_strategies() -> list[StrategySpec]:
+    """Failed calls routed through :func:`~eventbus_debug.recovery.retrying`: the call retries."""
+    return [
+        StrategySpec(
+            strategy=ShrinkBatchOnOOM(), on=ErrorCategory.MEMORY, name="shrink_batch_on_oom"
+        ),
+        StrategySpec(
+            strategy=DataLoaderFallback(), on=ErrorCategory.DATA, name="data_loading_fallback"
+        ),
+        StrategySpec(
+            strategy=ModelLoadingFallback(), on=ErrorCategory.MODEL, name="model_loading_fallback"
+        ),
+    ]
+
+
+def default_strategies(policy: RecoveryPolicy | str = RecoveryPolicy.SAFE) -> list[StrategySpec]:
+    """The built-in strategies of *policy*, in the order they are tried (a new list each call).
+
+    * ``observe``: none; every incident is published and nothing is done about it.
+    * ``safe`` (default): skip non-finite steps (a precautionary restore at the third in a
+      row, no LR change, never a stop for bad batches); restore non-finite parameters and
+      buffers (stop only when that cannot bring the model back: no good state, or three
+      restores in a row that did not hold); clip only a norm 100x beyond the largest the
+      run has seen (other explosions are reported); roll back with a temporary LR halving
+      only on a sustained loss spike, at most 3 times per run; report vanishing gradients;
+      free memory on a suspected leak; shrink the batch / fall back for failed calls.
+    * ``aggressive``: skip, then restore with a temporary LR halving, then stop; clip every
+      explosion, halving the LR (temporarily) every third in a row; roll back on any loss spike.
+
+    Raises:
+        ValueError: if *policy* is not a policy name.
+    """
+    policy = _policy(policy)
+    if policy is RecoveryPolicy.OBSERVE:
+        return []
+    if policy is RecoveryPolicy.SAFE:
+        return [
+            StrategySpec(
+                strategy=SkipNonFinite(max_consecutive=None, restore_after=3),
+                on=NonFiniteDetected,
+                name="skip_non_finite",
+            ),
+            StrategySpec(
+                strategy=RestoreLastGood(
+                    roles=(TensorRole.PARAMETER, TensorRole.BUFFER), lr_factor=1.0
+                ),
+                on=NonFiniteDetected,
+                name="restore_non_finite_state",
+                max_consecutive=3,
+            ),
+            StrategySpec(
+                strategy=ReportNonFinite(), on=NonFiniteDetected, name="report_non_finite"
+            ),
+            StrategySpec(
+                strategy=ClipOnExplosion(min_ratio=100.0, lower_lr_after=None),
+                on=GradientExploded,
+                name="clip_gradients",
+            ),
+            StrategySpec(
+                strategy=RollbackOnLossSpike(rules=("sustained",), max_rollbacks=3),
+                on=LossSpiked,
+                name="rollback_on_loss_spike",
+            ),
+            StrategySpec(strategy=ReportVanishing(), on=GradientVanished, name="report_vanishing"),
+            StrategySpec(
+                strategy=FreeMemoryOnLeak(), on=MemoryLeakSuspected, name="free_memory_on_leak"
+            ),
+            *_call_strategies(),
+        ]
     return [
         StrategySpec(strategy=SkipNonFinite(), on=NonFiniteDetected, name="skip_non_finite"),
         StrategySpec(
-            strategy=RestoreLastGood(roles=(TensorRole.PARAMETER,), lr_factor=1.0),
+            strategy=RestoreLastGood(
+                roles=(TensorRole.PARAMETER, TensorRole.BUFFER), lr_factor=1.0
+            ),
             on=NonFiniteDetected,
-            name="restore_parameters",
+            name="restore_non_finite_state",
             max_consecutive=2,
         ),
         StrategySpec(
@@ -106,6 +177,7 @@ def default_strategies() -> list[StrategySpec]:
             name="restore_and_lower_lr",
             max_consecutive=2,
         ),
+        StrategySpec(strategy=ReportNonFinite(), on=NonFiniteDetected, name="report_non_finite"),
         StrategySpec(
             strategy=ClipOnExplosion(),
             on=GradientExploded,
@@ -122,16 +194,19 @@ def default_strategies() -> list[StrategySpec]:
         StrategySpec(
             strategy=FreeMemoryOnLeak(), on=MemoryLeakSuspected, name="free_memory_on_leak"
         ),
-        StrategySpec(
-            strategy=ShrinkBatchOnOOM(), on=ErrorCategory.MEMORY, name="shrink_batch_on_oom"
-        ),
-        StrategySpec(
-            strategy=DataLoaderFallback(), on=ErrorCategory.DATA, name="data_loading_fallback"
-        ),
-        StrategySpec(
-            strategy=ModelLoadingFallback(), on=ErrorCategory.MODEL, name="model_loading_fallback"
-        ),
+        *_call_strategies(),
     ]
+
+
+def _policy(value: RecoveryPolicy | str) -> RecoveryPolicy:
+    if isinstance(value, RecoveryPolicy):
+        return value
+    try:
+        return RecoveryPolicy(str(value).lower())
+    except ValueError:
+        valid = ", ".join(repr(p.value) for p in RecoveryPolicy)
+        msg = f"policy must be one of {valid}, got {value!r}"
+        raise ValueError(msg) from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,6 +270,7 @@ class _Registration:
         "max_consecutive",
         "name",
         "patterns",
+        "previous",
     )
 
     def __init__(self, spec: StrategySpec, index: int) -> None:
@@ -237,6 +313,7 @@ class _Registration:
         self.consecutive = 0
         self.last_step: int | None = None
         self.actions: dict[RecoveryAction, int] = {}
+        self.previous = StrategyHistory()
 
     def _add_trigger(self, trigger: object) -> None:
         if isinstance(trigger, ErrorCategory):
@@ -287,12 +364,18 @@ class _Registration:
             return True
         return self.max_consecutive is not None and self.consecutive >= self.max_consecutive
 
-    def history(self) -> StrategyHistory:
+    def history(self, step: int | None = None) -> StrategyHistory:
+        if step is not None and step == self.last_step and self.attempts:
+            return self.previous  # a second incident of a step it already answered
         return StrategyHistory(
             attempts=self.attempts, consecutive=self.consecutive, actions=dict(self.actions)
         )
 
+    def answered(self, step: int | None) -> bool:
+        return step is not None and self.attempts > 0 and self.last_step == step
+
     def record(self, step: int | None, decisions: Sequence[Decision]) -> None:
+        self.previous = self.history()
         self.attempts += 1
         self.consecutive += 1
         self.last_step = step
@@ -330,7 +413,10 @@ class RecoveryEngine:
 
     Args:
         bus: the bus to subscribe to (an :class:`EventBus` or a :class:`SyncEventBus`).
-        strategies: the strategies, in order; ``None`` uses :func:`default_strategies`.
+        strategies: the strategies, in order; ``None`` uses :func:`default_strategies` of
+            *policy*.
+        policy: the :class:`RecoveryPolicy` (or its name) whose default strategies are used
+            when *strategies* is ``None``: ``"observe"``, ``"safe"`` (default), ``"aggressive"``.
         classifier: derives the category of errors reported through the engine.
         name: the subscription's name.
         drain_timeout: seconds a safe point or a retried call waits for the engine.
@@ -345,6 +431,7 @@ class RecoveryEngine:
         bus: EventBus | SyncEventBus,
         *,
         strategies: Iterable[StrategySpec] | None = None,
+        policy: RecoveryPolicy | str = RecoveryPolicy.SAFE,
         classifier: ErrorClassifier | None = None,
         name: str = "recovery",
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
@@ -359,7 +446,8 @@ class RecoveryEngine:
         ):
             msg = f"drain_timeout must be a positive number of seconds, got {drain_timeout!r}"
             raise ValueError(msg)
-        specs = default_strategies() if strategies is None else list(strategies)
+        self.policy = _policy(policy)
+        specs = default_strategies(self.policy) if strategies is None else list(strategies)
         self._registrations: list[_Registration] = []
         for spec in specs:
             if not isinstance(spec, StrategySpec):
@@ -475,19 +563,23 @@ class RecoveryEngine:
         matched = False
         strategy = ""
         decisions: tuple[Decision, ...] = ()
+        step = incident.step
         for reg in regs:
             if not reg.matches(incident):
                 continue
             matched = True
-            if incident.step is not None and reg.last_step == incident.step and reg.attempts:
-                return ()  # this strategy already answered for this step (e.g. loss and grads)
-            if reg.exhausted():
+            answered = reg.answered(step)
+            if reg.exhausted() and not answered:
                 continue
             try:
-                decisions = _normalize(reg.decide(incident, reg.history()), reg.name)
+                decisions = _normalize(reg.decide(incident, reg.history(step)), reg.name)
             except Exception as exc:
                 self._report_strategy_failure(reg.name, incident, exc)
                 continue
+            if decisions and answered:
+                # This strategy already answered another incident of this step (the loss and
+                # then the gradients of one bad batch): one answer per step covers both.
+                return ()
             if decisions:
                 reg.record(incident.step, decisions)
                 self._counting = True

@@ -20,6 +20,7 @@ __all__ = (
     "RecoveryApplied",
     "RecoveryDecided",
     "SampleSkipped",
+    "ScalerInTrouble",
     "StepSkipped",
 )
 
@@ -131,7 +132,9 @@ class RecoveryApplied(Event):
     Attributes:
         action: the action.
         detail: what exactly changed (``"lr 0.1 -> 0.05 in 1 param group"``).
-        outcome: ``"applied"``, ``"failed"`` or ``"exhausted"``.
+        outcome: ``"applied"``, ``"failed"``, ``"exhausted"``, ``"skipped"`` (a precautionary
+            restore with no good state held: nothing to do) or ``"restored"`` (a temporary
+            learning-rate change undone after its healthy steps).
     """
 
     kind: ClassVar[str] = "recovery_applied"
@@ -156,6 +159,28 @@ class StepSkipped(Event):
     reason: str
     scale_before: float | None = None
     scale_after: float | None = None
+
+
+@event_type
+class ScalerInTrouble(Anomaly):
+    """An AMP ``GradScaler`` keeps overflowing: its scale collapsed or it skipped many steps.
+
+    Occasional overflow steps are the scaler's routine business (reported as
+    :class:`StepSkipped` with the scales); this incident means fp16 cannot represent the
+    gradients even at a tiny scale, or the model stopped learning because every step is skipped.
+    No default strategy acts on it.
+
+    Attributes:
+        scale: the scale now.
+        floor: the scale below which the scaler is in trouble.
+        consecutive_skips: overflow steps in a row.
+    """
+
+    kind: ClassVar[str] = "scaler_in_trouble"
+    severity: Severity = Severity.ERROR
+    scale: float
+    floor: float
+    consecutive_skips: int
 
 
 @event_type

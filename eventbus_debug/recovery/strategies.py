@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Final, Protocol, TypeAlias, runtime_checkable
 
 from ..events import Anomaly
@@ -32,6 +33,8 @@ __all__ = (
     "Decision",
     "FreeMemoryOnLeak",
     "ModelLoadingFallback",
+    "RecoveryPolicy",
+    "ReportNonFinite",
     "ReportVanishing",
     "RestoreLastGood",
     "RollbackOnLossSpike",
@@ -42,6 +45,32 @@ __all__ = (
     "StrategyHistory",
     "StrategyResult",
 )
+
+
+class RecoveryPolicy(Enum):
+    """How much the recovery engine may do on its own; every detection is published in all three.
+
+    Attributes:
+        OBSERVE: never act. Incidents are published and logged; the loop decides (the
+            verdict's ``finite`` says whether the step was clean).
+        SAFE: the default, what a careful engineer does unattended on a three-day run: skip a
+            step whose loss or gradients are non-finite, restore non-finite parameters and
+            buffers from the last good state, clip only a gradient norm two orders of magnitude
+            beyond anything the run has seen, and roll back (with a temporary LR cut) only on a
+            *sustained* loss spike, a bounded number of times. Never stops a run that can be
+            brought back to a finite state; never touches a healthy one.
+        AGGRESSIVE: also clip every detected explosion, roll back on single loss spikes, and
+            lower the learning rate (temporarily) when faults repeat; stops when every strategy
+            for an incident is exhausted.
+    """
+
+    OBSERVE = "observe"
+    SAFE = "safe"
+    AGGRESSIVE = "aggressive"
+
+
+TEMPORARY_LR_STEPS: Final = 200
+"""Healthy steps after which a temporary learning-rate change is undone."""
 
 STEP_ACTIONS: Final = frozenset(
     {
@@ -69,7 +98,10 @@ class Decision:
         reason: why, in words (it ends up in the log).
         parameters: the action's numbers. Keys the appliers understand: ``lr_factor``
             (SCALE_LR), ``max_norm`` and ``total_norm`` (CLIP_GRADIENTS), ``batches``
-            (SKIP_STEP: this batch and the next ``batches - 1``), ``batch_size``
+            (SKIP_STEP: this batch and the next ``batches - 1``), ``lr_steps`` (SCALE_LR: undo
+            the change after this many healthy steps; absent or 0: permanent), ``required``
+            (RESTORE_STATE: 1 when the state is non-finite, so no good state means stop; 0 when
+            the restore is a precaution, skipped when none is held), ``batch_size``
             (SHRINK_BATCH), ``num_workers``, ``pin_memory`` (0/1), ``cpu`` (1), ``half_precision``
             (1), ``smaller_model`` (1) (FALLBACK), ``free_memory`` (1) (RETRY).
     """
@@ -128,47 +160,84 @@ def _check_count(name: str, value: int, *, minimum: int = 1) -> None:
         raise ValueError(msg)
 
 
-def _lr(factor: float, reason: str) -> Decision:
-    return Decision(action=RecoveryAction.SCALE_LR, reason=reason, parameters={"lr_factor": factor})
+def _lr(factor: float, reason: str, steps: int | None = None) -> Decision:
+    params = {"lr_factor": factor}
+    if steps:
+        params["lr_steps"] = float(steps)
+        reason = f"{reason} (for {steps} healthy steps)"
+    return Decision(action=RecoveryAction.SCALE_LR, reason=reason, parameters=params)
+
+
+def _check_steps(value: int | None) -> None:
+    if value is not None:
+        _check_count("lr_steps", value)
+
+
+def _report(reason: str) -> Decision:
+    return Decision(action=RecoveryAction.CONTINUE, reason=reason)
 
 
 _GRAD_ROLES: Final = (TensorRole.LOSS, TensorRole.GRADIENT)
+_STATE_ROLES: Final = (TensorRole.PARAMETER, TensorRole.BUFFER)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SkipNonFinite:
     """Skip the optimizer step when the loss or the gradients are not finite.
 
-    Declines after *max_consecutive* skips with no good step in between, so that the next
-    strategy (by default :class:`RestoreLastGood`) takes over.
+    Args:
+        max_consecutive: declines after this many skips with no good step in between, so that
+            the next strategy takes over; ``None`` never declines (the SAFE policy: a run of bad
+            batches is skipped, not stopped).
+        restore_after: at this many skips in a row also restore the last good state, once per
+            run of skips, as a precaution (optimizer moments or buffers may hold what the
+            checks do not see); skipped when no good state is held. ``None``: never.
+        roles: the tensor roles it answers for.
 
     Raises:
-        ValueError: if *max_consecutive* < 1 or *roles* is empty.
+        ValueError: if a count is < 1 or *roles* is empty.
     """
 
-    max_consecutive: int = 3
+    max_consecutive: int | None = 3
+    restore_after: int | None = None
     roles: tuple[TensorRole, ...] = _GRAD_ROLES
 
     def __post_init__(self) -> None:
-        _check_count("max_consecutive", self.max_consecutive)
+        if self.max_consecutive is not None:
+            _check_count("max_consecutive", self.max_consecutive)
+        if self.restore_after is not None:
+            _check_count("restore_after", self.restore_after)
         if not self.roles:
             msg = "roles must name at least one TensorRole, got ()"
             raise ValueError(msg)
 
-    def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Decision | None:
+    def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Sequence[Decision] | None:
         """SKIP_STEP for a non-finite loss/gradient, while under the consecutive limit."""
         if not isinstance(incident, NonFiniteDetected) or incident.role not in self.roles:
             return None
-        if history.consecutive >= self.max_consecutive:
+        limit = self.max_consecutive
+        if limit is not None and history.consecutive >= limit:
             return None
         names = ", ".join(incident.names[:5]) or incident.role.value
-        return Decision(
-            action=RecoveryAction.SKIP_STEP,
-            reason=(
-                f"non-finite {incident.role.value} ({names}); skip "
-                f"{history.consecutive + 1}/{self.max_consecutive}"
-            ),
-        )
+        run = history.consecutive + 1
+        of = f"/{limit}" if limit is not None else " in a row"
+        out = [
+            Decision(
+                action=RecoveryAction.SKIP_STEP,
+                reason=f"non-finite {incident.role.value} ({names}); skip {run}{of}",
+            )
+        ]
+        if self.restore_after is not None and run == self.restore_after:
+            out.insert(
+                0,
+                Decision(
+                    action=RecoveryAction.RESTORE_STATE,
+                    reason=f"{run} non-finite steps in a row: restore the last good state "
+                    "as a precaution",
+                    parameters={"required": 0.0},
+                ),
+            )
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,12 +255,14 @@ class RestoreLastGood:
         ValueError: if *lr_factor* is not in (0, 1] or *roles* is empty.
     """
 
-    roles: tuple[TensorRole, ...] = (*_GRAD_ROLES, TensorRole.PARAMETER)
+    roles: tuple[TensorRole, ...] = (*_GRAD_ROLES, *_STATE_ROLES)
     lr_factor: float = 0.5
+    lr_steps: int | None = TEMPORARY_LR_STEPS
 
     def __post_init__(self) -> None:
         if self.lr_factor != 1.0:
             _check_factor("lr_factor", self.lr_factor)
+        _check_steps(self.lr_steps)
         if not self.roles:
             msg = "roles must name at least one TensorRole, got ()"
             raise ValueError(msg)
@@ -201,32 +272,67 @@ class RestoreLastGood:
         if not isinstance(incident, NonFiniteDetected) or incident.role not in self.roles:
             return None
         what = f"non-finite {incident.role.value} ({', '.join(incident.names[:5])})"
+        required = 1.0 if incident.role in _STATE_ROLES else 0.0
         out = [
-            Decision(action=RecoveryAction.RESTORE_STATE, reason=f"{what}: restore last good state")
+            Decision(
+                action=RecoveryAction.RESTORE_STATE,
+                reason=f"{what}: restore last good state",
+                parameters={"required": required},
+            )
         ]
         if self.lr_factor != 1.0:
-            out.append(_lr(self.lr_factor, f"{what}: lower the learning rate"))
+            out.append(_lr(self.lr_factor, f"{what}: lower the learning rate", self.lr_steps))
         return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReportNonFinite:
+    """Report non-finite tensors of roles no action belongs to (inputs, outputs, activations).
+
+    A NaN activation shows up in the loss and the gradients of the same step, where the step's
+    strategies act on it; the tensor check itself is evidence, not a reason to stop.
+    """
+
+    roles: tuple[TensorRole, ...] = (
+        TensorRole.INPUT,
+        TensorRole.OUTPUT,
+        TensorRole.ACTIVATION,
+        TensorRole.UPDATE,
+    )
+
+    def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Decision | None:
+        """CONTINUE for a non-finite tensor of one of *roles*."""
+        if not isinstance(incident, NonFiniteDetected) or incident.role not in self.roles:
+            return None
+        names = ", ".join(incident.names[:5]) or incident.role.value
+        return _report(f"non-finite {incident.role.value} ({names}): reported")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClipOnExplosion:
     """Clip the gradients to a maximum norm, using the total norm the probe already computed.
 
-    Every *lower_lr_after* explosions in a row it also lowers the LR by *lr_factor*.
-
     Args:
         max_norm: the norm to clip to; ``None`` clips to the probe's threshold.
-        lower_lr_after: consecutive explosions before the LR is lowered as well.
+        min_ratio: clip only when the norm is at least this many times the largest norm the run
+            had accepted (``GradientExploded.largest``); below that the explosion is reported
+            (``CONTINUE``). The SAFE policy uses 100: only a norm orders of magnitude beyond
+            anything the run has seen is touched. ``1.0`` clips every detected explosion.
+        lower_lr_after: consecutive explosions before the LR is lowered as well; ``None``:
+            never.
         lr_factor: the LR multiplier then.
+        lr_steps: healthy steps after which the LR change is undone; ``None``: permanent.
 
     Raises:
-        ValueError: if *max_norm* ≤ 0, *lower_lr_after* < 1 or *lr_factor* not in (0, 1).
+        ValueError: if *max_norm* ≤ 0, *min_ratio* < 1, *lower_lr_after* < 1 or *lr_factor*
+            not in (0, 1).
     """
 
     max_norm: float | None = None
-    lower_lr_after: int = 3
+    min_ratio: float = 1.0
+    lower_lr_after: int | None = 3
     lr_factor: float = 0.5
+    lr_steps: int | None = TEMPORARY_LR_STEPS
 
     def __post_init__(self) -> None:
         if self.max_norm is not None and not (
@@ -236,62 +342,109 @@ class ClipOnExplosion:
         ):
             msg = f"max_norm must be a finite number > 0 or None, got {self.max_norm!r}"
             raise ValueError(msg)
-        _check_count("lower_lr_after", self.lower_lr_after)
+        if not (
+            isinstance(self.min_ratio, (int, float))
+            and math.isfinite(self.min_ratio)
+            and self.min_ratio >= 1
+        ):
+            msg = f"min_ratio must be a finite number >= 1, got {self.min_ratio!r}"
+            raise ValueError(msg)
+        if self.lower_lr_after is not None:
+            _check_count("lower_lr_after", self.lower_lr_after)
         _check_factor("lr_factor", self.lr_factor)
+        _check_steps(self.lr_steps)
 
     def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Sequence[Decision] | None:
-        """CLIP_GRADIENTS (+ SCALE_LR once explosions repeat)."""
-        if not isinstance(incident, GradientExploded) or not math.isfinite(incident.total_norm):
+        """CLIP_GRADIENTS (+ SCALE_LR once explosions repeat), or CONTINUE below the bar."""
+        if not isinstance(incident, GradientExploded):
             return None
+        total = incident.total_norm
+        what = f"gradient norm {total:.4g} > {incident.threshold:.4g} ({incident.rule})"
+        if not math.isfinite(total):
+            return (_report(f"{what}: not finite, left to the non-finite strategies"),)
+        largest = incident.largest
+        bar = self.min_ratio * largest if largest > 0 else incident.threshold
+        if total < bar:
+            return (
+                _report(
+                    f"{what}; not clipped: below {self.min_ratio:g}x the largest norm "
+                    f"accepted so far ({largest:.4g})"
+                ),
+            )
         max_norm = self.max_norm if self.max_norm is not None else incident.threshold
+        if not math.isfinite(max_norm):
+            max_norm = largest if largest > 0 else 1.0
         out = [
             Decision(
                 action=RecoveryAction.CLIP_GRADIENTS,
-                reason=f"gradient norm {incident.total_norm:.4g} > {incident.threshold:.4g}",
-                parameters={"max_norm": float(max_norm), "total_norm": incident.total_norm},
+                reason=what,
+                parameters={"max_norm": float(max_norm), "total_norm": total},
             )
         ]
-        if (history.consecutive + 1) % self.lower_lr_after == 0:
-            out.append(
-                _lr(self.lr_factor, f"{history.consecutive + 1} gradient explosions in a row")
-            )
+        run = history.consecutive + 1
+        if self.lower_lr_after is not None and run % self.lower_lr_after == 0:
+            out.append(_lr(self.lr_factor, f"{run} gradient explosions in a row", self.lr_steps))
         return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RollbackOnLossSpike:
-    """Roll back to the last good state, skip the offending batches and lower the LR.
+    """Roll back to the last good state, skip the offending batches and lower the LR for a while.
 
     Args:
+        rules: the :class:`LossSpiked` rules that roll back (``"sustained"``: the loss stayed
+            far above its baseline for ``spike_patience`` steps; ``"spike"``: one loss). Other
+            spikes are reported (``CONTINUE``).
         skip_batches: batches not applied, counting the one that spiked.
         lr_factor: the LR multiplier.
+        lr_steps: healthy steps after which the LR change is undone; ``None``: permanent.
+        max_rollbacks: the most rollbacks over the run; later spikes are reported only.
 
     Raises:
-        ValueError: if *skip_batches* < 1 or *lr_factor* not in (0, 1).
+        ValueError: if a count is < 1, *rules* is empty or *lr_factor* not in (0, 1).
     """
 
+    rules: tuple[str, ...] = ("spike", "sustained")
     skip_batches: int = 1
     lr_factor: float = 0.5
+    lr_steps: int | None = TEMPORARY_LR_STEPS
+    max_rollbacks: int | None = None
 
     def __post_init__(self) -> None:
         _check_count("skip_batches", self.skip_batches)
         _check_factor("lr_factor", self.lr_factor)
+        _check_steps(self.lr_steps)
+        if self.max_rollbacks is not None:
+            _check_count("max_rollbacks", self.max_rollbacks)
+        if not self.rules:
+            msg = 'rules must name at least one rule ("spike", "sustained"), got ()'
+            raise ValueError(msg)
 
     def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Sequence[Decision] | None:
-        """RESTORE_STATE + SKIP_STEP + SCALE_LR for a loss spike."""
+        """RESTORE_STATE + SKIP_STEP + SCALE_LR for a spike of one of *rules*, else CONTINUE."""
         if not isinstance(incident, LossSpiked):
             return None
         what = (
-            f"loss {incident.loss:.4g} is {incident.ratio:.3g}x the running mean ({incident.rule})"
+            f"loss {incident.loss:.4g} vs baseline {incident.running_mean:.4g} "
+            f"(tolerance {incident.tolerance:.3g}, {incident.rule})"
         )
+        if incident.rule not in self.rules:
+            return (_report(f"{what}: reported, no action"),)
+        done = history.actions.get(RecoveryAction.RESTORE_STATE, 0)
+        if self.max_rollbacks is not None and done >= self.max_rollbacks:
+            return (_report(f"{what}: rolled back {done} times already; reporting only"),)
         return (
-            Decision(action=RecoveryAction.RESTORE_STATE, reason=f"{what}: roll back"),
+            Decision(
+                action=RecoveryAction.RESTORE_STATE,
+                reason=f"{what}: roll back",
+                parameters={"required": 0.0},
+            ),
             Decision(
                 action=RecoveryAction.SKIP_STEP,
                 reason=f"{what}: skip {self.skip_batches} batch(es)",
                 parameters={"batches": float(self.skip_batches)},
             ),
-            _lr(self.lr_factor, f"{what}: lower the learning rate"),
+            _lr(self.lr_factor, f"{what}: lower the learning rate", self.lr_steps),
         )
 
 

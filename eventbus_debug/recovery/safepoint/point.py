@@ -126,6 +126,24 @@ class SafePoint:
         self._agree = agree if agree is not None else _identity
         self._skip_remaining = 0
         self._skip_reason = ""
+        self._temporary: list[list[float]] = []  # [healthy steps left, factor] per LR change
+        self._restore_listeners: list[Callable[[], None]] = []
+
+    def add_restore_listener(self, listener: Callable[[], None]) -> None:
+        """Call *listener* after every restore (the session restarts the probe's baselines).
+
+        Raises:
+            TypeError: if *listener* is not callable.
+        """
+        if not callable(listener):
+            msg = f"listener must be callable, got {listener!r}"
+            raise TypeError(msg)
+        self._restore_listeners.append(listener)
+
+    @property
+    def temporary_lr_changes(self) -> tuple[tuple[float, int], ...]:
+        """The temporary LR changes in force: ``(factor, healthy steps before it is undone)``."""
+        return tuple((f, int(n)) for n, f in self._temporary)
 
     async def before_optimizer_step(self, step: int) -> StepDecision:
         """Wait for the engine, apply its pending decisions for *step*, say whether to step.
@@ -159,9 +177,12 @@ class SafePoint:
             if self._skip_remaining > 0:
                 self._skip_remaining -= 1
                 return self._skip(step, self._skip_reason, (), ())
-            if not noted:
-                engine.mark_good()
+            if noted:
+                return StepDecision(step=step, should_step=True)
+            engine.mark_good()
             self.snapshots.maybe_capture(step, self.model, self.optimizer)
+            if self._temporary:
+                return self._tick_temporary(step)
             return StepDecision(step=step, should_step=True)
         actions: list[RecoveryAction] = []
         details: list[str] = []
@@ -177,25 +198,39 @@ class SafePoint:
         skip_batches = 1
         reasons = [d.decision.reason for d in decided]
 
-        if RecoveryAction.RESTORE_STATE in by_action:
+        restores = by_action.get(RecoveryAction.RESTORE_STATE, ())
+        if restores:
+            required = any(d.decision.parameters.get("required", 1.0) for d in restores)
             try:
                 restored = self.snapshots.restore(self.model, self.optimizer)
             except NoGoodStateError as exc:
-                self._publish(step, RecoveryAction.RESTORE_STATE, str(exc), "failed")
-                self._stop(
-                    step, f"{by_action[RecoveryAction.RESTORE_STATE][0].decision.reason}; {exc}"
-                )
-            detail = f"restored the state of step {restored}"
-            self._publish(step, RecoveryAction.RESTORE_STATE, detail, "applied")
-            actions.append(RecoveryAction.RESTORE_STATE)
-            details.append(detail)
+                if required:
+                    self._publish(step, RecoveryAction.RESTORE_STATE, str(exc), "failed")
+                    self._stop(step, f"{restores[0].decision.reason}; {exc}")
+                # A precaution with nothing to restore: the step is skipped, nothing is lost.
+                detail = f"no good state held yet, nothing restored ({exc})"
+                self._publish(step, RecoveryAction.RESTORE_STATE, detail, "skipped")
+            else:
+                age = f", {step - restored} steps old" if restored is not None else ""
+                detail = f"restored the state of step {restored}{age}"
+                self._publish(step, RecoveryAction.RESTORE_STATE, detail, "applied")
+                actions.append(RecoveryAction.RESTORE_STATE)
+                details.append(detail)
+                for listener in self._restore_listeners:
+                    listener()
             skip = True  # these gradients belong to the state just discarded
 
         lr_factor = 1.0
         for d in by_action.get(RecoveryAction.SCALE_LR, ()):
-            lr_factor *= float(d.decision.parameters.get("lr_factor", 1.0))
+            factor = float(d.decision.parameters.get("lr_factor", 1.0))
+            lr_factor *= factor
+            steps = float(d.decision.parameters.get("lr_steps", 0.0))
+            if steps > 0 and factor != 1.0:
+                self._temporary.append([steps, factor])
         if lr_factor != 1.0:
             detail = scale_learning_rate(self.optimizer, lr_factor, self.schedulers)
+            if self._temporary:
+                detail += "; temporary: undone after healthy steps"
             self._publish(step, RecoveryAction.SCALE_LR, detail, "applied")
             actions.append(RecoveryAction.SCALE_LR)
             details.append(detail)
@@ -231,6 +266,30 @@ class SafePoint:
             actions=tuple(actions),
             details=tuple(details),
             lr_factor=lr_factor,
+        )
+
+    def _tick_temporary(self, step: int) -> StepDecision:
+        """Count a healthy step against each temporary LR change; undo the ones that are due."""
+        undo = 1.0
+        keep: list[list[float]] = []
+        for entry in self._temporary:
+            entry[0] -= 1
+            if entry[0] <= 0:
+                undo /= entry[1]
+            else:
+                keep.append(entry)
+        self._temporary = keep
+        if undo == 1.0:
+            return StepDecision(step=step, should_step=True)
+        detail = scale_learning_rate(self.optimizer, undo, self.schedulers)
+        detail = f"temporary LR change undone after healthy steps: {detail}"
+        self._publish(step, RecoveryAction.SCALE_LR, detail, "restored")
+        return StepDecision(
+            step=step,
+            should_step=True,
+            actions=(RecoveryAction.SCALE_LR,),
+            details=(detail,),
+            lr_factor=undo,
         )
 
     def _skip(

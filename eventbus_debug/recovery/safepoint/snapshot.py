@@ -102,6 +102,10 @@ class StateSnapshots:
         """The step of the state held now, or ``None`` when none is."""
         return self._step
 
+    def age(self, step: int) -> int | None:
+        """How many steps old the held state is at *step* (``None`` when none is held)."""
+        return None if self._step is None else step - self._step
+
     @property
     def available(self) -> bool:
         """Whether a good state is held."""
@@ -159,7 +163,9 @@ class StateSnapshots:
             for group, kept in zip(optimizer.param_groups, lrs, strict=True):
                 group.update(kept)
         self.restores += 1
-        self._good_since = 0
+        # Refresh at the next good step: the restored state is good, and the next snapshot
+        # must not be `every` steps away (a second fault would go back further still).
+        self._good_since = self.every
         _log.info("state_restored", step=self._step)
         return self._step
 

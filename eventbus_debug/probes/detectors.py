@@ -1,0 +1,254 @@
+"""Small stateful windows that judge one number per step: loss spikes, gradient explosions.
+
+Both are judged on the host from values the step probe already transferred, so they cost a few
+list operations per step. Both are robust by construction, because a detector that fires on a
+healthy run is a bug:
+
+* the baseline is a running **median** (not a mean a single outlier drags along), and the
+  noise scale is the median absolute deviation (MAD) of the same window;
+* a value at or below the baseline is never a spike (a drop is an improvement), and zero,
+  negative and converged losses are handled with an absolute tolerance scaled to the run;
+* what fired stays out of the baseline, so a spike cannot teach the detector that spikes are
+  normal, and :meth:`reset` restarts the window after a restore.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, insort
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+from typing import Final
+
+__all__ = (
+    "ExplosionDetector",
+    "ExplosionVerdict",
+    "LossSpikeDetector",
+    "SpikeRule",
+    "SpikeVerdict",
+)
+
+_MAD_TO_SIGMA: Final = 1.4826
+"""MAD x 1.4826 estimates the standard deviation of normally distributed values."""
+
+_MIN_NOISE: Final = 5
+"""Losses in the window before its spread (MAD) is trusted. With fewer, nothing is known of the
+noise, so the relative tolerance is widened by ``_MIN_NOISE / n`` (10x the baseline above it
+with one loss seen, the plain ``rtol`` from five on)."""
+
+
+class _RunningMedian:
+    """The median and MAD of the last *size* values (sorted list: O(size) per update, size ~50)."""
+
+    __slots__ = ("_order", "_sorted")
+
+    def __init__(self, size: int) -> None:
+        self._order: deque[float] = deque(maxlen=size)
+        self._sorted: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, value: float) -> None:
+        order = self._order
+        if len(order) == order.maxlen:
+            old = order[0]
+            del self._sorted[bisect_left(self._sorted, old)]
+        order.append(value)
+        insort(self._sorted, value)
+
+    def clear(self) -> None:
+        self._order.clear()
+        self._sorted.clear()
+
+    def median(self) -> float:
+        s = self._sorted
+        n = len(s)
+        mid = n // 2
+        return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+    def mad(self, median: float) -> float:
+        deviations = sorted(abs(v - median) for v in self._sorted)
+        n = len(deviations)
+        mid = n // 2
+        return deviations[mid] if n % 2 else 0.5 * (deviations[mid - 1] + deviations[mid])
+
+
+class SpikeRule(Enum):
+    """Which loss-spike rule fired."""
+
+    SPIKE = "spike"
+    """One loss far above the baseline (Lightning's ``SpikeDetection`` flags these)."""
+    SUSTAINED = "sustained"
+    """The loss stayed far above the baseline for ``patience`` steps in a row."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpikeVerdict:
+    """A loss the detector judged a spike.
+
+    Attributes:
+        rule: which rule fired.
+        baseline: the running median it was compared with.
+        tolerance: how far above the baseline a loss may go before it is a spike.
+        streak: how many spiking steps in a row, this one included.
+    """
+
+    rule: SpikeRule
+    baseline: float
+    tolerance: float
+    streak: int
+
+
+class LossSpikeDetector:
+    """Flags losses far above their recent median; a drop is never a spike.
+
+    A loss is a spike when, after *warmup* finite losses (Lightning: 1),
+    ``loss - median > max(rtol * |median|, mad_factor * sigma, atol, scale_tol * scale)`` where
+    ``sigma`` is the MAD-based noise of the window and ``scale`` the largest ``|median|`` the
+    run has had (so a loss converging to 1e-17 may wobble by 1e-15 without alarm). Spikes stay
+    out of the window. *patience* spikes in a row are reported as :attr:`SpikeRule.SUSTAINED`
+    and the window restarts at the new level (the loss moved; the detector does not go blind).
+
+    Args:
+        window: how many recent losses the median covers.
+        warmup: how many finite losses before the first check.
+        rtol: relative tolerance (Lightning: 2.0, i.e. three times the baseline).
+        atol: absolute tolerance.
+        mad_factor: how many noise sigmas above the median a loss may go.
+        scale_tol: tolerance as a fraction of the largest baseline the run has had.
+        patience: spikes in a row before :attr:`SpikeRule.SUSTAINED`.
+    """
+
+    __slots__ = (
+        "_scale",
+        "_streak",
+        "_window",
+        "atol",
+        "mad_factor",
+        "patience",
+        "rtol",
+        "scale_tol",
+        "warmup",
+    )
+
+    def __init__(
+        self,
+        *,
+        window: int,
+        warmup: int,
+        rtol: float,
+        atol: float,
+        mad_factor: float,
+        scale_tol: float,
+        patience: int,
+    ) -> None:
+        self._window = _RunningMedian(window)
+        self.warmup = warmup
+        self.rtol = rtol
+        self.atol = atol
+        self.mad_factor = mad_factor
+        self.scale_tol = scale_tol
+        self.patience = patience
+        self._scale = 0.0
+        self._streak = 0
+
+    def reset(self) -> None:
+        """Forget the window and the streak (after a restore: the loss level is the snapshot's)."""
+        self._window.clear()
+        self._streak = 0
+
+    def observe(self, loss: float) -> SpikeVerdict | None:
+        """Judge one finite loss; returns the verdict when it is a spike, else ``None``."""
+        window = self._window
+        if len(window) < self.warmup:
+            window.add(loss)
+            return None
+        median = window.median()
+        self._scale = max(self._scale, abs(median))
+        excess = loss - median
+        if excess <= 0.0:
+            self._streak = 0
+            window.add(loss)
+            return None
+        n = len(window)
+        sigma = _MAD_TO_SIGMA * window.mad(median) if n >= _MIN_NOISE else 0.0
+        tolerance = max(
+            self.rtol * abs(median) * max(1.0, _MIN_NOISE / n),
+            self.mad_factor * sigma,
+            self.atol,
+            self.scale_tol * self._scale,
+        )
+        if excess <= tolerance:
+            self._streak = 0
+            window.add(loss)
+            return None
+        self._streak += 1
+        streak = self._streak
+        if streak >= self.patience:
+            self.reset()
+            window.add(loss)  # the new level is the baseline from here on
+            return SpikeVerdict(SpikeRule.SUSTAINED, median, tolerance, streak)
+        return SpikeVerdict(SpikeRule.SPIKE, median, tolerance, streak)
+
+
+@dataclass(frozen=True, slots=True)
+class ExplosionVerdict:
+    """A gradient norm the detector judged an explosion.
+
+    Attributes:
+        threshold: the norm it exceeded.
+        baseline: the running median of accepted norms (``nan`` before the first one).
+        largest: the largest norm accepted so far (``0.0`` before the first one).
+        rule: ``"growth"`` (against the median) or ``"cap"`` (the absolute cap).
+    """
+
+    threshold: float
+    baseline: float
+    largest: float
+    rule: str
+
+
+class ExplosionDetector:
+    """Flags a total gradient norm far above the run's running median, from the first step.
+
+    From the second gradient check a norm above ``factor x median`` of the last *window*
+    accepted norms is an explosion; an absolute *cap* applies from the first check. Non-finite
+    and exploded norms never enter the window (an explosion cannot raise its own bar).
+
+    Args:
+        window: how many accepted norms the median covers.
+        factor: the growth factor over the median.
+        cap: the absolute cap (``None``: none).
+    """
+
+    __slots__ = ("_largest", "_window", "cap", "factor")
+
+    def __init__(self, *, window: int, factor: float, cap: float | None) -> None:
+        self._window = _RunningMedian(window)
+        self.factor = factor
+        self.cap = cap
+        self._largest = 0.0
+
+    @property
+    def largest(self) -> float:
+        """The largest accepted norm so far."""
+        return self._largest
+
+    def reset(self) -> None:
+        """Restart the window (after a restore); the largest norm seen is kept."""
+        self._window.clear()
+
+    def observe(self, norm: float) -> ExplosionVerdict | None:
+        """Judge one finite total norm; returns the verdict when it exploded, else ``None``."""
+        window = self._window
+        baseline = window.median() if len(window) else math.nan
+        growth = self.factor * baseline if len(window) else math.inf
+        cap = self.cap if self.cap is not None else math.inf
+        if norm > cap or norm > growth:
+            rule = "cap" if norm > cap and (norm <= growth or cap <= growth) else "growth"
+            return ExplosionVerdict(min(cap, growth), baseline, self._largest, rule)
+        window.add(norm)
+        self._largest = max(self._largest, norm)
+        return None
