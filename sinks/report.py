@@ -7,7 +7,14 @@ The bus closes sinks only after draining their queues, so the report written at 
 for every event the writer was sent.
 
 The same aggregation runs over a JSON-lines log (:func:`build_report`, or
-``eventbus-debug report LOGDIR``), and gives the same summary as the live writer.
+``eventbus-debug report LOGDIR``), and gives the same summary as the live writer. A log
+directory that several runs appended to (a script rerun into the same ``log_dir``) is never
+merged silently: each ``SessionStarted`` carries a run id, the report shows the latest run by
+default and lists the others.
+
+Every string in the page comes from events, that is from a log anyone could have written:
+all of it is escaped (see :mod:`sinks.report_html`). The files are written with mode 0644 so
+that colleagues can open them.
 
 Example::
 
@@ -40,9 +47,12 @@ from .report_summary import (
     DEFAULT_MAX_INCIDENTS,
     DEFAULT_MAX_POINTS,
     IncidentRow,
+    LatestValues,
+    LayerSeries,
     Marker,
     MemoryStats,
     RunAggregator,
+    RunInfo,
     RunSummary,
     SeriesPoint,
     SinkStats,
@@ -50,17 +60,21 @@ from .report_summary import (
     SystemStats,
     describe_incident,
     summarize,
+    summarize_runs,
     summary_to_dict,
 )
 
 __all__ = (
     "REPORT_FORMAT",
     "IncidentRow",
+    "LatestValues",
+    "LayerSeries",
     "Marker",
     "MemoryStats",
     "ReportPaths",
     "ReportWriter",
     "RunAggregator",
+    "RunInfo",
     "RunSummary",
     "SeriesPoint",
     "SinkStats",
@@ -70,6 +84,7 @@ __all__ = (
     "describe_incident",
     "render_html",
     "summarize",
+    "summarize_runs",
     "summary_to_dict",
     "write_report",
 )
@@ -80,6 +95,8 @@ REPORT_FORMAT: Final = "eventbus-debug.report/1"
 JSON_NAME: Final = "report.json"
 HTML_NAME: Final = "report.html"
 DEFAULT_INTERVAL: Final = 30.0
+FILE_MODE: Final = 0o644
+"""Report files are readable by everyone who can reach the directory (mkstemp's 0600 is not)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +112,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.replace(tmp, path)
@@ -114,8 +132,9 @@ def write_report(
 ) -> ReportPaths:
     """Write ``report.json`` (and ``report.html``) for *summary* into *directory* (blocking).
 
-    ``report.json`` holds ``{"format", "generated_ns", "title", "summary"}``; only
-    ``generated_ns`` depends on when it was written.
+    ``report.json`` holds ``{"format", "generated_ns", "title", "run_id", "summary"}``; only
+    ``generated_ns`` depends on when it was written. Both files are written atomically, mode
+    0644.
 
     Raises:
         OSError: if the directory cannot be created or the files cannot be written.
@@ -126,6 +145,7 @@ def write_report(
         "format": REPORT_FORMAT,
         "generated_ns": stamp,
         "title": title,
+        "run_id": summary.run_id,
         "summary": summary_to_dict(summary),
     }
     json_path = root / JSON_NAME
@@ -148,8 +168,13 @@ def build_report(
     strict: bool = False,
     max_points: int = DEFAULT_MAX_POINTS,
     max_incidents: int = DEFAULT_MAX_INCIDENTS,
+    run: str = "latest",
 ) -> tuple[RunSummary, ReportPaths]:
     """Rebuild the report of a run from its JSON-lines log (every rank, rotated files too).
+
+    A log that several runs appended to is split by run id (see
+    :func:`~sinks.report_summary.summarize_runs`): the report shows the latest run and says
+    which others the log holds.
 
     Args:
         log: a log directory (or one log file).
@@ -160,13 +185,18 @@ def build_report(
         max_points: as in :class:`ReportWriter`; keep equal to the live writer's for equal
             reports.
         max_incidents: as in :class:`ReportWriter`.
+        run: ``"latest"``, ``"all"`` (every run folded together) or a run id.
 
     Raises:
         LogReadError: if *log* does not exist or holds no log file.
         EventDecodeError: with *strict*, if a line cannot be decoded.
+        ValueError: if *run* is not a run of the log.
     """
-    summary = summarize(
-        read_events(log, strict=strict), max_points=max_points, max_incidents=max_incidents
+    summary = summarize_runs(
+        read_events(log, strict=strict),
+        run=run,
+        max_points=max_points,
+        max_incidents=max_incidents,
     )
     source = Path(log)
     target = (

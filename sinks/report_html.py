@@ -3,6 +3,15 @@
 Plots are inline SVG drawn here (no script, no stylesheet or font from the network), so the
 page opens from a file on an air-gapped cluster. NaN and infinite values never break a plot:
 they appear as gaps in the line and as red crosses at the top of the chart.
+
+Everything in the page that the renderer did not write itself comes from events, and events
+come from a log anyone could have crafted: kinds, reasons, names, messages, sources, layer
+and parameter names, even fields declared as numbers (a log is untrusted input). Every such
+value goes through :func:`_e` (HTML-escaped, quotes included) or is formatted as a number by
+code here; identifiers in ``id``/``href`` attributes are reduced to ``[A-Za-z0-9_-]``; no
+value ever lands in a URL, a ``style`` or an event-handler attribute. As a second line of
+defence the page declares a Content-Security-Policy that forbids every script and every
+network load, so markup injected by a future bug still could not run.
 """
 
 from __future__ import annotations
@@ -10,12 +19,19 @@ from __future__ import annotations
 import datetime as _dt
 import html
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 
-from .report_summary import IncidentRow, Marker, RunSummary, SeriesPoint, Stat
+from .report_summary import IncidentRow, LayerSeries, Marker, RunInfo, RunSummary, SeriesPoint, Stat
 
-__all__ = ("render_html",)
+__all__ = ("CONTENT_SECURITY_POLICY", "render_html")
+
+CONTENT_SECURITY_POLICY: Final = (
+    "default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
+    "base-uri 'none'; form-action 'none'"
+)
+"""The policy the page declares: inline CSS only; no script, frame, form target or fetch."""
 
 _W: Final = 960
 _H: Final = 260
@@ -49,24 +65,57 @@ th { background: #eef2f6; font-weight: 600; } td.num { text-align: right; font-v
 .grid2 { display: grid; grid-template-columns: 1fr 1fr; gap: 14px; }
 .legend span { margin-right: 14px; color: var(--muted); font-size: 12px; }
 .note { color: var(--muted); font-size: 12px; }
+.banner { background: #fff7ed; border: 1px solid #fdba74; border-radius: 8px; padding: 8px 12px;
+          margin: 0 0 14px; }
+.heat text.layer { font: 10px ui-monospace, monospace; fill: var(--fg); }
+tr:target { background: #fef9c3; }
+a.link { color: var(--line); text-decoration: none; white-space: nowrap; }
+code.rid { font-size: 12px; }
 """
+
+_SLUG_RE: Final = re.compile(r"[^A-Za-z0-9_-]")
 
 
 def _e(text: object) -> str:
+    """*text* as HTML text or a quoted attribute value: ``& < > " '`` escaped."""
     return html.escape(str(text), quote=True)
+
+
+def _slug(value: object) -> str:
+    """*value* reduced to ``[A-Za-z0-9_-]``: safe in ``id`` and ``href="#..."``."""
+    return _SLUG_RE.sub("_", str(value))[:80]
+
+
+def _anchor(rank: object, seq: object) -> str:
+    return f"ev-{_slug(rank)}-{_slug(seq)}"
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _num(value: float | None, digits: int = 4) -> str:
     if value is None:
         return "–"
+    if not _is_number(value):
+        return _e(value)  # a crafted log can put anything in a numeric field
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return f"{value:.{digits}g}"
 
 
+def _int(value: object) -> str:
+    """An integer field as text (escaped when a crafted log put something else there)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return "–" if value is None else _e(value)
+
+
 def _bytes(value: float | None) -> str:
     if value is None:
         return "–"
+    if not _is_number(value):
+        return _e(value)
     v = float(value)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(v) < 1024 or unit == "TiB":
@@ -121,6 +170,7 @@ def _chart(
     fmt: Callable[[float], str] = lambda v: _num(v, 3),
     scale: float = 1.0,
     log: bool | None = None,
+    empty: str = "no data for this chart in the run",
 ) -> str:
     """One SVG line chart: bucket means as a line (gaps where no finite value), the min–max
     band of each bucket, anomaly markers (red dashed lines), recovery markers (green
@@ -129,7 +179,7 @@ def _chart(
     if not points:
         return (
             f'<figure id="{chart_id}"><figcaption>{_e(title)}</figcaption>'
-            '<div class="empty">no data for this chart in the run</div></figure>'
+            f'<div class="empty">{_e(empty)}</div></figure>'
         )
     values = [v * scale for p in finite for v in (p.min, p.max) if v is not None]
     if log is None:
@@ -252,8 +302,8 @@ def _chart(
             xx = x(p.step)
             yy = _MT + 8
             out.append(
-                f'<g class="marker-nonfinite"><title>step {p.step}: {p.nonfinite} non-finite '
-                f'value(s)</title><path d="M{xx - 5:.1f},{yy - 5:.1f} l10,10 M{xx + 5:.1f},'
+                f'<g class="marker-nonfinite"><title>step {_int(p.step)}: {_int(p.nonfinite)} '
+                f'non-finite value(s)</title><path d="M{xx - 5:.1f},{yy - 5:.1f} l10,10 M{xx + 5:.1f},'
                 f'{yy - 5:.1f} l-10,10" stroke="#dc2626" stroke-width="2.2"/></g>'
             )
     out.append("</svg>")
@@ -270,8 +320,12 @@ def _chart(
     return "".join(out)
 
 
-def _card(label: str, value: str, cls: str = "") -> str:
-    return f'<div class="card {cls}"><div class="v">{_e(value)}</div><div class="l">{_e(label)}</div></div>'
+def _card(label: str, value: str, cls: str = "", card_id: str = "") -> str:
+    ident = f' id="{_slug(card_id)}"' if card_id else ""
+    return (
+        f'<div class="card {_slug(cls)}"{ident}><div class="v">{_e(value)}</div>'
+        f'<div class="l">{_e(label)}</div></div>'
+    )
 
 
 def _kv_table(table_id: str, header: tuple[str, str], rows: Iterable[tuple[str, str]]) -> str:
@@ -279,13 +333,13 @@ def _kv_table(table_id: str, header: tuple[str, str], rows: Iterable[tuple[str, 
     if not body:
         body = "<tr><td colspan='2' class='note'>none</td></tr>"
     return (
-        f'<table id="{table_id}"><thead><tr><th>{_e(header[0])}</th><th>{_e(header[1])}</th>'
+        f'<table id="{_slug(table_id)}"><thead><tr><th>{_e(header[0])}</th><th>{_e(header[1])}</th>'
         f"</tr></thead><tbody>{body}</tbody></table>"
     )
 
 
 def _counts(mapping: Mapping[str, int]) -> list[tuple[str, str]]:
-    return [(k, str(v)) for k, v in sorted(mapping.items(), key=lambda kv: (-kv[1], kv[0]))]
+    return [(k, str(v)) for k, v in sorted(mapping.items(), key=lambda kv: (-kv[1], str(kv[0])))]
 
 
 def _stat_row(name: str, stat: Stat, unit: str = " %") -> str:
@@ -297,24 +351,207 @@ def _stat_row(name: str, stat: Stat, unit: str = " %") -> str:
     )
 
 
+def _ref(rank: int, seq: int, rows: Mapping[tuple[int, int], IncidentRow]) -> str:
+    """A link to the row of event *seq* on *rank* (plain text when that row left the table)."""
+    row = rows.get((rank, seq))
+    what = f" {_e(row.kind)}" if row is not None else ""
+    if row is None:
+        return f"<span class='note'>#{_int(seq)} (no longer listed)</span>"
+    return f"<a class='link' href='#{_anchor(rank, seq)}'>#{_int(seq)}{what}</a>"
+
+
 def _incident_table(rows: Sequence[IncidentRow], total: int) -> str:
+    by_key = {(r.rank, r.seq): r for r in rows}
     body = []
     for r in reversed(rows):
+        caused = "" if r.caused_by is None else _ref(r.rank, r.caused_by, by_key)
+        led = " ".join(_ref(r.rank, seq, by_key) for seq in r.led_to)
         body.append(
-            f"<tr><td class='num'>{_e(r.step if r.step is not None else '–')}</td>"
-            f"<td class='num'>{r.rank}</td><td class='sev-{_e(r.severity)}'>{_e(r.severity)}</td>"
+            f"<tr id='{_anchor(r.rank, r.seq)}'>"
+            f"<td class='num'>{_int(r.step)}</td>"
+            f"<td class='num'>{_int(r.rank)}</td><td class='sev-{_slug(r.severity)}'>{_e(r.severity)}</td>"
             f"<td>{_e(r.kind)}</td><td>{_e(r.message)}</td><td>{_e(r.source)}</td>"
-            f"<td class='num'>{r.seq}</td></tr>"
+            f"<td class='caused-by'>{caused}</td><td class='led-to'>{led}</td>"
+            f"<td class='num'>{_int(r.seq)}</td></tr>"
         )
     if not body:
-        body.append("<tr><td colspan='7' class='note'>no incident: a quiet run</td></tr>")
+        body.append("<tr><td colspan='9' class='note'>no incident: a quiet run</td></tr>")
     note = ""
     if total > len(rows):
-        note = f"<p class='note'>showing the {len(rows)} most recent of {total} incidents</p>"
+        note = (
+            f"<p class='note'>showing the {_int(len(rows))} most recent of {_int(total)} "
+            "incidents</p>"
+        )
     return (
         f"{note}<table id='incidents'><thead><tr><th>step</th><th>rank</th><th>severity</th>"
-        "<th>kind</th><th>what happened</th><th>source</th><th>seq</th></tr></thead>"
+        "<th>kind</th><th>what happened</th><th>source</th><th>caused by</th><th>led to</th>"
+        f"<th>seq</th></tr></thead><tbody>{''.join(body)}</tbody></table>"
+    )
+
+
+def _recovery_chain(rows: Sequence[IncidentRow]) -> str:
+    """One row per recovery decision: the incident that triggered it, the decision, and the
+    action applied for it, each linked to its row of the incident table."""
+    by_key = {(r.rank, r.seq): r for r in rows}
+    body = []
+    for r in rows:
+        if r.kind != "recovery_decided":
+            continue
+        trigger = (
+            "<span class='note'>–</span>"
+            if r.caused_by is None
+            else _ref(r.rank, r.caused_by, by_key)
+        )
+        applied = [by_key.get((r.rank, seq)) for seq in r.led_to]
+        done = (
+            " ".join(
+                f"{_ref(a.rank, a.seq, by_key)}: {_e(a.message)}" for a in applied if a is not None
+            )
+            or "<span class='note'>not applied (yet)</span>"
+        )
+        body.append(
+            f"<tr><td class='num'>{_int(r.step)}</td><td class='num'>{_int(r.rank)}</td>"
+            f"<td class='trigger'>{trigger}</td>"
+            f"<td class='decision'><a class='link' href='#{_anchor(r.rank, r.seq)}'>#{_int(r.seq)}</a> "
+            f"{_e(r.message)}</td><td class='applied'>{done}</td></tr>"
+        )
+    if not body:
+        body.append("<tr><td colspan='5' class='note'>no recovery decision</td></tr>")
+    return (
+        "<table id='recovery-chain'><thead><tr><th>step</th><th>rank</th><th>incident</th>"
+        "<th>decision</th><th>applied</th></tr></thead>"
         f"<tbody>{''.join(body)}</tbody></table>"
+    )
+
+
+_PALETTE: Final = (
+    (68, 1, 84),
+    (59, 82, 139),
+    (33, 145, 140),
+    (94, 201, 98),
+    (253, 231, 37),
+)
+
+
+def _color(t: float) -> str:
+    t = min(max(t, 0.0), 1.0) * (len(_PALETTE) - 1)
+    i = min(int(t), len(_PALETTE) - 2)
+    f = t - i
+    a, b = _PALETTE[i], _PALETTE[i + 1]
+    return "#{:02x}{:02x}{:02x}".format(*(round(a[k] + (b[k] - a[k]) * f) for k in range(3)))
+
+
+def _heatmap(chart_id: str, title: str, layers: Sequence[LayerSeries], omitted: int) -> str:
+    """Layers (rows) × step buckets (columns), coloured by log10 of the bucket mean;
+    non-finite buckets in red, buckets without a value left white."""
+    head = f'<figure id="{_slug(chart_id)}" class="heat"><figcaption>{_e(title)}</figcaption>'
+    if not layers:
+        return (
+            f"{head}<div class='empty'>no per-layer values in the run (the step probe logs "
+            "them at the ADVANCED level and above)</div></figure>"
+        )
+    steps = [p.step for layer in layers for p in layer.points if _is_number(p.step)]
+    values = [
+        math.log10(p.mean)
+        for layer in layers
+        for p in layer.points
+        if _is_number(p.mean) and p.mean is not None and p.mean > 0
+    ]
+    s_lo, s_hi = (min(steps), max(steps)) if steps else (0, 1)
+    if s_hi == s_lo:
+        s_hi = s_lo + 1
+    v_lo, v_hi = (min(values), max(values)) if values else (0.0, 1.0)
+    if v_hi - v_lo < 1e-12:
+        v_lo, v_hi = v_lo - 0.5, v_hi + 0.5
+    columns = max(len(layer.points) for layer in layers)
+    label_w, row_h, top, legend_h = 220, 12, 6, 40
+    plot_w = _W - label_w - _MR
+    cell_w = plot_w / max(columns, 1)
+    height = top + row_h * len(layers) + legend_h
+    out = [
+        head,
+        f'<svg class="chart" viewBox="0 0 {_W} {height}" xmlns="http://www.w3.org/2000/svg" '
+        f'role="img" aria-label="{_e(title)}">',
+    ]
+    for row, layer in enumerate(layers):
+        yy = top + row * row_h
+        name = str(layer.name)
+        short = name if len(name) <= 34 else "…" + name[-33:]
+        out.append(
+            f'<text class="layer" x="{label_w - 6}" y="{yy + row_h - 3}" text-anchor="end">'
+            f"<title>{_e(name)}</title>{_e(short)}</text>"
+        )
+        for p in layer.points:
+            if not _is_number(p.step):
+                continue
+            xx = label_w + (p.step - s_lo) / (s_hi - s_lo) * (plot_w - cell_w)
+            if p.mean is None or not _is_number(p.mean):
+                if not p.nonfinite:
+                    continue
+                fill = "#dc2626"
+            elif p.mean <= 0:
+                fill = "#e5e7eb"
+            else:
+                fill = _color((math.log10(p.mean) - v_lo) / (v_hi - v_lo))
+            out.append(
+                f'<rect x="{xx:.1f}" y="{yy}" width="{cell_w + 0.6:.1f}" height="{row_h - 1}" '
+                f'fill="{fill}"/>'
+            )
+    ly = top + row_h * len(layers) + 8
+    for k in range(20):
+        out.append(
+            f'<rect x="{label_w + k * 12}" y="{ly}" width="12" height="10" '
+            f'fill="{_color(k / 19)}"/>'
+        )
+    out.append(
+        f'<text x="{label_w - 6}" y="{ly + 9}" text-anchor="end">{_num(10**v_lo, 3)}</text>'
+        f'<text x="{label_w + 246}" y="{ly + 9}">{_num(10**v_hi, 3)} (log scale) · '
+        f"steps {_int(s_lo)}–{_int(s_hi)} · red: NaN/Inf</text>"
+    )
+    out.append("</svg>")
+    if omitted:
+        out.append(
+            f"<p class='note'>{_int(omitted)} more layer(s) not shown (the first "
+            f"{_int(len(layers))} seen are kept)</p>"
+        )
+    out.append("</figure>")
+    return "".join(out)
+
+
+def _runs_section(s: RunSummary) -> str:
+    if len(s.runs) <= 1:
+        return ""
+    shown = [r for r in s.runs if r.shown]
+    if len(shown) > 1:
+        what = (
+            f"<strong>This summary mixes {_int(len(shown))} runs</strong> (their events were "
+            "folded together)."
+        )
+    else:
+        run = shown[0] if shown else None
+        label = _e(run.run_id) if run is not None and run.run_id else "events before any session"
+        what = (
+            f"This log holds <strong>{_int(len(s.runs))} runs</strong>; this report shows "
+            f"<code class='rid'>{label}</code>"
+            + (" (the latest)" if run is not None and run is s.runs[-1] else "")
+            + ". Rebuild another with <code>build_report(log, run=RUN_ID)</code>."
+        )
+
+    def row(r: RunInfo) -> str:
+        rid = _e(r.run_id) if r.run_id else "<span class='note'>(before any session)</span>"
+        ranks = ", ".join(_int(k) for k in r.ranks) or "–"
+        return (
+            f"<tr class='{'shown' if r.shown else 'other'}'><td><code class='rid'>{rid}</code></td>"
+            f"<td>{_e(r.name)}</td><td>{_time(r.started_ns)}</td><td>{ranks}</td>"
+            f"<td class='num'>{_int(r.events)}</td><td>{'shown' if r.shown else ''}</td></tr>"
+        )
+
+    return (
+        f"<div class='banner' id='runs-banner'>{what}</div>"
+        "<table id='runs'><thead><tr><th>run id</th><th>session</th><th>started</th>"
+        "<th>ranks</th><th>events</th><th></th></tr></thead><tbody>"
+        + "".join(row(r) for r in s.runs)
+        + "</tbody></table>"
     )
 
 
@@ -322,6 +559,9 @@ def render_html(
     summary: RunSummary, /, *, title: str = "eventbus-debug report", generated_ns: int | None = None
 ) -> str:
     """Render *summary* as one self-contained HTML document (inline CSS and SVG, no script).
+
+    Every string taken from the summary is escaped; the page forbids scripts and network
+    loads with a Content-Security-Policy (:data:`CONTENT_SECURITY_POLICY`).
 
     Args:
         summary: the run summary to show.
@@ -332,8 +572,10 @@ def render_html(
     anomaly_markers = [m for m in s.markers if not m.recovery]
     all_markers = list(s.markers)
     recovery_total = sum(s.recovery_decisions.values())
+    m = s.memory
+    latest = s.latest
     cards = [
-        _card("steps", f"{s.steps:,}"),
+        _card("steps", f"{s.steps:,}" if _is_number(s.steps) else str(s.steps)),
         _card("run time", _duration(s.duration_s)),
         _card("steps / s", _num(s.steps_per_s, 3)),
         _card(
@@ -359,7 +601,10 @@ def render_html(
             str(sum(s.errors_by_category.values())),
             "bad" if s.errors_by_category else "ok",
         ),
-        _card("peak RSS", _bytes(s.memory.peak_rss_bytes)),
+        _card("last learning rate", _num(latest.learning_rate, 3), card_id="card-lr"),
+        _card("last samples / s", _num(latest.samples_per_s, 4), card_id="card-throughput"),
+        _card("peak RSS", _bytes(m.peak_rss_bytes)),
+        _card("peak CUDA allocated", _bytes(m.peak_cuda_allocated_bytes), card_id="card-cuda-peak"),
         _card(
             "telemetry shed",
             str(sum(s.sinks.dropped.values())),
@@ -367,29 +612,56 @@ def render_html(
         ),
     ]
     generated = f" · written {_time(generated_ns)}" if generated_ns is not None else ""
-    ranks = ", ".join(str(r) for r in s.ranks) or "–"
+    ranks = ", ".join(_int(r) for r in s.ranks) or "–"
+    run = f" · run <code class='rid' id='run-id'>{_e(s.run_id)}</code>" if s.run_id else ""
     header = (
         f"<h1>{_e(title)}</h1><div class='sub'>{_time(s.started_ns)} → {_time(s.ended_ns)} · "
-        f"steps {_e(s.first_step if s.first_step is not None else '–')}–"
-        f"{_e(s.last_step if s.last_step is not None else '–')} · ranks {ranks} · "
-        f"{s.events:,} events{generated}</div>"
+        f"steps {_int(s.first_step)}–{_int(s.last_step)} · ranks {ranks} · "
+        f"{_int(s.events)} events{run}{generated}</div>"
     )
-    memory_points = s.rss_bytes
-    charts = [
+    training = [
         _chart("chart-loss", "Loss", s.loss, all_markers),
         _chart("chart-grad-norm", "Gradient norm", s.grad_norm, all_markers),
         _chart(
+            "chart-lr",
+            "Learning rate",
+            s.learning_rate,
+            all_markers,
+            fmt=lambda v: _num(v, 3),
+            empty="no learning rate in the run (StepCompleted.learning_rate)",
+        ),
+    ]
+    throughput = [
+        _chart(
+            "chart-throughput",
+            "Throughput (samples / s)",
+            s.samples_per_s,
+            anomaly_markers,
+            log=False,
+            empty="no throughput in the run (StepCompleted.samples_per_s)",
+        ),
+        _chart(
+            "chart-step-time",
+            "Step duration (s)",
+            s.step_duration_s,
+            anomaly_markers,
+            empty="no step durations in the run (StepCompleted.duration_s)",
+        ),
+    ]
+    memory = [
+        _chart(
             "chart-memory",
             "Process memory (RSS, MiB)",
-            memory_points,
+            s.rss_bytes,
             anomaly_markers,
             scale=1 / (1024 * 1024),
             fmt=lambda v: _num(v, 4),
             log=False,
+            empty="no memory samples (MemorySampled) in the run",
         ),
     ]
     if s.cuda_allocated_bytes:
-        charts.append(
+        memory.append(
             _chart(
                 "chart-cuda",
                 "CUDA memory allocated (MiB)",
@@ -399,7 +671,27 @@ def render_html(
                 log=False,
             )
         )
-    m = s.memory
+    if s.cuda_reserved_bytes:
+        memory.append(
+            _chart(
+                "chart-cuda-reserved",
+                "CUDA memory reserved (MiB)",
+                s.cuda_reserved_bytes,
+                anomaly_markers,
+                scale=1 / (1024 * 1024),
+                log=False,
+            )
+        )
+    if s.host_memory_percent:
+        memory.append(
+            _chart(
+                "chart-host-memory",
+                "Host memory used (%)",
+                s.host_memory_percent,
+                anomaly_markers,
+                log=False,
+            )
+        )
     memory_rows = [
         ("samples", str(m.samples)),
         ("first RSS", _bytes(m.first_rss_bytes)),
@@ -417,7 +709,7 @@ def render_html(
     ]
     sy = s.system
     system = (
-        f"<table id='system'><thead><tr><th>metric ({sy.samples} samples over "
+        f"<table id='system'><thead><tr><th>metric ({_int(sy.samples)} samples over "
         f"{_duration(sy.span_s)})</th><th>mean</th><th>min</th><th>max</th></tr></thead><tbody>"
         + _stat_row("CPU", sy.cpu_percent)
         + _stat_row("memory", sy.memory_percent)
@@ -434,14 +726,34 @@ def render_html(
     ]
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        f'<meta http-equiv="Content-Security-Policy" content="{CONTENT_SECURITY_POLICY}">',
+        "<meta name='referrer' content='no-referrer'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
         f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
         header,
+        _runs_section(s),
         f"<div class='cards' id='cards'>{''.join(cards)}</div>",
         "<h2>Training curves</h2>",
-        *charts,
+        *training,
+        "<h2 id='throughput'>Throughput</h2>",
+        *throughput,
+        "<h2 id='layers'>Per layer</h2>",
+        _heatmap(
+            "heat-grad-norms",
+            "Gradient norm per layer (log10 of the bucket mean)",
+            s.layer_grad_norms,
+            s.layers_omitted,
+        ),
+        _heatmap(
+            "heat-update-ratios",
+            "Update ratio ‖Δw‖/‖w‖ per layer (log10 of the bucket mean)",
+            s.update_ratios,
+            s.layers_omitted,
+        ),
         "<h2>Incidents</h2>",
         _incident_table(s.incidents, s.incidents_total),
+        "<h2 id='recovery'>Recovery: incident → decision → action</h2>",
+        _recovery_chain(s.incidents),
         "<div class='grid2'><div><h2>Anomalies by kind</h2>",
         _kv_table("anomalies-by-kind", ("kind", "count"), _counts(s.anomalies_by_kind)),
         "<h2>Recovery</h2>",
@@ -457,6 +769,8 @@ def render_html(
         "<h2>Sinks</h2>",
         _kv_table("sinks", ("sink", "count"), sinks_rows),
         "</div></div>",
+        "<h2 id='memory-charts'>Memory over the run</h2>",
+        *memory,
         "<h2>Events by kind</h2>",
         _kv_table("events-by-kind", ("kind", "count"), _counts(s.counts_by_kind)),
         _kv_table(

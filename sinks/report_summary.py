@@ -38,6 +38,7 @@ from eventbus_debug.events import (
     Event,
     EventsDropped,
     EventsUndelivered,
+    SessionStarted,
     Severity,
     SinkDisabled,
     SinkFailed,
@@ -46,9 +47,12 @@ from eventbus_debug.events import (
 
 __all__ = (
     "IncidentRow",
+    "LatestValues",
+    "LayerSeries",
     "Marker",
     "MemoryStats",
     "RunAggregator",
+    "RunInfo",
     "RunSummary",
     "SeriesPoint",
     "SinkStats",
@@ -56,12 +60,20 @@ __all__ = (
     "SystemStats",
     "describe_incident",
     "summarize",
+    "summarize_runs",
     "summary_to_dict",
 )
 
 DEFAULT_MAX_POINTS: Final = 1000
 DEFAULT_MAX_INCIDENTS: Final = 500
 DEFAULT_MAX_MARKERS: Final = 2000
+DEFAULT_MAX_LAYERS: Final = 64
+DEFAULT_LAYER_POINTS: Final = 48
+RUN_JOIN_WINDOW_S: Final = 60.0
+"""Ranks that start sessions of the same name within this many seconds, without a shared run
+id, are taken as one run (set ``EVENTBUS_DEBUG_RUN_ID`` to make it explicit)."""
+_MAX_LINKS: Final = 4096
+_MAX_PENDING: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +119,13 @@ class Marker:
 
 @dataclass(frozen=True, slots=True)
 class IncidentRow:
-    """One incident in the report's table."""
+    """One incident in the report's table.
+
+    ``caused_by`` and ``led_to`` link the recovery chain, by ``seq`` on the same rank: a
+    :class:`~eventbus_debug.RecoveryDecided` is caused by the incident of its ``trigger_seq``
+    and leads to the :class:`~eventbus_debug.RecoveryApplied` that carried it out (the next one
+    of the same action on the same rank); an incident leads to the decisions it triggered.
+    """
 
     seq: int
     time_ns: int
@@ -117,6 +135,49 @@ class IncidentRow:
     severity: str
     source: str
     message: str
+    caused_by: int | None = None
+    led_to: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSeries:
+    """A per-layer (per-parameter) series, e.g. one row of the gradient-norm heatmap."""
+
+    name: str
+    points: tuple[SeriesPoint, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LatestValues:
+    """The most recent value of each headline quantity (``None`` until one was seen)."""
+
+    step: int | None
+    loss: float | None
+    grad_norm: float | None
+    learning_rate: float | None
+    samples_per_s: float | None
+    step_duration_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """One run found in the events: what a ``SessionStarted`` announced, and what followed.
+
+    Attributes:
+        run_id: the session's run id (``""``: events before any ``SessionStarted``).
+        name: the session's name.
+        started_ns: when the run started (its first ``SessionStarted``).
+        ranks: the ranks that started it.
+        events: how many events belong to it (on each rank, those after its start).
+        shown: whether this summary describes it.
+    """
+
+    run_id: str
+    name: str
+    started_ns: int | None
+    ranks: tuple[int, ...]
+    events: int
+    shown: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,11 +268,27 @@ class RunSummary:
     sinks: SinkStats
     loss: tuple[SeriesPoint, ...]
     grad_norm: tuple[SeriesPoint, ...]
+    learning_rate: tuple[SeriesPoint, ...]
+    samples_per_s: tuple[SeriesPoint, ...]
+    step_duration_s: tuple[SeriesPoint, ...]
     rss_bytes: tuple[SeriesPoint, ...]
     cuda_allocated_bytes: tuple[SeriesPoint, ...]
+    cuda_reserved_bytes: tuple[SeriesPoint, ...]
+    host_memory_percent: tuple[SeriesPoint, ...]
+    layer_grad_norms: tuple[LayerSeries, ...]
+    update_ratios: tuple[LayerSeries, ...]
+    layers_omitted: int
+    latest: LatestValues
     markers: tuple[Marker, ...]
     incidents_total: int
     incidents: tuple[IncidentRow, ...]
+    run_id: str | None = None
+    runs: tuple[RunInfo, ...] = ()
+
+    @property
+    def mixed_runs(self) -> bool:
+        """True when this summary folds the events of more than one run together."""
+        return sum(1 for r in self.runs if r.shown) > 1
 
     def training_summary(self) -> dict[str, Any]:
         """The seeds' ``get_training_summary()`` shape: step counts and rates, JSON-ready."""
@@ -453,6 +530,12 @@ class RunAggregator:
         max_points: the most points each plotted series keeps (older buckets merge).
         max_incidents: the most recent incidents kept for the table (all are counted).
         max_markers: the most plot markers kept (the earliest are kept).
+        max_layers: the most layers kept for the per-layer views (the first seen; the others
+            are counted in ``layers_omitted``).
+        layer_points: the most step buckets of each per-layer series.
+
+    Every event costs O(1) (a ``StepChecked`` with per-layer values: O(layers)); the summary
+    is assembled on demand.
 
     Raises:
         ValueError: if a bound is smaller than 2.
@@ -464,11 +547,15 @@ class RunAggregator:
         max_points: int = DEFAULT_MAX_POINTS,
         max_incidents: int = DEFAULT_MAX_INCIDENTS,
         max_markers: int = DEFAULT_MAX_MARKERS,
+        max_layers: int = DEFAULT_MAX_LAYERS,
+        layer_points: int = DEFAULT_LAYER_POINTS,
     ) -> None:
         for name, value in (
             ("max_points", max_points),
             ("max_incidents", max_incidents),
             ("max_markers", max_markers),
+            ("max_layers", max_layers),
+            ("layer_points", layer_points),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 2:
                 msg = f"{name} must be an integer >= 2, got {value!r}"
@@ -476,6 +563,8 @@ class RunAggregator:
         self._max_points = max_points
         self._max_incidents = max_incidents
         self._max_markers = max_markers
+        self._max_layers = max_layers
+        self._layer_points = layer_points
         self.clear()
 
     def clear(self) -> None:
@@ -528,9 +617,25 @@ class RunAggregator:
         self._grad = _Series(self._max_points)
         self._rss = _Series(self._max_points)
         self._cuda = _Series(self._max_points)
+        self._cuda_reserved = _Series(self._max_points)
+        self._host_mem = _Series(self._max_points)
+        self._lr = _Series(self._max_points)
+        self._throughput = _Series(self._max_points)
+        self._duration = _Series(self._max_points)
+        self._layer_grad: dict[str, _Series] = {}
+        self._layer_update: dict[str, _Series] = {}
+        self._layers_omitted: set[str] = set()
+        self._latest: dict[str, float | None] = {}
+        self._latest_step: int | None = None
         self._markers: list[Marker] = []
         self._incidents_total = 0
         self._incidents: deque[IncidentRow] = deque(maxlen=self._max_incidents)
+        # recovery chain: (rank, seq) -> seqs it led to; (rank, action) -> undone decisions
+        self._led_to: dict[tuple[int, int], list[int]] = {}
+        self._pending: dict[tuple[int, str], deque[int]] = {}
+        # runs: rank -> current run id; run id -> [name, started_ns, ranks, events]
+        self._rank_run: dict[int, str] = {}
+        self._runs: dict[str, _RunState] = {}
 
     def add_all(self, events: Iterable[Event], /) -> None:
         """Fold every event of *events*, in order."""
@@ -556,19 +661,43 @@ class RunAggregator:
                 self._first_step = step
             if self._last_step is None or step > self._last_step:
                 self._last_step = step
+        run = self._runs.get(self._rank_run.get(event.rank, ""))
+        if run is not None:
+            run.events += 1
 
         if isinstance(event, StepChecked):
             self._checked += 1
             if step is not None:
+                latest = self._latest
+                self._latest_step = step
                 if event.loss is not None:
                     self._loss_checked.add(step, event.loss)
+                    latest["loss"] = event.loss
                 if event.grad_norm is not None:
                     self._grad.add(step, event.grad_norm)
+                    latest["grad_norm"] = event.grad_norm
+                if event.layer_grad_norms:
+                    self._add_layers(self._layer_grad, step, event.layer_grad_norms)
+                if event.update_ratios:
+                    self._add_layers(self._layer_update, step, event.update_ratios)
             return
         if isinstance(event, StepCompleted):
             self._completed += 1
-            if step is not None and event.loss is not None:
-                self._loss_completed.add(step, event.loss)
+            if step is not None:
+                latest = self._latest
+                self._latest_step = step
+                if event.loss is not None:
+                    self._loss_completed.add(step, event.loss)
+                    latest["completed_loss"] = event.loss
+                if event.learning_rate is not None:
+                    self._lr.add(step, event.learning_rate)
+                    latest["learning_rate"] = event.learning_rate
+                if event.samples_per_s is not None:
+                    self._throughput.add(step, event.samples_per_s)
+                    latest["samples_per_s"] = event.samples_per_s
+                if event.duration_s is not None:
+                    self._duration.add(step, event.duration_s)
+                    latest["step_duration_s"] = event.duration_s
             return
         if isinstance(event, MemorySampled):
             self._add_memory(event)
@@ -578,15 +707,21 @@ class RunAggregator:
             return
         if not event.is_incident:
             return
+        caused_by: int | None = None
         if isinstance(event, Anomaly):
             self._add_anomaly(event)
         elif isinstance(event, RecoveryDecided):
             action = event.action.value
             self._decisions[action] = self._decisions.get(action, 0) + 1
             self._mark(event, action, recovery=True)
+            caused_by = self._link_decision(event, action)
         elif isinstance(event, RecoveryApplied):
             key = f"{event.action.value}:{event.outcome}"
             self._outcomes[key] = self._outcomes.get(key, 0) + 1
+            caused_by = self._link_applied(event)
+        elif isinstance(event, SessionStarted):
+            self._start_run(event)
+            return
         elif isinstance(event, StepSkipped):
             self._skipped += 1
             self._mark(event, "skip", recovery=True)
@@ -612,8 +747,69 @@ class RunAggregator:
                 severity=sev,
                 source=event.source,
                 message=describe_incident(event),
+                caused_by=caused_by,
             )
         )
+
+    def _add_layers(
+        self, table: dict[str, _Series], step: int, values: Mapping[str, float]
+    ) -> None:
+        for name, value in values.items():
+            series = table.get(name)
+            if series is None:
+                if len(table) >= self._max_layers:
+                    if len(self._layers_omitted) < 100_000:
+                        self._layers_omitted.add(name)
+                    continue
+                series = table[name] = _Series(self._layer_points)
+            series.add(step, value)
+
+    def _link(self, rank: int, source_seq: int, target_seq: int) -> None:
+        links = self._led_to
+        key = (rank, source_seq)
+        targets = links.get(key)
+        if targets is None:
+            if len(links) >= _MAX_LINKS:
+                del links[next(iter(links))]  # the oldest chain: its rows left the table
+            targets = links[key] = []
+        if len(targets) < _MAX_PENDING:
+            targets.append(target_seq)
+
+    def _link_decision(self, event: RecoveryDecided, action: str) -> int | None:
+        if event.seq < 0:
+            return None
+        pending = self._pending.get((event.rank, action))
+        if pending is None:
+            pending = self._pending[(event.rank, action)] = deque(maxlen=_MAX_PENDING)
+        pending.append(event.seq)
+        if event.trigger_seq < 0:
+            return None
+        self._link(event.rank, event.trigger_seq, event.seq)
+        return event.trigger_seq
+
+    def _link_applied(self, event: RecoveryApplied) -> int | None:
+        pending = self._pending.get((event.rank, event.action.value))
+        if not pending or event.seq < 0:
+            return None
+        decision = pending.popleft()
+        self._link(event.rank, decision, event.seq)
+        return decision
+
+    def _start_run(self, event: SessionStarted) -> None:
+        run_id = event.run_id if isinstance(event.run_id, str) else str(event.run_id)
+        previous = self._runs.get(self._rank_run.get(event.rank, ""))
+        if previous is not None:
+            previous.events -= 1  # counted above, before the rank switched runs
+        state = self._runs.get(run_id)
+        if state is None:
+            state = self._runs[run_id] = _RunState(event.name, event.time_ns)
+            state.events = 1
+        else:
+            state.events += 1
+            if state.started_ns is None or event.time_ns < state.started_ns:
+                state.started_ns = event.time_ns
+        state.ranks.add(event.rank)
+        self._rank_run[event.rank] = run_id
 
     def _add_anomaly(self, event: Anomaly) -> None:
         self._anomalies += 1
@@ -660,6 +856,8 @@ class RunAggregator:
             self._rss.add(step, float(rss))
             if event.cuda_allocated is not None:
                 self._cuda.add(step, float(event.cuda_allocated))
+            if event.cuda_reserved is not None:
+                self._cuda_reserved.add(step, float(event.cuda_reserved))
         for attr, value in (
             (
                 "_cuda_peak",
@@ -681,6 +879,9 @@ class RunAggregator:
             self._sys_last_ns = t
         self._cpu.add(event.cpu_percent)
         self._mem_pct.add(event.memory_percent)
+        step = event.step if event.step is not None else self._last_step
+        if step is not None:
+            self._host_mem.add(step, event.memory_percent)
         self._disk.add(event.disk_percent)
         self._gpu_util.add(event.gpu_utilization)
         self._gpu_mem.add(event.gpu_memory_percent)
@@ -705,6 +906,9 @@ class RunAggregator:
             if self._sys_first_ns is not None and self._sys_last_ns is not None
             else 0.0
         )
+        latest = self._latest
+        runs = self.runs()
+        run_ids = [r.run_id for r in runs if r.run_id]
         return RunSummary(
             events=self._events,
             counts_by_kind=dict(sorted(self._by_kind.items())),
@@ -765,12 +969,73 @@ class RunAggregator:
             ),
             loss=loss.freeze(),
             grad_norm=self._grad.freeze(),
+            learning_rate=self._lr.freeze(),
+            samples_per_s=self._throughput.freeze(),
+            step_duration_s=self._duration.freeze(),
             rss_bytes=self._rss.freeze(),
             cuda_allocated_bytes=self._cuda.freeze(),
+            cuda_reserved_bytes=self._cuda_reserved.freeze(),
+            host_memory_percent=self._host_mem.freeze(),
+            layer_grad_norms=_freeze_layers(self._layer_grad),
+            update_ratios=_freeze_layers(self._layer_update),
+            layers_omitted=len(self._layers_omitted),
+            latest=LatestValues(
+                step=self._latest_step,
+                loss=latest.get("loss", latest.get("completed_loss")),
+                grad_norm=latest.get("grad_norm"),
+                learning_rate=latest.get("learning_rate"),
+                samples_per_s=latest.get("samples_per_s"),
+                step_duration_s=latest.get("step_duration_s"),
+            ),
             markers=tuple(self._markers),
             incidents_total=self._incidents_total,
-            incidents=tuple(self._incidents),
+            incidents=self._linked_incidents(),
+            run_id=run_ids[-1] if len(run_ids) == 1 else None,
+            runs=runs,
         )
+
+    def runs(self) -> tuple[RunInfo, ...]:
+        """The runs this aggregator saw (in start order), each marked as shown."""
+        infos = [
+            RunInfo(
+                run_id=run_id,
+                name=state.name,
+                started_ns=state.started_ns,
+                ranks=tuple(sorted(state.ranks)),
+                events=state.events,
+                shown=True,
+            )
+            for run_id, state in self._runs.items()
+        ]
+        unattributed = self._events - sum(info.events for info in infos)
+        if infos and unattributed > 0:
+            infos.insert(0, RunInfo("", "", None, (), unattributed, shown=True))
+        infos.sort(key=lambda r: (r.started_ns is not None, r.started_ns or 0))
+        return tuple(infos)
+
+    def _linked_incidents(self) -> tuple[IncidentRow, ...]:
+        links = self._led_to
+        if not links:
+            return tuple(self._incidents)
+        out = []
+        for row in self._incidents:
+            led = links.get((row.rank, row.seq))
+            out.append(row if led is None else dataclasses.replace(row, led_to=tuple(led)))
+        return tuple(out)
+
+
+class _RunState:
+    __slots__ = ("events", "name", "ranks", "started_ns")
+
+    def __init__(self, name: str, started_ns: int | None) -> None:
+        self.name = name
+        self.started_ns = started_ns
+        self.ranks: set[int] = set()
+        self.events = 0
+
+
+def _freeze_layers(table: Mapping[str, _Series]) -> tuple[LayerSeries, ...]:
+    return tuple(LayerSeries(name, series.freeze()) for name, series in table.items())
 
 
 def summarize(events: Iterable[Event], /, **options: int) -> RunSummary:
@@ -781,3 +1046,85 @@ def summarize(events: Iterable[Event], /, **options: int) -> RunSummary:
     aggregator = RunAggregator(**options)
     aggregator.add_all(events)
     return aggregator.summary()
+
+
+def summarize_runs(
+    events: Iterable[Event], /, *, run: str = "latest", **options: int
+) -> RunSummary:
+    """Aggregate *events* of a log that may hold several runs (reruns into one directory).
+
+    Each rank's events belong to the run its latest ``SessionStarted`` announced (events
+    before any are a run of their own, id ``""``). Ranks whose sessions have different run ids
+    but the same name and start within :data:`RUN_JOIN_WINDOW_S` are joined into one run.
+
+    Args:
+        events: the events, in log order (e.g. ``read_events(log_dir)``).
+        run: ``"latest"`` (the run that started last), ``"all"`` (every event folded together,
+            as one summary that says it mixes runs), or a run id.
+        options: the bounds of :class:`RunAggregator`.
+
+    Returns:
+        The summary of the chosen run; its ``runs`` lists every run found, the chosen one
+        marked ``shown``.
+
+    Raises:
+        ValueError: if *run* names no run of the log (the message lists those it holds).
+    """
+    if not isinstance(run, str) or not run:
+        msg = f"run must be 'latest', 'all' or a run id, got {run!r}"
+        raise ValueError(msg)
+    if run == "all":
+        return summarize(events, **options)
+    aggregators: dict[str, RunAggregator] = {}
+    rank_run: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    starts: dict[str, tuple[str, int, set[int]]] = {}
+    window_ns = int(RUN_JOIN_WINDOW_S * 1e9)
+    for event in events:
+        if isinstance(event, SessionStarted):
+            run_id = str(event.run_id)
+            key = alias.get(run_id)
+            if key is None:
+                key = run_id
+                for other, (name, started, ranks) in starts.items():
+                    if (
+                        other != run_id
+                        and name == event.name
+                        and event.rank not in ranks
+                        and abs(event.time_ns - started) <= window_ns
+                    ):
+                        key = other
+                        break
+                alias[run_id] = key
+            entry = starts.setdefault(key, (event.name, event.time_ns, set()))
+            entry[2].add(event.rank)
+            rank_run[event.rank] = key
+            if key != run_id:
+                event = dataclasses.replace(event, run_id=key)
+        key = rank_run.get(event.rank, "")
+        aggregator = aggregators.get(key)
+        if aggregator is None:
+            aggregator = aggregators[key] = RunAggregator(**options)
+        aggregator.add(event)
+    if not aggregators:
+        return RunAggregator(**options).summary()
+    named = [key for key in aggregators if key]
+    if run == "latest":
+        chosen = max(named, key=lambda k: starts[k][1]) if named else ""
+    elif run in aggregators:
+        chosen = run
+    else:
+        known = ", ".join(repr(k) for k in sorted(named)) or "none"
+        msg = f"run {run!r} is not in this log; its runs: {known}"
+        raise ValueError(msg)
+    summaries = {key: agg.summary() for key, agg in aggregators.items()}
+    runs: list[RunInfo] = []
+    for key, summary in summaries.items():
+        info = next((r for r in summary.runs if r.run_id == key), None)
+        if info is None:
+            info = RunInfo(key, "", None if not key else starts[key][1], summary.ranks, 0, False)
+        runs.append(dataclasses.replace(info, events=summary.events, shown=key == chosen))
+    if len(runs) == 1 and not runs[0].run_id:
+        return summaries[chosen]
+    runs.sort(key=lambda r: (r.started_ns is not None, r.started_ns or 0))
+    return dataclasses.replace(summaries[chosen], runs=tuple(runs))
