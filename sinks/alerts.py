@@ -31,11 +31,9 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import os
-import sys
 import threading
 import time
 import traceback
@@ -58,6 +56,9 @@ from eventbus_debug import (
 from eventbus_debug._logging import get_logger
 from eventbus_debug.encoding import encode_event
 from eventbus_debug.events import Event, Severity, event_type
+
+from ._terminal import resolve_stream, write_text
+from .lines import describe, format_event, use_colors
 
 __all__ = (
     "Alert",
@@ -209,42 +210,27 @@ class Alert:
 
     @property
     def message(self) -> str:
-        """A one-line, human-readable description of the alert."""
+        """A one-line, human-readable description: the event's kind, step, rank and description.
+
+        The same words as the console and ``eventbus-debug tail`` (see :mod:`sinks.lines`),
+        plus how many repeats the alert stands for.
+        """
         ev = self.event
-        step = f" step {ev.step}" if ev.step is not None else ""
-        rank = f" rank {ev.rank}" if ev.rank else ""
-        repeat = (
-            f" (x{self.count}: {self.suppressed} held back since the last alert)"
-            if self.suppressed
-            else ""
+        where = "".join(
+            (
+                f" step {ev.step}" if ev.step is not None else "",
+                f" rank {ev.rank}" if ev.rank else "",
+            )
         )
-        return (
-            f"[{ev.severity.value.upper()}] {self.rule.name}: {ev.kind}{step}{rank}"
-            f"{_describe(ev)}{repeat}"
-        )
+        body = describe(ev)
+        return f"{ev.kind}{where}" + (f": {body}" if body else "") + self.repeats
 
-
-def _describe(event: Event) -> str:
-    parts = []
-    for f in dataclasses.fields(event):
-        if f.name in _HEADER or f.name == "traceback":
-            continue
-        value = getattr(event, f.name)
-        if isinstance(value, float):
-            parts.append(f"{f.name}={value:.4g}")
-        elif isinstance(value, (str, int, bool)) or value is None:
-            text = str(value)
-            if len(text) > 60:
-                text = text[:57] + "..."
-            parts.append(f"{f.name}={text}")
-        elif hasattr(value, "value") and not isinstance(value, (tuple, Mapping)):
-            parts.append(f"{f.name}={value.value}")
-        if len(parts) >= 4:
-            break
-    return (" " + " ".join(parts)) if parts else ""
-
-
-_HEADER: Final = frozenset({"seq", "time_ns", "step", "rank", "source", "severity"})
+    @property
+    def repeats(self) -> str:
+        """``" (x5: 4 held back since the last alert)"`` for a summary, else ``""``."""
+        if not self.suppressed:
+            return ""
+        return f" (x{self.count}: {self.suppressed} held back since the last alert)"
 
 
 def alert_to_dict(alert: Alert, /) -> dict[str, Any]:
@@ -691,19 +677,26 @@ class LogAlert:
 class StderrAlert:
     """Write one line per alert to a stream (``sys.stderr`` at call time by default).
 
+    The line is the console's line for the event (:func:`sinks.lines.format_event`) plus the
+    repeats a summary stands for; it goes through an active tqdm or rich progress bar. Do not
+    add it next to a console view that already shows incidents: each would print the incident.
+
     Args:
         stream: a text stream to write to instead of standard error.
+        colors: ANSI colours; ``None`` uses them when the stream is a terminal.
     """
 
-    def __init__(self, stream: IO[str] | None = None) -> None:
+    def __init__(self, stream: IO[str] | None = None, *, colors: bool | None = None) -> None:
         self._stream = stream
+        self._colors = colors
         self._lock = threading.Lock()
 
     def __call__(self, alert: Alert, /) -> None:
-        stream = self._stream if self._stream is not None else sys.stderr
+        stream = resolve_stream(self._stream)
+        colors = use_colors(stream) if self._colors is None else self._colors
+        line = format_event(alert.event, colors=colors) + alert.repeats + "\n"
         with self._lock:
-            stream.write(alert.message + "\n")
-            stream.flush()
+            write_text(stream, line)
 
 
 class FileAlert:
@@ -778,17 +771,24 @@ class WebhookAlert:
 
 
 @dataclass(frozen=True, slots=True)
-class _MetricAbove:
-    """Predicate: a system metric above a threshold, from samples or threshold incidents."""
+class _SustainedAbove:
+    """Predicate: a system metric above a threshold for *sustain* readings in a row (per rank),
+    or a threshold incident for it (the sampler already requires sustained pressure)."""
 
     metric: str
     threshold: float
+    sustain: int
+    _runs: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __call__(self, event: Event) -> bool:
         if isinstance(event, ResourceThresholdExceeded):
             return event.metric == self.metric and event.value > self.threshold
         value = getattr(event, self.metric, None)
-        return isinstance(value, (int, float)) and not math.isnan(value) and value > self.threshold
+        if not isinstance(value, (int, float)) or math.isnan(value) or value <= self.threshold:
+            self._runs.pop(event.rank, None)
+            return False
+        run = self._runs[event.rank] = self._runs.get(event.rank, 0) + 1
+        return run >= self.sustain
 
 
 @dataclass(frozen=True, slots=True)
@@ -802,19 +802,33 @@ class _ConstantKey:
 
 
 class _Rules:
-    """Ready-made rules for the thresholds the seed documents use (``rules.cpu_above()``...)."""
+    """Ready-made rules for the thresholds the seed documents use (``rules.memory_above()``...).
 
-    def cpu_above(self, percent: float = 90.0, *, cooldown: float = 300.0) -> AlertRule:
-        """CPU utilization above *percent* (from ``SystemSampled`` or a threshold incident)."""
-        return self._metric("cpu_percent", percent, cooldown)
+    The resource rules fire on sustained pressure only: *sustain* readings in a row above the
+    threshold (``SystemSampled``), or the sampler's ``ResourceThresholdExceeded`` incident
+    (which has its own sustain count). A single busy reading is not an alert.
+    """
 
-    def memory_above(self, percent: float = 90.0, *, cooldown: float = 300.0) -> AlertRule:
-        """Host memory use above *percent*."""
-        return self._metric("memory_percent", percent, cooldown)
+    def cpu_above(
+        self, percent: float = 90.0, *, sustain: int = 3, cooldown: float = 300.0
+    ) -> AlertRule:
+        """CPU utilization above *percent* for *sustain* readings in a row.
 
-    def gpu_memory_above(self, percent: float = 90.0, *, cooldown: float = 300.0) -> AlertRule:
-        """GPU memory use above *percent* (silent on machines without a GPU)."""
-        return self._metric("gpu_memory_percent", percent, cooldown)
+        Not among :meth:`defaults`: a CPU kept busy by training is normal.
+        """
+        return self._metric("cpu_percent", percent, sustain, cooldown)
+
+    def memory_above(
+        self, percent: float = 90.0, *, sustain: int = 3, cooldown: float = 300.0
+    ) -> AlertRule:
+        """Host memory use above *percent* for *sustain* readings in a row."""
+        return self._metric("memory_percent", percent, sustain, cooldown)
+
+    def gpu_memory_above(
+        self, percent: float = 90.0, *, sustain: int = 3, cooldown: float = 300.0
+    ) -> AlertRule:
+        """GPU memory use above *percent* for *sustain* readings (silent without a GPU)."""
+        return self._metric("gpu_memory_percent", percent, sustain, cooldown)
 
     def gradient_explosion(self, *, cooldown: float = DEFAULT_COOLDOWN) -> AlertRule:
         """Every :class:`~eventbus_debug.GradientExploded` incident."""
@@ -827,9 +841,8 @@ class _Rules:
         return AlertRule(event_types=(NonFiniteDetected,), name="non_finite", cooldown=cooldown)
 
     def defaults(self) -> tuple[AlertRule, ...]:
-        """All of the above with their default thresholds."""
+        """Memory, GPU memory, gradient explosion and non-finite rules, default thresholds."""
         return (
-            self.cpu_above(),
             self.memory_above(),
             self.gpu_memory_above(),
             self.gradient_explosion(),
@@ -837,15 +850,18 @@ class _Rules:
         )
 
     @staticmethod
-    def _metric(metric: str, threshold: float, cooldown: float) -> AlertRule:
+    def _metric(metric: str, threshold: float, sustain: int, cooldown: float) -> AlertRule:
         if not (isinstance(threshold, (int, float)) and 0 < threshold <= 100):
             msg = f"percent must be in (0, 100], got {threshold!r}"
+            raise ValueError(msg)
+        if isinstance(sustain, bool) or not isinstance(sustain, int) or sustain < 1:
+            msg = f"sustain must be an integer >= 1 (readings in a row), got {sustain!r}"
             raise ValueError(msg)
         name = f"{metric}>{threshold:g}"
         return AlertRule(
             event_types=(SystemSampled, ResourceThresholdExceeded),
             name=name,
-            when=_MetricAbove(metric, float(threshold)),
+            when=_SustainedAbove(metric, float(threshold), sustain),
             cooldown=cooldown,
             key=_ConstantKey(name),
         )

@@ -3,8 +3,10 @@
 Seed 000's ``PerformanceMonitor``, off the training path: the sampler runs as its own task,
 its psutil / NVML calls run in a worker thread (``anyio.to_thread.run_sync``), and it publishes
 :class:`~eventbus_debug.SystemSampled` telemetry plus a
-:class:`~eventbus_debug.ResourceThresholdExceeded` incident when a metric crosses its threshold
-(once per crossing: the metric must fall back below ``threshold - hysteresis`` to re-arm).
+:class:`~eventbus_debug.ResourceThresholdExceeded` incident when a metric stays above its
+threshold for ``sustain`` consecutive readings (pressure, not a spike), once per episode: the
+metric must fall back below ``threshold - hysteresis`` to re-arm. CPU is not watched by default:
+a CPU kept busy by training is what training does.
 """
 
 from __future__ import annotations
@@ -156,28 +158,35 @@ def read_system(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ResourceThresholds:
-    """The percentages above which a metric is an incident (None: never).
+    """The percentages above which a sustained metric is an incident (None: never).
 
     Attributes:
-        cpu_percent: default 90.
+        cpu_percent: default None (a CPU kept busy by training is normal; set e.g. 95 to
+            watch a data pipeline starving the host).
         memory_percent: default 90.
         disk_percent: default 95.
         gpu_utilization: default None (a busy GPU is what training wants).
         gpu_memory_percent: default 95.
         hysteresis: a metric that fired re-arms only once it fell below
             ``threshold - hysteresis`` (so a sustained condition is one incident).
+        sustain: how many consecutive readings above the threshold make an incident (default
+            3: with the session's 10 s interval, half a minute of pressure); 1 fires at once.
     """
 
-    cpu_percent: float | None = 90.0
+    cpu_percent: float | None = None
     memory_percent: float | None = 90.0
     disk_percent: float | None = 95.0
     gpu_utilization: float | None = None
     gpu_memory_percent: float | None = 95.0
     hysteresis: float = 5.0
+    sustain: int = 3
 
     def __post_init__(self) -> None:
         if not (self.hysteresis >= 0 and math.isfinite(self.hysteresis)):
             msg = f"hysteresis must be a finite number >= 0, got {self.hysteresis!r}"
+            raise ValueError(msg)
+        if isinstance(self.sustain, bool) or not isinstance(self.sustain, int) or self.sustain < 1:
+            msg = f"sustain must be an integer >= 1 (consecutive readings), got {self.sustain!r}"
             raise ValueError(msg)
 
     def threshold(self, metric: str) -> float | None:
@@ -280,6 +289,7 @@ class SystemSampler:
         self.source = source
         self._acc: dict[str, _Acc] = {}
         self._fired: set[str] = set()
+        self._above: dict[str, int] = {}
         self._first_ns = 0
         self._last_ns = 0
         self._samples = 0
@@ -343,8 +353,13 @@ class SystemSampler:
             if metric in self._fired:
                 if value < limit - self.thresholds.hysteresis:
                     self._fired.discard(metric)
+                    self._above.pop(metric, None)
                 continue
-            if value > limit:
+            if value <= limit:
+                self._above.pop(metric, None)
+                continue
+            run = self._above[metric] = self._above.get(metric, 0) + 1
+            if run >= self.thresholds.sustain:
                 self._fired.add(metric)
                 self._incidents += 1
                 _log.info("resource_threshold_exceeded", metric=metric, value=value)

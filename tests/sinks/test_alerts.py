@@ -39,6 +39,7 @@ from sinks import (
     alert_to_dict,
     rules,
 )
+from sinks.lines import format_event
 
 
 class FakeClock:
@@ -237,9 +238,14 @@ class TestMatching:
         ("rule", "event", "fires"),
         [
             (
-                rules.cpu_above(),
+                rules.cpu_above(sustain=1),
                 SystemSampled(cpu_percent=95, memory_percent=1, disk_percent=1),
                 True,
+            ),
+            (
+                rules.cpu_above(),
+                SystemSampled(cpu_percent=95, memory_percent=1, disk_percent=1),
+                False,
             ),
             (
                 rules.cpu_above(),
@@ -247,7 +253,7 @@ class TestMatching:
                 False,
             ),
             (
-                rules.memory_above(),
+                rules.memory_above(sustain=1),
                 SystemSampled(cpu_percent=1, memory_percent=93, disk_percent=1),
                 True,
             ),
@@ -275,11 +281,24 @@ class TestMatching:
         """The ready rules fire on the seeds' thresholds, from samples or threshold incidents."""
         assert rule.matches(event) is fires
 
+    def test_resource_rules_need_sustained_pressure(self) -> None:
+        """A busy reading is not an alert; three in a row are; a dip below starts over."""
+        rule = rules.cpu_above(90)
+
+        def cpu(value: float, rank: int = 0) -> SystemSampled:
+            return SystemSampled(cpu_percent=value, memory_percent=1, disk_percent=1, rank=rank)
+
+        seen = [rule.matches(cpu(v)) for v in (95, 96, 50, 95, 97, 99, 99)]
+        assert seen == [False, False, False, False, False, True, True]
+        # Ranks count separately: rank 1's first busy reading is not an alert.
+        assert rule.matches(cpu(99, rank=1)) is False
+        with pytest.raises(ValueError, match="sustain must be an integer >= 1"):
+            rules.memory_above(sustain=0)
+
     def test_defaults(self) -> None:
-        """rules.defaults() covers CPU, memory, GPU memory, explosion and NaN."""
+        """rules.defaults() covers memory, GPU memory, explosion and NaN (a busy CPU is normal)."""
         names = [r.name for r in rules.defaults()]
         assert names == [
-            "cpu_percent>90",
             "memory_percent>90",
             "gpu_memory_percent>90",
             "gradient_explosion",
@@ -395,10 +414,12 @@ class TestBuiltinHandlers:
         stream = io.StringIO()
         sink = AlertSink(_NullBus())
         sink.add_rule(rules.gradient_explosion(), StderrAlert(stream))
-        await sink.handle(explosion(3))
+        event = explosion(3)
+        await sink.handle(event)
         out = stream.getvalue()
-        assert out.count("\n") == 1
-        assert out.startswith("[WARNING] gradient_explosion: gradient_exploded step 3")
+        assert out == format_event(event) + "\n"  # the console's line, the same words
+        assert " WARNING  gradient_exploded" in out and "step=3" in out
+        assert "gradient norm 100 > 10" in out and "(" + "'" not in out
 
     async def test_log_alert_goes_through_stdlib_logging(
         self, caplog: pytest.LogCaptureFixture
