@@ -22,7 +22,6 @@ For plain ``for`` loops use :class:`SyncSession` (same arguments, ``with`` inste
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -297,18 +296,22 @@ class _Core:
             self.report = self._report_opt
         if self.report is not None:
             out.append((self.report, "report"))
+        console = self._console
         if self._alerts_opt is True:
             self.alerts = s.AlertSink(publisher)
-            handler = s.LogAlert()
-            for rule in s.rules.defaults():
-                self.alerts.add_rule(rule, handler)
+            # A console view already shows every incident: the default LogAlert would show it
+            # a second time, so it is only added without one (your own rules still apply).
+            if console in (False, None):
+                handler = s.LogAlert()
+                for rule in s.rules.defaults():
+                    self.alerts.add_rule(rule, handler)
         elif self._alerts_opt not in (True, False, None):
             self.alerts = self._alerts_opt
         if self.alerts is not None:
             out.append((self.alerts, "alerts"))
-        console = self._console
         if console is True or hasattr(console, "write"):
-            stream = console if hasattr(console, "write") else sys.stderr
+            # None: sys.stderr as it is when writing (a rich progress bar may redirect it).
+            stream = console if hasattr(console, "write") else None
             out.append((s.ConsoleSink(stream=stream), "console"))
         elif console not in (False, None):
             out.append((console, "console"))
