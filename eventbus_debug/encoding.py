@@ -96,19 +96,73 @@ def _is_plain_float(tp: Any) -> bool:
 
 def _to_float(value: Any) -> float:
     if isinstance(value, str):
-        return float(value)  # "NaN", "Infinity", "-Infinity" all parse
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value in _TOKENS:
+            return float(value)  # "NaN", "Infinity", "-Infinity" all parse
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    msg = f"expected a number, got {value!r}"
-    raise TypeError(msg)
+    raise TypeError(_expected("a number", value))
+
+
+_INT_MIN: Final = -(2**63)
+_INT_MAX: Final = 2**64 - 1
+
+
+def _to_int(value: Any) -> int:
+    if value.__class__ is int and _INT_MIN <= value <= _INT_MAX:
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        msg = f"integer {value} is out of the 64-bit range"
+        raise ValueError(msg)
+    raise TypeError(_expected("an integer", value))
+
+
+def _to_str(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise TypeError(_expected("a string", value))
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise TypeError(_expected("true or false", value))
+
+
+def _to_none(value: Any) -> None:
+    if value is None:
+        return
+    raise TypeError(_expected("null", value))
+
+
+def _expected(what: str, value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"expected {what}, got {type(value).__name__} {text}"
+
+
+def _json_value(value: Any) -> Any:
+    """An ``Any`` field: any JSON value, but nothing the encoder could not write back."""
+    if value is None or isinstance(value, (str, bool, float)):
+        return value
+    if isinstance(value, int):
+        return _to_int(value)
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if isinstance(value, Mapping):
+        return {_to_str(k): _json_value(v) for k, v in value.items()}
+    raise TypeError(_expected("a JSON value", value))
 
 
 def _converter(tp: Any) -> _Convert:
     """Build a function turning decoded JSON into a value of type *tp* (resolved once)."""
     if tp is float:
         return _to_float
-    if tp in (int, str, bool, Any, object, type(None)):
-        return _identity
+    simple = {int: _to_int, str: _to_str, bool: _to_bool, type(None): _to_none}.get(tp)
+    if simple is not None:
+        return simple
+    if tp is Any or tp is object:
+        return _json_value
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
@@ -117,6 +171,8 @@ def _converter(tp: Any) -> _Convert:
         cls = tp
 
         def build(value: Any) -> Any:
+            if not isinstance(value, Mapping):
+                raise TypeError(_expected(f"an object ({cls.__name__})", value))
             return cls(**{k: convs[k](v) for k, v in value.items() if k in convs})
 
         return build
@@ -141,24 +197,45 @@ def _converter(tp: Any) -> _Convert:
                     return conv(value)
                 except (TypeError, ValueError):
                     continue
-            return value
+            names = " or ".join(getattr(a, "__name__", str(a)) for a in non_none)
+            raise TypeError(_expected(names, value))
 
         return first_fit
     if origin is typing.Literal:
-        return _identity
+        allowed = args
+
+        def literal(value: Any) -> Any:
+            if value in allowed and not (isinstance(value, bool) and True not in allowed):
+                return value
+            raise TypeError(_expected(f"one of {list(allowed)}", value))
+
+        return literal
     if origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
             item = _converter(args[0])
-            return lambda v: tuple(item(x) for x in v)
+            return lambda v: tuple(item(x) for x in _as_list(v))
         items = [_converter(a) for a in args]
-        return lambda v: tuple(c(x) for c, x in zip(items, v, strict=True))
+        return lambda v: tuple(c(x) for c, x in zip(items, _as_list(v), strict=True))
     if origin in (list, collections.abc.Sequence):
-        item = _converter(args[0]) if args else _identity
-        return lambda v: tuple(item(x) for x in v)
+        item = _converter(args[0]) if args else _json_value
+        return lambda v: tuple(item(x) for x in _as_list(v))
     if origin in (dict, collections.abc.Mapping):
-        val = _converter(args[1]) if len(args) == 2 else _identity
-        return lambda v: {k: val(x) for k, x in v.items()}
+        key = _converter(args[0]) if len(args) == 2 else _to_str
+        val = _converter(args[1]) if len(args) == 2 else _json_value
+        return lambda v: {key(k): val(x) for k, x in _as_dict(v).items()}
     return _identity
+
+
+def _as_list(value: Any) -> list[Any] | tuple[Any, ...]:
+    if isinstance(value, (list, tuple)):
+        return value
+    raise TypeError(_expected("a list", value))
+
+
+def _as_dict(value: Any) -> Mapping[Any, Any]:
+    if isinstance(value, Mapping):
+        return value
+    raise TypeError(_expected("an object", value))
 
 
 def _identity(value: Any) -> Any:
@@ -381,8 +458,9 @@ def decode_event(data: bytes | str | Mapping[str, Any], /) -> Event:
     """Turn one encoded line (or its parsed JSON object) back into the same typed event.
 
     Raises:
-        EventDecodeError: if the line is not valid JSON, names an unknown ``kind`` or lacks a
-            required field.
+        EventDecodeError: if the line is not valid JSON, names an unknown ``kind``, lacks a
+            required field or holds a value of the wrong type for its field (the message
+            names the field): a decoded event can always be encoded again.
     """
     if isinstance(data, Mapping):
         obj = dict(data)
@@ -410,12 +488,15 @@ def decode_event(data: bytes | str | Mapping[str, Any], /) -> Event:
         msg = f"{kind} line lacks required field(s) {sorted(missing)}"
         raise EventDecodeError(msg)
     kwargs: dict[str, Any] = {}
+    name = ""
     try:
         for name, value in obj.items():
             conv = codec.converters.get(name)
             if conv is not None:  # unknown fields (a newer writer) are ignored
                 kwargs[name] = conv(value)
+        name = ""
         return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        msg = f"{kind} line has a bad field: {exc}"
+    except (TypeError, ValueError, RecursionError) as exc:
+        where = f"field {name!r}" if name else "fields"
+        msg = f"{kind} line has a bad {where}: {exc}"
         raise EventDecodeError(msg) from None

@@ -14,8 +14,11 @@ import heapq
 import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Final
+
+import orjson
 
 from eventbus_debug._logging import get_logger
 
@@ -23,7 +26,14 @@ from .encoding import decode_event
 from .events import Event
 from .exceptions import EventDecodeError, LogReadError
 
-__all__ = ("LOG_STEM", "LOG_SUFFIX", "log_file_name", "log_files", "read_events")
+__all__ = (
+    "LOG_STEM",
+    "LOG_SUFFIX",
+    "ReadStatistics",
+    "log_file_name",
+    "log_files",
+    "read_events",
+)
 
 _log = get_logger(__name__)
 
@@ -32,6 +42,28 @@ LOG_SUFFIX: Final = ".jsonl"
 _FILE_RE: Final = re.compile(
     rf"^{LOG_STEM}(?:\.rank(?P<rank>\d+))?{re.escape(LOG_SUFFIX)}(?:\.(?P<n>\d+))?(?P<gz>\.gz)?$"
 )
+
+
+_LINE_START: Final = b'{"kind":'
+"""How every line the writer produces starts: a torn line is a prefix of such a line."""
+
+
+@dataclass(slots=True)
+class ReadStatistics:
+    """What :func:`read_events` met, filled in as it reads (pass one as ``stats=``).
+
+    Attributes:
+        events: events yielded.
+        torn_lines: partial lines skipped (cut by a crash, a kill or a full disk; anywhere in
+            a file, not only at its end).
+        recovered: whole events found glued after a torn prefix, and yielded.
+        invalid_lines: complete lines that could not be decoded, skipped (``strict=False``).
+    """
+
+    events: int = 0
+    torn_lines: int = 0
+    recovered: int = 0
+    invalid_lines: int = 0
 
 
 def log_file_name(rank: int = 0) -> str:
@@ -69,25 +101,38 @@ def log_files(directory: str | os.PathLike[str], /) -> dict[int, list[Path]]:
     }
 
 
-def read_events(path: str | os.PathLike[str], /, *, strict: bool = True) -> Iterator[Event]:
+def read_events(
+    path: str | os.PathLike[str],
+    /,
+    *,
+    strict: bool = True,
+    stats: ReadStatistics | None = None,
+) -> Iterator[Event]:
     """Yield the typed events of a log file, or of every rank's files in a log directory.
 
-    A directory's ranks are merged by event time; each rank's files are read oldest first. A
-    last line cut short by a crash is skipped (logged once). With ``strict=False``, any line
-    that cannot be decoded is skipped instead of raising.
+    A directory's ranks are merged by event time; each rank's files are read oldest first.
+    Logs are untrusted input: every field is checked against its declared type.
+
+    A *torn* line — the prefix of an event cut by a crash, a kill or a full disk, anywhere in
+    a file — is skipped in both modes (and an event glued after it is recovered); it is
+    counted in *stats* and logged. A complete line that cannot be decoded (not JSON, unknown
+    kind, a field of the wrong type) raises with ``strict=True`` and is skipped and counted
+    with ``strict=False``.
 
     Raises:
         LogReadError: if *path* does not exist, or a directory holds no log file.
         EventDecodeError: if a complete line cannot be decoded (``strict=True``); the message
-            names the file and line number.
+            names the file, the line number and the field.
     """
+    if stats is None:
+        stats = ReadStatistics()
     p = Path(path)
     if p.is_dir():
         per_rank = log_files(p)
         if not per_rank:
             msg = f"no event log ({LOG_STEM}*{LOG_SUFFIX}) in directory {str(p)!r}"
             raise LogReadError(msg)
-        streams = [_read_many(files, strict) for files in per_rank.values()]
+        streams = [_read_many(files, strict, stats) for files in per_rank.values()]
         if len(streams) == 1:
             yield from streams[0]
         else:
@@ -96,12 +141,12 @@ def read_events(path: str | os.PathLike[str], /, *, strict: bool = True) -> Iter
     if not p.exists():
         msg = f"log file {str(p)!r} does not exist"
         raise LogReadError(msg)
-    yield from _read_file(p, strict)
+    yield from _read_file(p, strict, stats)
 
 
-def _read_many(files: list[Path], strict: bool) -> Iterator[Event]:
+def _read_many(files: list[Path], strict: bool, stats: ReadStatistics) -> Iterator[Event]:
     for f in files:
-        yield from _read_file(f, strict)
+        yield from _read_file(f, strict, stats)
 
 
 def _open(path: Path) -> IO[bytes] | gzip.GzipFile:
@@ -110,34 +155,66 @@ def _open(path: Path) -> IO[bytes] | gzip.GzipFile:
     return open(path, "rb")
 
 
-def _read_file(path: Path, strict: bool) -> Iterator[Event]:
+def _torn(line: bytes) -> tuple[bool, Event | None]:
+    """Whether a line that is not valid JSON is torn, and the whole event glued after it.
+
+    A torn line starts like an event (``{``) and was cut; when the next run appended to it,
+    a whole event follows the cut part on the same line and is recovered.
+    """
+    body = line.rstrip(b"\r\n")
+    glued = body.rfind(_LINE_START)
+    if glued > 0:
+        try:
+            return True, decode_event(body[glued:])
+        except EventDecodeError:
+            return True, None
+    return body.startswith(b"{"), None
+
+
+def _read_file(path: Path, strict: bool, stats: ReadStatistics) -> Iterator[Event]:
     try:
         fh = _open(path)
     except OSError as exc:
         msg = f"cannot read log file {str(path)!r}: {exc.strerror or exc}"
         raise LogReadError(msg) from None
+    torn = invalid = 0
     with fh:
         lineno = 0
         try:
             for line in fh:
                 lineno += 1
-                if not line.endswith(b"\n"):
-                    # The last line of a file cut by a crash: decode it if it is whole.
-                    try:
-                        yield decode_event(line)
-                    except EventDecodeError:
-                        _log.warning("truncated_log_line", file=str(path), line=lineno)
-                    return
                 if not line.strip():
                     continue
                 try:
-                    event = decode_event(line)
+                    obj = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    is_torn, found = _torn(line)
+                    if is_torn:
+                        torn += 1
+                        stats.torn_lines += 1
+                        _log.warning("torn_log_line_skipped", file=str(path), line=lineno)
+                        if found is not None:
+                            stats.recovered += 1
+                            stats.events += 1
+                            yield found
+                        continue
+                    obj = None
+                try:
+                    if obj is None:
+                        msg = "not a JSON event line"
+                        raise EventDecodeError(msg)
+                    event = decode_event(obj)
                 except EventDecodeError as exc:
                     if strict:
                         msg = f"{path}:{lineno}: {exc}"
                         raise EventDecodeError(msg) from None
-                    _log.warning("undecodable_log_line", file=str(path), line=lineno)
+                    invalid += 1
+                    stats.invalid_lines += 1
+                    _log.warning(
+                        "undecodable_log_line", file=str(path), line=lineno, error=str(exc)
+                    )
                     continue
+                stats.events += 1
                 yield event
         except (OSError, EOFError) as exc:
             # e.g. a gzip backup cut short: keep what was read, say where it stopped.
@@ -145,3 +222,5 @@ def _read_file(path: Path, strict: bool) -> Iterator[Event]:
                 msg = f"cannot read log file {str(path)!r} past line {lineno}: {exc}"
                 raise LogReadError(msg) from None
             _log.warning("log_read_stopped", file=str(path), line=lineno, error=str(exc))
+    if torn or invalid:
+        _log.warning("log_lines_skipped", file=str(path), torn=torn, invalid=invalid)

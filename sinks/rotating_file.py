@@ -7,9 +7,22 @@
 ``events.jsonl`` (``events.rank{N}.jsonl`` for rank N > 0), backups ``.1`` (newest) … ``.N``,
 ``.gz`` appended when compressed.
 
-All file I/O — encoding a batch, the write, renames, gzip, fsync — runs in a worker thread, never
-on the event loop. A batch is encoded into one buffer and written with one system call (more only
-when the batch crosses a rotation boundary: a line is never split between two files).
+All file I/O — encoding a batch, the write, renames, gzip, fsync — runs in the sink's own daemon
+thread, never on the event loop; a write that hangs (a dead network disk) is abandoned at close
+and never keeps the process alive. A batch is encoded into one buffer and written with one system
+call (more only when the batch crosses a rotation boundary: a line is never split between two
+files).
+
+The log is the one sink that must not shed: it asks the bus for a large queue
+(``queue_capacity``) and for flow control (``backpressure``), so ``await bus.publish(...)``
+waits for it rather than dropping events when it falls behind.
+
+Disk full (or any write error): the lines not written are kept (up to ``max_pending_bytes``,
+the oldest given up and counted beyond that) and retried with exponential backoff; the first
+failure of an outage raises :class:`LogWriteError` (one ``SinkFailed`` incident), later ones
+during the same outage do not, so the bus never disables the log for a transient error. When a
+write succeeds again, a :class:`~eventbus_debug.events.LogWriteResumed` line records the outage.
+A partial line left by a failed write is cut off at once: the file only ever holds whole lines.
 
 Example::
 
@@ -27,19 +40,18 @@ import gzip
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TypeVar
 
-import anyio
-import anyio.to_thread
-
 from eventbus_debug._logging import get_logger
 
 # The submodules, not the package: mypy cannot see the package's computed __all__.
+from eventbus_debug._threads import DaemonWorker
 from eventbus_debug.encoding import decode_event, encode_event, encode_events
-from eventbus_debug.events import Event, current_rank
+from eventbus_debug.events import Event, LogWriteResumed, current_rank
 from eventbus_debug.exceptions import EventBusError, EventDecodeError
 from eventbus_debug.logfile import log_file_name
 
@@ -60,10 +72,18 @@ DEFAULT_BACKUP_COUNT: Final = 5
 """Keep five rotated files."""
 DEFAULT_BUFFER_SIZE: Final = 256 * 1024
 """With ``flush_interval > 0``, write at once when this many bytes are buffered."""
+DEFAULT_QUEUE_CAPACITY: Final = 32768
+"""Events the bus may queue for the log (flow control starts at half of it)."""
+DEFAULT_MAX_PENDING_BYTES: Final = 64 * 1024 * 1024
+"""Encoded lines kept for retry while writes fail (disk full); older ones are given up."""
+RETRY_INITIAL: Final = 0.05
+RETRY_MAX: Final = 5.0
+"""Backoff between write attempts during an outage: 50 ms, doubling, at most 5 s."""
 _GZIP_LEVEL: Final = 6
 _COPY_CHUNK: Final = 1024 * 1024
 _FILE_MODE: Final = 0o644
 _TAIL_SCAN: Final = 1024 * 1024
+_MAX_TAIL_DECODE: Final = 64 * 1024 * 1024
 
 Namer = Callable[[str], str]
 """``namer(default_name) -> name``: the path of a backup (default ``<live>.<i>``)."""
@@ -83,7 +103,7 @@ class LogWriteError(EventBusError, OSError):
     """Raised by :meth:`RotatingFileSink.handle_batch` when writing the log fails at run time.
 
     The bus turns it into a ``SinkFailed`` incident; training goes on. The lines that could not
-    be written are kept and retried once with the next batch (see the sink's documentation).
+    be written are kept and retried with backoff (see the sink's documentation).
     """
 
 
@@ -96,11 +116,14 @@ class FileSinkStatistics:
         lines_written: events written to the operating system (in every file, over the run).
         bytes_written: bytes written to the operating system.
         lines_pending: lines encoded but not written yet (buffered, or kept after a failure).
-        lines_lost: lines given up after their retry failed too (or at close).
+        lines_lost: lines given up during a write outage (the pending buffer is bounded by
+            ``max_pending_bytes``) or because the final write at close failed.
         rotations: how many times the live file was rotated.
-        write_errors: write, open or rotation failures (each raised from ``handle_batch``).
+        write_errors: write, open or rotation failures (the first of an outage raised from
+            ``handle_batch``, the others retried quietly with backoff).
         encode_errors: events that could not be encoded (they hold values JSON cannot carry).
         current_size: bytes in the live file.
+        failing: whether writes are failing now (an outage under way, retried with backoff).
     """
 
     path: str
@@ -112,6 +135,7 @@ class FileSinkStatistics:
     write_errors: int
     encode_errors: int
     current_size: int
+    failing: bool = False
 
 
 def _default_rotator(source: str, dest: str) -> None:
@@ -142,11 +166,13 @@ class RotatingFileSink:
     :func:`eventbus_debug.read_events`.
 
     Failure behaviour: a write that fails (disk full, file removed, directory gone) raises
-    :class:`LogWriteError` from :meth:`handle_batch`, which the bus reports as a ``SinkFailed``
-    incident; training is not affected. The lines that were not written are kept and written
-    with the next batch, into a reopened file; if that attempt fails too they are given up and
-    counted in ``statistics().lines_lost``. A line is never left half-written in a file the
-    sink goes on writing to.
+    :class:`LogWriteError` from :meth:`handle_batch` once per outage, which the bus reports as
+    a ``SinkFailed`` incident; training is not affected. The lines that were not written are
+    kept (at most *max_pending_bytes*, the oldest given up beyond that and counted in
+    ``statistics().lines_lost``) and retried with exponential backoff (50 ms to 5 s) into a
+    reopened file; when a write succeeds again a ``LogWriteResumed`` line says how long the
+    outage lasted and how many lines it cost. A partial line left by a failed write is cut off
+    at once, so the file only ever holds whole lines.
 
     Args:
         directory: where the log lives; created (with parents) if missing.
@@ -168,6 +194,9 @@ class RotatingFileSink:
             ``compress=True`` supplies a gzip namer and rotator unless you pass your own.
         buffer_size: bytes buffered before a write when ``flush_interval > 0``.
         name: the subscription name the bus uses.
+        queue_capacity: events the bus may queue for this sink (its ``queue_capacity``
+            attribute; the bus starts flow control at half of it).
+        max_pending_bytes: encoded lines kept for retry while writes fail.
 
     Raises:
         ValueError: if an option is out of range (the message names it).
@@ -189,10 +218,14 @@ class RotatingFileSink:
         rotator: Rotator | None = None,
         buffer_size: int = DEFAULT_BUFFER_SIZE,
         name: str = "rotating_file",
+        queue_capacity: int = DEFAULT_QUEUE_CAPACITY,
+        max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
     ) -> None:
         _check_int("max_bytes", max_bytes, minimum=0)
         _check_int("backup_count", backup_count, minimum=0)
         _check_int("buffer_size", buffer_size, minimum=1)
+        _check_int("queue_capacity", queue_capacity, minimum=1)
+        _check_int("max_pending_bytes", max_pending_bytes, minimum=1)
         if max_bytes > 0 and backup_count < 1:
             msg = (
                 f"backup_count must be >= 1 when max_bytes > 0, got {backup_count!r}; "
@@ -210,6 +243,9 @@ class RotatingFileSink:
         if rank is None:
             rank = current_rank()
         self.name = name
+        self.queue_capacity = queue_capacity
+        self.backpressure = True  # the bus flow-controls `await publish` for the log
+        self._max_pending = max_pending_bytes
         self._dir = Path(directory)
         self._path = self._dir / log_file_name(rank)
         self._rank = rank
@@ -230,10 +266,16 @@ class RotatingFileSink:
         self._repair = False  # the live file may end with a partial line to truncate
         self._buffer = bytearray()  # encoded lines not written yet
         self._buffer_lines = 0
-        self._retry_bytes = 0  # leading part of _buffer whose write already failed once
         self._deferred: LogWriteError | None = None  # a background flush failure, for next batch
         self._closed = False
-        self._limiter: anyio.CapacityLimiter | None = None
+        self._worker = DaemonWorker(f"eventbus-file-{name}")
+        # An outage: writes failing since _outage_since, retried from _next_attempt on.
+        self._outage_since: float | None = None
+        self._next_attempt = 0.0
+        self._backoff = RETRY_INITIAL
+        self._outage_errors = 0
+        self._outage_lost = 0
+        self._outage_error = ""
         self._flusher: threading.Thread | None = None
         self._stop_flusher = threading.Event()
 
@@ -273,7 +315,13 @@ class RotatingFileSink:
             write_errors=self._write_errors,
             encode_errors=self._encode_errors,
             current_size=self._size,
+            failing=self._outage_since is not None,
         )
+
+    @property
+    def thread_busy(self) -> bool:
+        """Whether the sink's thread is inside a call now (a write that hangs keeps it busy)."""
+        return self._worker.busy
 
     def should_rotate(self, size: int, /) -> bool:
         """Whether *size* more bytes would take the live file past ``max_bytes``.
@@ -294,12 +342,12 @@ class RotatingFileSink:
             RuntimeError: if the sink is closed.
         """
         self._check_open()
-        await anyio.to_thread.run_sync(self._locked_rotate, limiter=self._get_limiter())
+        await self._worker.run(self._locked_rotate)
 
     async def start(self) -> None:
         """Open the live file (in a worker thread) and start the interval flusher, if any."""
         self._check_open()
-        await anyio.to_thread.run_sync(self._locked_open, limiter=self._get_limiter())
+        await self._worker.run(self._locked_open)
 
     async def handle(self, event: Event, /) -> None:
         """Write one event (prefer :meth:`handle_batch`; the bus does)."""
@@ -309,14 +357,15 @@ class RotatingFileSink:
         """Encode and write *events* in a worker thread, in order, rotating as needed.
 
         Raises:
-            LogWriteError: if the write fails (the unwritten lines are kept and retried once
-                with the next batch), or an event cannot be encoded (the others are written).
+            LogWriteError: if a write fails for the first time since the last success (the
+                unwritten lines are kept and retried with backoff), or an event cannot be
+                encoded (the others are written).
             RuntimeError: if the sink is closed.
         """
         self._check_open()
         if not events:
             return
-        await anyio.to_thread.run_sync(self._write_batch, events, limiter=self._get_limiter())
+        await self._worker.run(self._write_batch, events)
 
     async def flush(self) -> None:
         """Write everything buffered now (and fsync when enabled).
@@ -326,10 +375,13 @@ class RotatingFileSink:
         """
         if self._closed:
             return
-        await anyio.to_thread.run_sync(self._locked_flush, limiter=self._get_limiter())
+        await self._worker.run(self._locked_flush)
 
     async def aclose(self) -> None:
         """Write what is buffered, fsync if enabled, close the file. Idempotent.
+
+        Cancelling the caller (the bus's close deadline) abandons a write that hangs: the
+        sink's daemon thread is left behind and :attr:`thread_busy` stays true.
 
         Raises:
             LogWriteError: if the final write fails (the lines are then counted as lost).
@@ -338,21 +390,12 @@ class RotatingFileSink:
             return
         self._closed = True
         self._stop_flusher.set()
-        flusher = self._flusher
-        if flusher is not None:
-            await anyio.to_thread.run_sync(flusher.join)
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._close_sync)
+        try:
+            await self._worker.run(self._close_sync)
+        finally:
+            self._worker.stop()
 
     # -- event-loop side helpers ---------------------------------------------------------------
-
-    def _get_limiter(self) -> anyio.CapacityLimiter:
-        # One worker thread at a time per sink keeps batches in order (the lock would too, but
-        # without holding a second thread of the shared pool).
-        limiter = self._limiter
-        if limiter is None:
-            limiter = self._limiter = anyio.CapacityLimiter(1)
-        return limiter
 
     def _check_open(self) -> None:
         if self._closed:
@@ -383,17 +426,20 @@ class RotatingFileSink:
         with self._lock:
             self._encode_errors += len(bad)
             try:
-                self._append_locked(data)
                 deferred, self._deferred = self._deferred, None
-                if (
-                    deferred is not None
-                    or self._flush_interval == 0
-                    or len(self._buffer) >= self._buffer_size
-                ):
-                    self._flush_locked()
+                try:
+                    self._append_locked(data)
+                    self._trim_pending_locked()
+                    if self._outage_since is not None:
+                        if time.monotonic() >= self._next_attempt:
+                            self._flush_locked()  # a retry, on the backoff schedule
+                    elif self._flush_interval == 0 or len(self._buffer) >= self._buffer_size:
+                        self._flush_locked()
+                except LogWriteError as exc:
+                    if self._note_outage_locked(exc):
+                        raise  # the first failure of an outage: one SinkFailed incident
                 if deferred is not None:
-                    msg = f"{deferred} (written on retry: nothing lost)"
-                    raise LogWriteError(msg)
+                    raise deferred  # the background flusher's first failure of an outage
             finally:
                 self._ensure_flusher()
         if bad:
@@ -403,6 +449,68 @@ class RotatingFileSink:
                 f"(first: {type(event).__name__} seq={event.seq}: {exc})"
             )
             raise LogWriteError(msg)
+
+    def _note_outage_locked(self, exc: LogWriteError) -> bool:
+        """Schedule the next attempt with backoff; returns True if this failure starts an outage."""
+        now = time.monotonic()
+        self._outage_error = str(exc)
+        if self._outage_since is None:
+            self._outage_since = now
+            self._outage_errors = 1
+            self._outage_lost = 0
+            self._backoff = RETRY_INITIAL
+            self._next_attempt = now + self._backoff
+            _log.warning("log_write_failing", path=str(self._path), error=str(exc))
+            return True
+        self._outage_errors += 1
+        self._backoff = min(self._backoff * 2, RETRY_MAX)
+        self._next_attempt = now + self._backoff
+        return False
+
+    def _end_outage_locked(self, fd: int) -> None:
+        """Writes succeed again: record the outage in the log itself."""
+        since = self._outage_since
+        assert since is not None
+        self._outage_since = None
+        event = LogWriteResumed(
+            source=self.name,
+            path=str(self._path),
+            outage_s=time.monotonic() - since,
+            write_errors=self._outage_errors,
+            lines_lost=self._outage_lost,
+            error=self._outage_error,
+        )
+        _log.warning(
+            "log_write_resumed",
+            path=str(self._path),
+            outage_s=round(event.outage_s, 3),
+            lines_lost=event.lines_lost,
+        )
+        line = encode_event(event)
+        try:
+            written = _write_some(fd, line)
+        except OSError:
+            return
+        if written == len(line):
+            self._size += written
+            self._bytes_written += written
+            self._lines_written += 1
+        else:  # cannot happen for a few hundred bytes; never leave a partial line
+            os.ftruncate(fd, self._size)
+
+    def _trim_pending_locked(self) -> None:
+        """Give up the oldest whole lines beyond ``max_pending_bytes`` (counted as lost)."""
+        buf = self._buffer
+        excess = len(buf) - self._max_pending
+        if excess <= 0:
+            return
+        cut = buf.find(b"\n", excess - 1) + 1 or len(buf)
+        lost = buf.count(b"\n", 0, cut)
+        del buf[:cut]
+        self._buffer_lines -= lost
+        self._lines_lost += lost
+        self._outage_lost += lost
+        _log.error("log_lines_lost", path=str(self._path), lines=lost, at="pending buffer full")
 
     def _append_locked(self, data: bytes) -> None:
         """Buffer whole lines, rotating between lines so that no file passes ``max_bytes``.
@@ -473,12 +581,17 @@ class RotatingFileSink:
     def _flush_periodically(self) -> None:
         while not self._stop_flusher.wait(self._flush_interval):
             with self._lock:
+                if self._closed:
+                    return
                 if not self._buffer:
+                    continue
+                if self._outage_since is not None and time.monotonic() < self._next_attempt:
                     continue
                 try:
                     self._flush_locked()
                 except LogWriteError as exc:
-                    self._deferred = exc
+                    if self._note_outage_locked(exc):
+                        self._deferred = exc  # reported (once) by the next handle_batch
 
     def _ensure_open(self) -> int:
         fd = self._fd
@@ -516,6 +629,7 @@ class RotatingFileSink:
                 self._fsync_locked()
             return
         written = 0
+        fd: int | None = None
         try:
             fd = self._ensure_open()
             if os.fstat(fd).st_nlink == 0:
@@ -530,17 +644,22 @@ class RotatingFileSink:
             if self._fsync:
                 os.fsync(fd)
         except OSError as exc:
-            self._after_failure(written)
+            self._after_failure(fd, written)
             raise self._write_error(exc, "cannot write the log file") from None
         self._size += written
         self._bytes_written += written
         self._lines_written += self._buffer_lines
         self._buffer.clear()
         self._buffer_lines = 0
-        self._retry_bytes = 0
+        if self._outage_since is not None:
+            self._end_outage_locked(fd)
 
-    def _after_failure(self, written: int) -> None:
-        """Account for a failed write of ``written`` bytes; keep the rest for one retry."""
+    def _after_failure(self, fd: int | None, written: int) -> None:
+        """Account for a failed write of ``written`` bytes; keep the rest for the next attempt.
+
+        The complete lines that reached the file count as written; a partial line after them
+        is cut off at once (``ftruncate`` needs no free space), so a reader never meets it.
+        """
         self._write_errors += 1
         buf = self._buffer
         whole = buf.rfind(b"\n", 0, written) + 1  # bytes of complete lines that reached the file
@@ -552,16 +671,12 @@ class RotatingFileSink:
             self._buffer_lines -= lines
             del buf[:whole]
         if written > whole:
-            self._repair = True  # a partial line sits at the end of the file: truncate it
-        # What had already failed once and is still unwritten is given up now.
-        given_up = max(0, self._retry_bytes - whole)
-        if given_up:
-            lost = buf.count(b"\n", 0, given_up)
-            self._lines_lost += lost
-            self._buffer_lines -= lost
-            del buf[:given_up]
-            _log.error("log_lines_lost", path=str(self._path), lines=lost)
-        self._retry_bytes = len(buf)
+            try:
+                if fd is None:
+                    raise OSError(errno.EBADF, "the log file is not open")
+                os.ftruncate(fd, self._size)
+            except OSError:
+                self._repair = True  # truncate it when the file is reopened
         self._close_fd()  # reopen (and repair) at the next attempt
 
     def _fsync_locked(self) -> None:
@@ -619,8 +734,7 @@ class RotatingFileSink:
         with self._lock:
             try:
                 if self._buffer:
-                    self._retry_bytes = 0  # a last attempt for everything
-                    self._flush_locked()
+                    self._flush_locked()  # a last attempt for everything, backoff or not
                 elif self._fsync and self._fd is not None:
                     self._fsync_locked()
             except LogWriteError:
@@ -674,20 +788,28 @@ def _seal_tail(fd: int, size: int, path: Path) -> int:
         return 0
     if os.pread(fd, 1, size - 1) == b"\n":
         return size
-    start = max(0, size - _TAIL_SCAN)
-    tail = os.pread(fd, size - start, start)
-    cut = tail.rfind(b"\n") + 1
-    if cut == 0 and start > 0:
-        cut = len(tail)  # a partial line longer than the scan: keep it, end it
-    fragment = tail[cut:]
-    try:
-        decode_event(fragment)
-    except EventDecodeError:
-        os.ftruncate(fd, start + cut)
-        _log.warning("log_partial_line_removed", path=str(path), bytes=len(fragment))
-        return start + cut
-    os.write(fd, b"\n")
-    return size + 1
+    # Scan back for the last newline, a chunk at a time: a torn line may be very long.
+    end = size
+    line_start = 0
+    while end > 0:
+        start = max(0, end - _TAIL_SCAN)
+        nl = os.pread(fd, end - start, start).rfind(b"\n")
+        if nl >= 0:
+            line_start = start + nl + 1
+            break
+        end = start
+    length = size - line_start
+    if length <= _MAX_TAIL_DECODE:
+        try:
+            decode_event(os.pread(fd, length, line_start))
+        except EventDecodeError:
+            pass
+        else:  # a whole event that only lacks its newline
+            os.write(fd, b"\n")
+            return size + 1
+    os.ftruncate(fd, line_start)
+    _log.warning("log_partial_line_removed", path=str(path), bytes=length)
+    return line_start
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

@@ -23,6 +23,7 @@ from eventbus_debug import (
     event_type,
     read_events,
 )
+from eventbus_debug.events import LogWriteResumed
 from eventbus_debug.testing import RecordingSink
 from sinks import (
     FileSinkStatistics,
@@ -54,6 +55,14 @@ class _Opaque(Event):
 
 def _steps(start: int, n: int) -> list[StepCompleted]:
     return [StepCompleted(step=i, loss=i / 7, learning_rate=1e-3) for i in range(start, start + n)]
+
+
+def _step_numbers(path: Path) -> list[int | None]:
+    return [e.step for e in read_events(path) if isinstance(e, StepCompleted)]
+
+
+def _resumed(path: Path) -> list[LogWriteResumed]:
+    return [e for e in read_events(path) if isinstance(e, LogWriteResumed)]
 
 
 def _line_size() -> int:
@@ -383,25 +392,68 @@ class TestFailures:
             await _publish_all(bus, _steps(10, 5))
         stats = sink.statistics()
         assert stats.write_errors == 1 and stats.lines_lost == 0
-        assert [e.step for e in read_events(tmp_path)] == list(range(15))
+        assert _step_numbers(tmp_path) == list(range(15))
+        (resumed,) = _resumed(tmp_path)
+        assert resumed.write_errors == 1 and resumed.lines_lost == 0
 
-    async def test_second_failure_gives_up_the_retried_lines(
+    async def test_outage_is_retried_with_backoff_and_never_disables(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """Lines retried once and failing again are counted as lost; later lines survive."""
+        """Many failures in one outage raise once; retries back off; nothing is lost."""
+        clock = [1000.0]
+        monkeypatch.setattr(rf.time, "monotonic", lambda: clock[0])
         sink = RotatingFileSink(tmp_path)
         await sink.handle_batch(_steps(0, 2))
-        monkeypatch.setattr(rf, "_write_some", _DiskFull(times=2, partial=45))
+        disk = _DiskFull(times=4, partial=45)
+        monkeypatch.setattr(rf, "_write_some", disk)
         with pytest.raises(LogWriteError, match="No space left"):
             await sink.handle_batch(_steps(2, 3))
-        with pytest.raises(LogWriteError, match="No space left"):
-            await sink.handle_batch(_steps(5, 3))
-        await sink.handle_batch(_steps(8, 1))
+        calls = disk.calls
+        await sink.handle_batch(_steps(5, 1))  # within the backoff: no attempt, no raise
+        assert disk.calls == calls and sink.statistics().failing
+        for k in range(3):  # each retry fails quietly, the backoff doubles
+            clock[0] += 10.0
+            await sink.handle_batch(_steps(6 + k, 1))
+        assert disk.times == 0 and sink.statistics().failing
+        clock[0] += 10.0
+        await sink.handle_batch(_steps(9, 1))
+        assert not sink.statistics().failing
         await sink.aclose()
-        steps = [e.step for e in read_events(tmp_path)]  # strict: no half line in the middle
         stats = sink.statistics()
-        assert steps == [0, 1, 5, 6, 7, 8]  # 2, 3, 4 failed twice
-        assert (stats.write_errors, stats.lines_lost, stats.lines_written) == (2, 3, 6)
+        assert _step_numbers(tmp_path) == list(range(10))  # strict read: no torn line
+        assert (stats.write_errors, stats.lines_lost) == (4, 0)
+        (resumed,) = _resumed(tmp_path)
+        assert resumed.write_errors == 4 and resumed.outage_s == pytest.approx(40.0)
+
+    async def test_pending_lines_are_bounded_during_an_outage(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Beyond max_pending_bytes the oldest pending lines are given up, and counted."""
+        line = _line_size()
+        sink = RotatingFileSink(tmp_path, max_pending_bytes=line * 5)
+        monkeypatch.setattr(rf, "_write_some", _DiskFull(times=1))
+        with pytest.raises(LogWriteError):
+            await sink.handle_batch(_steps(10, 3))
+        await sink.handle_batch(_steps(13, 4))  # 7 pending > 5 lines' worth
+        await sink.aclose()
+        stats = sink.statistics()
+        assert stats.lines_lost == 2
+        assert _step_numbers(tmp_path) == [12, 13, 14, 15, 16]
+        assert _resumed(tmp_path)[0].lines_lost == 2
+
+    async def test_partial_line_is_cut_at_once(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A failed write leaves no torn line in the file, even if no write ever succeeds."""
+        sink = RotatingFileSink(tmp_path)
+        await sink.handle_batch(_steps(0, 2))
+        monkeypatch.setattr(rf, "_write_some", _DiskFull(times=10, partial=45))
+        with pytest.raises(LogWriteError):
+            await sink.handle_batch(_steps(2, 3))
+        data = sink.path.read_bytes()
+        assert data.endswith(b"\n") and data.count(b"\n") == 2
+        assert _step_numbers(tmp_path) == [0, 1]
+        sink._stop_flusher.set()  # the sink is abandoned without a close: no more writes
 
     async def test_file_removed_under_the_sink(self, tmp_path: Path) -> None:
         """A removed live file fails one batch, then a new file holds that batch and the next."""
@@ -416,7 +468,7 @@ class TestFailures:
             (failure,) = recorder.of_type(SinkFailed)
             assert "removed while open" in failure.message
             await _publish_all(bus, _steps(5, 2))
-        assert [e.step for e in read_events(tmp_path)] == [3, 4, 5, 6]
+        assert _step_numbers(tmp_path) == [3, 4, 5, 6]
 
     async def test_directory_removed_under_the_sink(self, tmp_path: Path) -> None:
         """A removed directory is recreated at the next batch."""
@@ -428,7 +480,7 @@ class TestFailures:
             await sink.handle_batch(_steps(1, 1))
         await sink.handle_batch(_steps(2, 1))
         await sink.aclose()
-        assert [e.step for e in read_events(logs)] == [1, 2]
+        assert _step_numbers(logs) == [1, 2]
 
     async def test_failure_at_close_counts_lost_lines(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -452,6 +504,21 @@ class TestFailures:
 
 def test_decode_error_is_raised_for_a_corrupt_middle_line(tmp_path: Path) -> None:
     """Sanity check of the reader the sink relies on: corruption mid-file is not hidden."""
-    (tmp_path / "events.jsonl").write_bytes(b"{oops\n" + encode_event(StepCompleted(step=1)))
+    (tmp_path / "events.jsonl").write_bytes(b"[oops]\n" + encode_event(StepCompleted(step=1)))
     with pytest.raises(EventDecodeError):
         list(read_events(tmp_path))
+
+
+def test_restart_cuts_a_torn_tail_longer_than_the_scan(tmp_path: Path) -> None:
+    """A kill in the middle of a line longer than the 1 MiB tail scan: the next run cuts it."""
+    torn = b'{"kind":"step_completed","source":"' + b"x" * (2 * 1024 * 1024)
+    (tmp_path / "events.jsonl").write_bytes(encode_event(StepCompleted(step=0)) + torn)
+
+    async def main() -> None:
+        sink = RotatingFileSink(tmp_path)
+        await sink.start()
+        await sink.handle_batch(_steps(1, 1))
+        await sink.aclose()
+
+    anyio.run(main)
+    assert _step_numbers(tmp_path) == [0, 1]
