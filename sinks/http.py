@@ -1,11 +1,15 @@
-"""HTTP endpoints to read summaries, change the debug level and clear, while training runs.
+"""HTTP endpoints: the live report, Prometheus metrics, summaries, the debug level, clearing.
 
-Needs the optional ``http`` extra (starlette and uvicorn): ``pip install 'eventbus-debug[http]'``.
-It is not imported by ``sinks`` itself; import it as ``from sinks.http import DebugServer``.
-
-Endpoints (JSON):
+Needs the optional ``http`` extra (starlette, uvicorn, prometheus-client):
+``pip install 'eventbus-debug[http]'``. It is not imported by ``sinks`` itself; import it as
+``from sinks.http import DebugServer``.
 
 ======================================  =========================================================
+``GET  /``                              the live ``report.html`` of the run (the same page as
+                                        :class:`~sinks.ReportWriter` writes)
+``GET  /metrics``                       Prometheus text format: events by kind, incidents,
+                                        anomalies, steps, recovery decisions, drops, last loss,
+                                        gradient norm, learning rate, throughput, memory peaks
 ``GET  /debug/summary``                 the full run summary, the training summary and the level
 ``GET  /debug/training/summary``        step counts and anomaly / explosion / vanishing rates
 ``GET  /debug/events?since=SEQ``        recent events with ``seq > SEQ`` (bounded ring buffer)
@@ -13,8 +17,21 @@ Endpoints (JSON):
 ``POST /debug/clear``                   reset the summary and the ring buffer
 ======================================  =========================================================
 
-The server binds to 127.0.0.1 by default. Bound to any other address it refuses to start
-without a token, and the mutating endpoints then require ``Authorization: Bearer <token>``.
+Safe by default: a debug server on a training node must not let a web page, or anyone on the
+network, steer the run.
+
+- It binds ``127.0.0.1``. Bound to any other address it refuses to start without a token,
+  and with a token **every** endpoint (reads included) needs ``Authorization: Bearer
+  <token>``; the comparison is constant-time on bytes, and a malformed or non-ASCII header is
+  a plain 401.
+- The ``Host`` header must name the bound address (or ``localhost`` on loopback, or one of
+  ``allowed_hosts``): a DNS-rebinding page, whose requests carry its own host name, gets 400.
+- Mutations (``POST``) are accepted only as requests a page cannot send without a CORS
+  preflight — ``Content-Type: application/json`` (415 otherwise) — and the server answers no
+  preflight; a browser's ``Origin`` must be the server's own (or in ``allowed_origins``),
+  and ``Sec-Fetch-Site: cross-site``/``same-site`` is refused (403).
+- Every answer carries ``X-Content-Type-Options: nosniff``, ``X-Frame-Options: DENY``,
+  ``Cache-Control: no-store`` and, for the page, a Content-Security-Policy without scripts.
 
 Example::
 
@@ -30,12 +47,14 @@ import contextlib
 import hmac
 import ipaddress
 import socket
+import time
 from collections import deque
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Protocol, runtime_checkable
 
 import anyio
+import anyio.to_thread
 import orjson
 from typing_extensions import Self
 
@@ -44,17 +63,22 @@ from eventbus_debug._logging import get_logger
 from eventbus_debug.encoding import encode_event
 from eventbus_debug.events import Event
 
+from .report_html import CONTENT_SECURITY_POLICY, render_html
 from .report_summary import RunAggregator, RunSummary, summary_to_dict
 
 try:
     import uvicorn
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import Response
     from starlette.routing import Route
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     msg = (
-        "sinks.http needs starlette and uvicorn, the optional 'http' extra: "
+        "sinks.http needs starlette, uvicorn and prometheus-client, the optional 'http' extra: "
         f"pip install 'eventbus-debug[http]' ({exc})"
     )
     raise ImportError(msg) from None
@@ -65,7 +89,17 @@ _log = get_logger(__name__)
 
 DEFAULT_RING_SIZE: Final = 2000
 MAX_EVENTS_PER_PAGE: Final = 1000
-_LOOPBACK_NAMES: Final = frozenset({"localhost"})
+MAX_BODY_BYTES: Final = 64 * 1024
+_LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
+_WILDCARDS: Final = frozenset({"0.0.0.0", "::", ""})
+_SAFE_METHODS: Final = frozenset({"GET", "HEAD"})
+_CROSS_SITE: Final = frozenset({b"cross-site", b"same-site"})
+_SECURITY_HEADERS: Final = (
+    (b"x-content-type-options", b"nosniff"),
+    (b"x-frame-options", b"DENY"),
+    (b"cache-control", b"no-store"),
+    (b"referrer-policy", b"no-referrer"),
+)
 
 
 @runtime_checkable
@@ -106,8 +140,287 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _norm_host(host: str) -> str:
+    host = host.strip().lower().rstrip(".")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host
+
+
+def _host_of(header: bytes) -> str | None:
+    """The host name of a ``Host`` header (port removed), or ``None`` when malformed."""
+    try:
+        text = header.decode("ascii").strip().lower()
+    except UnicodeDecodeError:
+        return None
+    if not text or any(c in text for c in " /\\@?#"):
+        return None
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or (len(text) > end + 1 and text[end + 1] != ":"):
+            return None
+        return text[1:end]
+    name, _, port = text.partition(":")
+    if ":" in port or (port and not port.isdigit()):
+        return None
+    return name.rstrip(".")
+
+
+def _check_token(token: str | None) -> bytes | None:
+    if token is None:
+        return None
+    if not isinstance(token, str):
+        msg = f"token must be a str, got {type(token).__name__}"
+        raise TypeError(msg)
+    if not token or not token.isascii() or not token.isprintable() or " " in token:
+        msg = "token must be a non-empty string of printable ASCII characters without spaces"
+        raise ValueError(msg)
+    return token.encode("ascii")
+
+
+def _hosts(values: Iterable[str], name: str) -> frozenset[str]:
+    if isinstance(values, str):
+        msg = f"{name} must be a sequence of strings, not one string ({values!r})"
+        raise TypeError(msg)
+    out = set()
+    for value in values:
+        if not isinstance(value, str) or not value.strip():
+            msg = f"{name} must hold non-empty strings, got {value!r}"
+            raise ValueError(msg)
+        out.add(value.strip().lower().rstrip("/"))
+    return frozenset(out)
+
+
+class _Guard:
+    """ASGI middleware in front of every endpoint: Host, token, and the mutation rules."""
+
+    def __init__(self, app: ASGIApp, server: DebugServer) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            await self._refuse(send, 403, "websocket", "this server speaks plain HTTP only")
+            return
+        headers: dict[bytes, bytes] = {}
+        for key, value in scope.get("headers", ()):
+            headers.setdefault(bytes(key).lower(), bytes(value))
+        server = self.server
+        host = _host_of(headers.get(b"host", b""))
+        if host is None or not server._host_allowed(host):
+            await self._refuse(
+                send,
+                400,
+                "host",
+                "the Host header does not name this server (allowed: "
+                + ", ".join(sorted(server.allowed_hosts))
+                + "; pass allowed_hosts=... to add names)",
+            )
+            return
+        if server._token is not None and not _bearer_matches(
+            headers.get(b"authorization"), server._token
+        ):
+            await self._refuse(
+                send,
+                401,
+                "token",
+                "this server needs 'Authorization: Bearer <token>'",
+                extra=((b"www-authenticate", b'Bearer realm="eventbus-debug"'),),
+            )
+            return
+        method = str(scope.get("method", "GET")).upper()
+        if method not in _SAFE_METHODS:
+            if headers.get(b"sec-fetch-site", b"").strip().lower() in _CROSS_SITE:
+                await self._refuse(send, 403, "origin", "cross-site requests are refused")
+                return
+            origin = headers.get(b"origin")
+            if origin is not None and not server._origin_allowed(origin):
+                await self._refuse(send, 403, "origin", "requests from another origin are refused")
+                return
+            if method == "OPTIONS":
+                await self._refuse(send, 403, "preflight", "this server answers no CORS preflight")
+                return
+            media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+            if media != b"application/json":
+                await self._refuse(
+                    send,
+                    415,
+                    "content_type",
+                    "changes need a JSON request: 'Content-Type: application/json'",
+                )
+                return
+
+        async def send_secured(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message)
+                message["headers"] = [*message.get("headers", ()), *_SECURITY_HEADERS]
+            await send(message)
+
+        await self.app(scope, receive, send_secured)
+
+    async def _refuse(
+        self,
+        send: Send,
+        status: int,
+        reason: str,
+        message: str,
+        extra: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        self.server._count_refusal(reason)
+        body = orjson.dumps({"error": message})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    *extra,
+                    *_SECURITY_HEADERS,
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def _bearer_matches(header: bytes | None, token: bytes) -> bool:
+    """Constant-time check of ``Authorization: Bearer <token>`` on raw bytes."""
+    if header is None:
+        return False
+    scheme, _, given = header.strip().partition(b" ")
+    ok_scheme = scheme.lower() == b"bearer"
+    # compare_digest on bytes never raises, whatever the header holds (non-ASCII included)
+    return hmac.compare_digest(given.strip(), token) and ok_scheme
+
+
+class _Metrics(Collector):
+    """Builds the Prometheus families from the current summary at each scrape."""
+
+    def __init__(self, server: DebugServer) -> None:
+        self.server = server
+
+    def collect(self) -> Iterator[Metric]:
+        server = self.server
+        s = server._summary_now()
+        yield _labelled(
+            CounterMetricFamily,
+            "eventbus_debug_events",
+            "Events received, by kind.",
+            "kind",
+            s.counts_by_kind,
+        )
+        yield _labelled(
+            CounterMetricFamily,
+            "eventbus_debug_anomalies",
+            "Anomaly incidents, by kind.",
+            "kind",
+            s.anomalies_by_kind,
+        )
+        yield _labelled(
+            CounterMetricFamily,
+            "eventbus_debug_recovery_decisions",
+            "Recovery decisions, by action.",
+            "action",
+            s.recovery_decisions,
+        )
+        yield _labelled(
+            CounterMetricFamily,
+            "eventbus_debug_events_dropped",
+            "Telemetry shed by a subscriber's full queue, by sink.",
+            "sink",
+            s.sinks.dropped,
+        )
+        yield _labelled(
+            CounterMetricFamily,
+            "eventbus_debug_events_undelivered",
+            "Events lost at close, by sink.",
+            "sink",
+            s.sinks.undelivered,
+        )
+        yield _labelled(
+            CounterMetricFamily,
+            "eventbus_debug_http_refused",
+            "Requests this server refused, by reason.",
+            "reason",
+            server.refused,
+        )
+        for name, doc, value in (
+            (
+                "eventbus_debug_incidents",
+                "Incidents (anomalies, errors, decisions, ...).",
+                s.incidents_total,
+            ),
+            ("eventbus_debug_steps", "Training steps completed (else checked).", s.steps),
+            ("eventbus_debug_anomalous_steps", "Steps with at least one anomaly.", s.anomaly_steps),
+            ("eventbus_debug_steps_skipped", "Optimizer steps skipped.", s.steps_skipped),
+        ):
+            yield CounterMetricFamily(name, doc, value=float(value))
+        latest, memory = s.latest, s.memory
+        for name, doc, gauge in (
+            ("eventbus_debug_last_step", "The most recent step.", latest.step),
+            ("eventbus_debug_loss", "The most recent loss.", latest.loss),
+            ("eventbus_debug_grad_norm", "The most recent total gradient norm.", latest.grad_norm),
+            (
+                "eventbus_debug_learning_rate",
+                "The most recent learning rate.",
+                latest.learning_rate,
+            ),
+            (
+                "eventbus_debug_samples_per_second",
+                "The most recent throughput.",
+                latest.samples_per_s,
+            ),
+            (
+                "eventbus_debug_step_duration_seconds",
+                "The most recent step duration.",
+                latest.step_duration_s,
+            ),
+            ("eventbus_debug_rss_bytes_peak", "Peak resident set size.", memory.peak_rss_bytes),
+            ("eventbus_debug_rss_bytes", "Last resident set size.", memory.last_rss_bytes),
+            (
+                "eventbus_debug_cuda_allocated_bytes_peak",
+                "Peak CUDA memory allocated.",
+                memory.peak_cuda_allocated_bytes,
+            ),
+        ):
+            if gauge is not None:
+                yield GaugeMetricFamily(name, doc, value=float(gauge))
+        level = server._current_level()
+        if level is not None:
+            info = GaugeMetricFamily(
+                "eventbus_debug_level",
+                "The probes' debug level (1 for the current one).",
+                labels=["level"],
+            )
+            info.add_metric([level], 1.0)
+            yield info
+        if s.run_id:
+            run = GaugeMetricFamily(
+                "eventbus_debug_run", "The run this server reports on.", labels=["run_id"]
+            )
+            run.add_metric([s.run_id], 1.0)
+            yield run
+
+
+def _labelled(
+    family: type[CounterMetricFamily],
+    name: str,
+    doc: str,
+    label: str,
+    values: Mapping[str, int],
+) -> Metric:
+    metric = family(name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        metric.add_metric([str(key)], float(value))
+    return metric
+
+
 class DebugServer:
-    """An HTTP server for the debug endpoints, and a sink that feeds ``/debug/events``.
+    """An HTTP server for the live report, metrics and debug endpoints, and a sink that feeds
+    ``/debug/events``.
 
     Args:
         report: where summaries come from and what ``/debug/clear`` resets (a
@@ -117,12 +430,21 @@ class DebugServer:
             it that endpoint answers 409.
         host: the address to bind; ``127.0.0.1`` by default.
         port: the port; ``0`` picks a free one (read it back from :attr:`port`).
-        token: the bearer token the mutating endpoints require; mandatory when *host* is not
-            a loopback address.
+        token: the bearer token every endpoint then requires; mandatory when *host* is not a
+            loopback address. Printable ASCII without spaces.
+        allowed_hosts: more names the ``Host`` header may carry (the bound address, and on
+            loopback or a wildcard address ``localhost``/``127.0.0.1``/``::1``, are always
+            allowed; a wildcard bind also allows this machine's host name). ``"*"`` turns the
+            check off (only behind a proxy that checks it).
+        allowed_origins: more browser origins (``"https://dash.example:8443"``) allowed to
+            send mutations; the server's own origin always is.
         ring_size: how many recent events ``/debug/events`` can return.
+        title: the title of the live report at ``/``.
 
     Raises:
-        ValueError: if *host* is not loopback and no *token* is given, or *ring_size* < 1.
+        ValueError: if *host* is not loopback and no *token* is given, a token or host name
+            is malformed, or *ring_size* < 1.
+        TypeError: if *level* is not a level target, or *token* is not a string.
     """
 
     def __init__(
@@ -133,13 +455,20 @@ class DebugServer:
         host: str = "127.0.0.1",
         port: int = 0,
         token: str | None = None,
+        allowed_hosts: Sequence[str] = (),
+        allowed_origins: Sequence[str] = (),
         ring_size: int = DEFAULT_RING_SIZE,
+        title: str = "eventbus-debug live report",
         name: str = "debug-http",
     ) -> None:
-        if not _is_loopback(host) and not token:
+        if not isinstance(host, str):
+            msg = f"host must be a str, got {type(host).__name__}"
+            raise TypeError(msg)
+        token_bytes = _check_token(token)
+        if not _is_loopback(host) and token_bytes is None:
             msg = (
-                f"host={host!r} is not a loopback address: pass token=... so that the mutating "
-                "endpoints (/debug/level, /debug/clear) require 'Authorization: Bearer <token>'"
+                f"host={host!r} is not a loopback address: pass token=... so that every "
+                "endpoint requires 'Authorization: Bearer <token>'"
             )
             raise ValueError(msg)
         if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1:
@@ -155,19 +484,38 @@ class DebugServer:
                 f"a callable taking a DebugLevel; got {level!r}"
             )
             raise TypeError(msg)
+        bound = _norm_host(host)
+        hosts = set(_hosts(allowed_hosts, "allowed_hosts"))
+        hosts.add(bound)
+        if _is_loopback(bound) or bound in _WILDCARDS:
+            hosts |= _LOOPBACK_NAMES
+        if bound in _WILDCARDS:
+            hosts.discard(bound)
+            for name_ in (socket.gethostname(), socket.getfqdn()):
+                if name_:
+                    hosts.add(name_.lower().rstrip("."))
+        self.allowed_hosts: frozenset[str] = frozenset(_norm_host(h) for h in hosts)
+        """The names the ``Host`` header may carry."""
+        self._origins = _hosts(allowed_origins, "allowed_origins")
         self.name = name
         self.host = host
+        self.title = title
         self._port = port
-        self._token = token
+        self._token = token_bytes
         self._own = RunAggregator() if report is None else None
         self._report = report
         self._level_target = level
         self._ring: deque[Event] = deque(maxlen=ring_size)
+        self._refused: dict[str, int] = {}
         self._server: _Server | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._socket: socket.socket | None = None
-        self.app = Starlette(
+        self._registry = CollectorRegistry(auto_describe=False)
+        self._registry.register(_Metrics(self))
+        routes = Starlette(
             routes=[
+                Route("/", self._page, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
                 Route("/debug/summary", self._summary, methods=["GET"]),
                 Route("/debug/training/summary", self._training_summary, methods=["GET"]),
                 Route("/debug/events", self._events, methods=["GET"]),
@@ -175,7 +523,8 @@ class DebugServer:
                 Route("/debug/clear", self._clear, methods=["POST"]),
             ]
         )
-        """The ASGI application, to mount in your own server instead of running this one."""
+        self.app: ASGIApp = _Guard(routes, self)
+        """The ASGI application (checks included), to mount in your own server instead."""
 
     # -- the sink side -----------------------------------------------------------------------
 
@@ -203,6 +552,37 @@ class DebugServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
+    @property
+    def refused(self) -> Mapping[str, int]:
+        """Requests refused so far, by reason: ``host``, ``token``, ``origin``, ``preflight``,
+        ``content_type``, ``websocket`` (also exported at ``/metrics``)."""
+        return dict(self._refused)
+
+    def _count_refusal(self, reason: str) -> None:
+        first = reason not in self._refused
+        self._refused[reason] = self._refused.get(reason, 0) + 1
+        if first:
+            _log.warning("debug_server_refused_request", reason=reason, url=self.url)
+
+    def _host_allowed(self, host: str) -> bool:
+        return "*" in self.allowed_hosts or host in self.allowed_hosts
+
+    def _origin_allowed(self, origin: bytes) -> bool:
+        try:
+            text = origin.decode("ascii").strip().lower().rstrip("/")
+        except UnicodeDecodeError:
+            return False
+        if text in self._origins:
+            return True
+        scheme, sep, rest = text.partition("://")
+        if not sep or scheme != "http":
+            return False
+        host = _host_of(rest.encode())
+        if host is None or not self._host_allowed(host):
+            return False
+        port = rest[rest.find("]") + 2 :] if rest.startswith("[") else rest.partition(":")[2]
+        return (port or "80") == str(self.port)
+
     async def __aenter__(self) -> Self:
         if self._server is not None:
             msg = "this DebugServer is already running; create a new one"
@@ -219,7 +599,12 @@ class DebugServer:
         self._socket = sock
         self._port = int(sock.getsockname()[1])
         config = uvicorn.Config(
-            self.app, log_config=None, log_level="warning", access_log=False, lifespan="off"
+            self.app,
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            server_header=False,
         )
         self._server = _Server(config)
         tg = anyio.create_task_group()
@@ -275,6 +660,21 @@ class DebugServer:
             return value.value
         return None if value is None else str(value)
 
+    async def _page(self, request: Request) -> Response:
+        summary = self._summary_now()
+        page = await anyio.to_thread.run_sync(self._render, summary)
+        return Response(
+            page,
+            media_type="text/html; charset=utf-8",
+            headers={"content-security-policy": CONTENT_SECURITY_POLICY},
+        )
+
+    def _render(self, summary: RunSummary) -> bytes:
+        return render_html(summary, title=self.title, generated_ns=time.time_ns()).encode("utf-8")
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
+
     async def _summary(self, request: Request) -> Response:
         summary = self._summary_now()
         return _JSON(
@@ -316,23 +716,27 @@ class DebugServer:
             }
         )
 
-    def _authorized(self, request: Request) -> Response | None:
-        if self._token is None:
+    async def _json_body(self, request: Request) -> Response | None:
+        """Refuse a body that is not one JSON object (an empty body is ``{}``)."""
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                return _JSON({"error": f"body larger than {MAX_BODY_BYTES} bytes"}, 413)
+        if not body.strip():
             return None
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), self._token):
-            return _JSON(
-                {"error": "this endpoint needs 'Authorization: Bearer <token>'"},
-                status_code=401,
-                headers={"www-authenticate": "Bearer"},
-            )
+        try:
+            value = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return _JSON({"error": "the body is not valid JSON"}, status_code=400)
+        if not isinstance(value, dict):
+            return _JSON({"error": "the body must be a JSON object"}, status_code=400)
         return None
 
     async def _set_level(self, request: Request) -> Response:
-        denied = self._authorized(request)
-        if denied is not None:
-            return denied
+        bad = await self._json_body(request)
+        if bad is not None:
+            return bad
         raw = str(request.path_params["level"]).lower()
         valid = [lvl.value for lvl in DebugLevel]
         try:
@@ -357,9 +761,9 @@ class DebugServer:
         return _JSON({"level": level.value, "previous": previous})
 
     async def _clear(self, request: Request) -> Response:
-        denied = self._authorized(request)
-        if denied is not None:
-            return denied
+        bad = await self._json_body(request)
+        if bad is not None:
+            return bad
         if self._report is not None:
             self._report.clear()
         if self._own is not None:

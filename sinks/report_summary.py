@@ -688,7 +688,7 @@ class RunAggregator:
                 self._latest_step = step
                 if event.loss is not None:
                     self._loss_completed.add(step, event.loss)
-                    latest["completed_loss"] = event.loss
+                    latest["loss"] = event.loss
                 if event.learning_rate is not None:
                     self._lr.add(step, event.learning_rate)
                     latest["learning_rate"] = event.learning_rate
@@ -981,7 +981,7 @@ class RunAggregator:
             layers_omitted=len(self._layers_omitted),
             latest=LatestValues(
                 step=self._latest_step,
-                loss=latest.get("loss", latest.get("completed_loss")),
+                loss=latest.get("loss"),
                 grad_norm=latest.get("grad_norm"),
                 learning_rate=latest.get("learning_rate"),
                 samples_per_s=latest.get("samples_per_s"),
