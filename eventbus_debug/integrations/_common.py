@@ -1,0 +1,227 @@
+"""What the framework integrations share: one :class:`SyncSession` per fit, opened and closed
+by the framework's hooks, and the step-level plumbing around it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, final
+
+import torch
+from torch import nn
+
+from ..session import DEFAULT_LOG_DIR, SessionVerdict, SyncSession
+
+__all__ = (
+    "DEFAULT_LOG_DIR",
+    "FitSession",
+    "LossAccumulator",
+    "batch_size",
+    "learning_rate",
+    "require",
+)
+
+_log = logging.getLogger("eventbus_debug.integrations")
+
+_RESERVED: Final = frozenset({"model", "optimizer", "log_dir"})
+
+
+def require(module: str, extra: str) -> None:
+    """Raise a clear ImportError when *module* (a framework) is not installed.
+
+    Raises:
+        ImportError: naming the extra that installs it.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        msg = (
+            f"eventbus_debug.integrations.{extra} needs {module!r}: "
+            f'pip install "eventbus-debug[{extra}]"'
+        )
+        raise ImportError(msg)
+
+
+@final
+class LossAccumulator:
+    """Sums the detached losses of the micro-batches of one optimizer step (no host sync).
+
+    Frameworks that divide the loss by the accumulation steps before backward (Lightning) make
+    the sum the step's mean loss; :meth:`take` with ``mean=True`` averages raw per-batch losses.
+    """
+
+    __slots__ = ("_count", "_total")
+
+    def __init__(self) -> None:
+        self._total: torch.Tensor | None = None
+        self._count = 0
+
+    def add(self, loss: torch.Tensor) -> None:
+        """Add one micro-batch's loss (a scalar tensor; detached here)."""
+        value = loss.detach()
+        if value.numel() != 1:
+            value = value.mean()
+        value = value.reshape(()).float()
+        self._total = value if self._total is None else self._total + value
+        self._count += 1
+
+    def take(self, *, mean: bool = False) -> torch.Tensor | None:
+        """The sum (or mean) of the losses added since the last call; None when none was."""
+        total, count = self._total, self._count
+        self._total, self._count = None, 0
+        if total is None:
+            return None
+        return total / count if mean and count > 1 else total
+
+
+@final
+class FitSession:
+    """A :class:`SyncSession` whose life follows a framework's fit (open at start, close at end).
+
+    Args:
+        framework: the framework's name (the session's default name, and for messages).
+        log_dir: the session's log directory (``None``: no log, no report).
+        options: the other :class:`SyncSession` keyword arguments.
+
+    Raises:
+        TypeError: if *options* is not a mapping of keyword arguments, or names model,
+            optimizer or log_dir (those come from the framework or are arguments already).
+    """
+
+    def __init__(
+        self, framework: str, log_dir: str | Path | None, options: Mapping[str, Any]
+    ) -> None:
+        if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+            msg = f"session options must be keyword arguments, got {options!r}"
+            raise TypeError(msg)
+        reserved = sorted(_RESERVED & set(options))
+        if reserved:
+            msg = (
+                f"{', '.join(reserved)} cannot be passed as session options: the {framework} "
+                "integration takes the model and optimizer from the framework, and log_dir is "
+                "its own argument"
+            )
+            raise TypeError(msg)
+        self.framework = framework
+        self.log_dir = log_dir
+        self.options: dict[str, Any] = dict(options)
+        self.session: SyncSession | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.steps_checked = 0
+        self.steps_skipped = 0
+        self.last_verdict: SessionVerdict | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the session is open."""
+        return self.session is not None
+
+    def open(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        schedulers: Sequence[Any] = (),
+        scaler: Any = None,
+    ) -> SyncSession:
+        """Start the session for *model* / *optimizer*, with the framework's schedulers/scaler.
+
+        A session still open from an earlier fit that ended without telling us (an exception
+        the framework has no hook for) is closed first, its end recorded as interrupted.
+        ``scheduler=`` / ``scaler=`` given by the user as options win over the framework's.
+        """
+        if self.session is not None:
+            self.close(RuntimeError(f"{self.framework} started a new fit before this one ended"))
+        options = dict(self.options)
+        options.setdefault("name", self.framework)
+        if schedulers and "scheduler" not in options:
+            options["scheduler"] = list(schedulers)
+        if scaler is not None and "scaler" not in options:
+            options["scaler"] = scaler
+        session = SyncSession(model, optimizer, log_dir=self.log_dir, **options)
+        session.__enter__()
+        self.session = session
+        self.optimizer = optimizer
+        self.steps_checked = self.steps_skipped = 0
+        self.last_verdict = None
+        return session
+
+    def check(self, step: int, loss: torch.Tensor | float | None) -> SessionVerdict:
+        """The safe point: check the gradients (and *loss*) of *step*; enforce a skip.
+
+        On a skipped step the optimizer's gradients are set to ``None``, so the framework's
+        ``optimizer.step()`` leaves the parameters and the optimizer state as they are.
+
+        Raises:
+            RuntimeError: if the session is not open.
+            TrainingStopped: if recovery decided to stop (the session is closed first).
+        """
+        session = self.session
+        if session is None or self.optimizer is None:
+            msg = f"the {self.framework} debug session is not running (the fit has not started)"
+            raise RuntimeError(msg)
+        try:
+            verdict = session.check_step_nowait(step, loss=loss)
+        except BaseException as exc:
+            self.close(exc)
+            raise
+        self.steps_checked += 1
+        self.last_verdict = verdict
+        if not verdict.should_step:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.steps_skipped += 1
+        return verdict
+
+    def completed(
+        self,
+        step: int,
+        *,
+        loss: float | torch.Tensor | None,
+        learning_rate: float | None = None,
+        samples: int | None = None,
+    ) -> None:
+        """Record that *step* finished (a ``StepCompleted``) and hand its events to the bus."""
+        if self.session is not None:
+            self.session.step_completed(
+                step, loss=loss, learning_rate=learning_rate, samples=samples
+            )
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """End the session (``SessionEnded`` says why); idempotent."""
+        session, self.session = self.session, None
+        self.optimizer = None
+        if session is None:
+            return
+        try:
+            session.__exit__(type(exc) if exc is not None else None, exc, None)
+        except Exception:  # closing must never mask the framework's own error
+            if exc is None:
+                raise
+            _log.exception("closing the %s debug session failed", self.framework)
+
+
+def learning_rate(optimizer: torch.optim.Optimizer) -> float | None:
+    """The first parameter group's learning rate (None when it is not a number)."""
+    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+    if isinstance(lr, torch.Tensor):
+        return float(lr)
+    return float(lr) if isinstance(lr, int | float) else None
+
+
+def batch_size(batch: Any) -> int | None:
+    """The leading dimension of the first tensor found in *batch* (None when there is none)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else None
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            size = batch_size(value)
+            if size is not None:
+                return size
+        return None
+    if isinstance(batch, list | tuple):
+        for value in batch:
+            size = batch_size(value)
+            if size is not None:
+                return size
+    return None

@@ -1,0 +1,280 @@
+"""PyTorch Ignite: one handler, ``EventBusDebugHandler(model, optimizer).attach(trainer)``.
+
+Ignite's update functions (``supervised_training_step`` and its AMP variant, or your own) run
+backward and ``optimizer.step()`` in one call, with no event in between. So the safe point is
+an **optimizer step pre-hook** (``optimizer.register_step_pre_hook``), installed when the engine
+starts and removed when it stops: it runs inside ``optimizer.step()`` before any parameter
+changes, after backward and (under ``GradScaler``) after unscaling. It works unchanged with
+every update function, and with gradient accumulation (it runs once per real step). A step
+the session skips has its gradients set to ``None``, which makes that ``optimizer.step()`` a
+no-op for the parameters and the optimizer state.
+
+- ``Events.STARTED``: opens a :class:`~eventbus_debug.SyncSession`, installs the hook and the
+  handlers below (:meth:`EventBusDebugHandler.attach` registers exactly this).
+- optimizer step pre-hook: checks the gradients, and the loss when ``loss_fn`` was wrapped
+  with :meth:`EventBusDebugHandler.track_loss`.
+- ``Events.ITERATION_COMPLETED``: checks ``engine.state.output`` exactly as Ignite's
+  ``TerminateOnNan`` does (numbers, tensors, and tuples, lists and dicts of them, through
+  ``ignite.utils.apply_to_type``); a non-finite value not already reported by the step's check
+  becomes a ``NonFiniteDetected`` (role OUTPUT: reported, never acted on after the fact). Then
+  the step is recorded (``StepCompleted``, its loss the output when it is a number).
+- ``Events.COMPLETED`` / ``TERMINATE`` / ``EXCEPTION_RAISED``: ends the session.
+
+Steps are numbered by Ignite's iteration (``engine.state.iteration - 1``). Under AMP an
+overflow step never reaches the hook (``scaler.step`` skips ``optimizer.step()`` itself).
+Ignite's own parameter schedulers are not torch LR schedulers: pass the underlying
+``torch.optim.lr_scheduler`` objects as ``scheduler=`` so LR decisions survive them.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, final
+
+from ._common import DEFAULT_LOG_DIR, FitSession, LossAccumulator, learning_rate, require
+
+require("ignite", "ignite")
+
+import torch  # noqa: E402
+from ignite.engine import Engine, Events  # noqa: E402
+from ignite.utils import apply_to_type  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.hooks import RemovableHandle  # noqa: E402
+
+from ..probes import NonFiniteDetected, TensorRole  # noqa: E402
+from ..session import SessionVerdict, SyncSession  # noqa: E402
+
+__all__ = ("EventBusDebugHandler",)
+
+OUTPUT_NAME = "engine.state.output"
+
+
+def _identity(output: Any) -> Any:
+    return output
+
+
+@final
+class EventBusDebugHandler:
+    """Runs the eventbus-debug checks and recovery inside an Ignite training ``Engine``.
+
+    Example::
+
+        trainer = create_supervised_trainer(model, optimizer, loss_fn)
+        EventBusDebugHandler(model, optimizer, log_dir="debug_logs").attach(trainer)
+
+    Args:
+        model: the trained module.
+        optimizer: its optimizer (the one the update function steps).
+        log_dir: where the JSON-lines log and the report go (``None``: neither).
+        output_transform: turns ``engine.state.output`` into what is checked (as
+            ``TerminateOnNan``'s argument).
+        **session_options: any other :class:`~eventbus_debug.SyncSession` keyword argument
+            (``level``, ``policy``, ``scheduler``, ``scaler``, ``recovery``, ``alerts``, ...).
+
+    Raises:
+        TypeError: if *model* is not a module, *optimizer* not an optimizer, *output_transform*
+            not callable, or a session option names ``model``, ``optimizer`` or ``log_dir``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        log_dir: str | Path | None = DEFAULT_LOG_DIR,
+        *,
+        output_transform: Callable[[Any], Any] = _identity,
+        **session_options: Any,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            msg = f"model must be a torch.nn.Module, got {type(model).__qualname__}"
+            raise TypeError(msg)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            msg = f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__qualname__}"
+            raise TypeError(msg)
+        if not callable(output_transform):
+            msg = f"output_transform must be callable, got {output_transform!r}"
+            raise TypeError(msg)
+        self.model = model
+        self.optimizer = optimizer
+        self._output_transform = output_transform
+        self._fit = FitSession("ignite", log_dir, session_options)
+        self._loss = LossAccumulator()
+        self._engine: Engine | None = None
+        self._hook: RemovableHandle | None = None
+        self._pending: tuple[int, SessionVerdict, float | None] | None = None
+
+    # -- what a user (or a test) can look at ------------------------------------------------------
+
+    @property
+    def session(self) -> SyncSession | None:
+        """The running session (None outside ``engine.run``)."""
+        return self._fit.session
+
+    @property
+    def last_verdict(self) -> SessionVerdict | None:
+        """The verdict of the last checked step."""
+        return self._fit.last_verdict
+
+    @property
+    def steps_checked(self) -> int:
+        """Optimizer steps checked in the current (or last) run."""
+        return self._fit.steps_checked
+
+    @property
+    def steps_skipped(self) -> int:
+        """Optimizer steps skipped in the current (or last) run."""
+        return self._fit.steps_skipped
+
+    # -- wiring -----------------------------------------------------------------------------------
+
+    def attach(self, engine: Engine) -> None:
+        """Run the session with every ``engine.run(...)``: ``handler.attach(trainer)``.
+
+        Same as ``engine.add_event_handler(Events.STARTED, handler)``.
+
+        Raises:
+            TypeError: if *engine* is not an Ignite ``Engine``.
+        """
+        if not isinstance(engine, Engine):
+            msg = f"engine must be an ignite.engine.Engine, got {type(engine).__qualname__}"
+            raise TypeError(msg)
+        if not engine.has_event_handler(self, Events.STARTED):
+            engine.add_event_handler(Events.STARTED, self)
+
+    def track_loss(self, loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """Wrap *loss_fn* so the step's check also sees the loss (before ``optimizer.step()``).
+
+        ``create_supervised_trainer(model, optimizer, handler.track_loss(loss_fn))``: the
+        training losses computed since the last optimizer step are averaged (gradient
+        accumulation) and checked with the gradients. Without it, the loss is checked after
+        the step, from ``engine.state.output``.
+
+        Raises:
+            TypeError: if *loss_fn* is not callable.
+        """
+        if not callable(loss_fn):
+            msg = f"loss_fn must be callable, got {loss_fn!r}"
+            raise TypeError(msg)
+
+        def tracked(*args: Any, **kwargs: Any) -> torch.Tensor:
+            loss = loss_fn(*args, **kwargs)
+            if (
+                self._fit.running
+                and isinstance(loss, torch.Tensor)
+                and loss.requires_grad
+                and torch.is_grad_enabled()
+            ):
+                self._loss.add(loss)
+            return loss
+
+        return tracked
+
+    def __call__(self, engine: Engine) -> None:
+        """The ``Events.STARTED`` handler: open the session and install the step hook.
+
+        Raises:
+            ValueError: if called for another event than ``Events.STARTED``.
+        """
+        if engine.last_event_name != Events.STARTED:
+            msg = (
+                "EventBusDebugHandler runs from Events.STARTED: use handler.attach(engine) or "
+                f"engine.add_event_handler(Events.STARTED, handler), not {engine.last_event_name}"
+            )
+            raise ValueError(msg)
+        if self._engine is not None:
+            self._close(RuntimeError("the engine started a new run before the last one ended"))
+        self._engine = engine
+        self._loss.take()
+        self._pending = None
+        self._fit.open(self.model, self.optimizer)
+        self._hook = self.optimizer.register_step_pre_hook(self._before_step)
+        # Registered once per engine and left in place (inert between runs): removing a
+        # handler while Ignite fires that event would make it skip the next handler.
+        for event, handler in self._handlers():
+            if not engine.has_event_handler(handler, event):
+                engine.add_event_handler(event, handler)
+
+    def _handlers(self) -> tuple[tuple[Events, Callable[..., None]], ...]:
+        return (
+            (Events.ITERATION_COMPLETED, self._iteration_completed),
+            (Events.COMPLETED, self._completed),
+            (Events.TERMINATE, self._completed),
+            (Events.EXCEPTION_RAISED, self._exception_raised),
+        )
+
+    # -- the per-step handlers --------------------------------------------------------------------
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        engine = self._engine
+        if engine is None or not self._fit.running:
+            return
+        step = max(engine.state.iteration - 1, 0)
+        lr = learning_rate(optimizer)
+        verdict = self._fit.check(step, self._loss.take(mean=True))
+        self._pending = (step, verdict, lr)
+
+    def _iteration_completed(self, engine: Engine) -> None:
+        if engine is not self._engine:
+            return
+        pending, self._pending = self._pending, None
+        output = self._output_transform(engine.state.output)
+        if not _finite(output) and (pending is None or pending[1].finite):
+            session = self._fit.session
+            if session is not None:
+                session.publish(
+                    NonFiniteDetected(
+                        step=max(engine.state.iteration - 1, 0),
+                        source=f"{session.name}.ignite",
+                        role=TensorRole.OUTPUT,
+                        names=(OUTPUT_NAME,),
+                    )
+                )
+        if pending is None:
+            return
+        step, verdict, lr = pending
+        loss = verdict.loss
+        if loss is None and isinstance(output, numbers.Real):
+            loss = float(output)
+        elif loss is None and isinstance(output, torch.Tensor) and output.numel() == 1:
+            loss = float(output.detach())
+        self._fit.completed(step, loss=loss, learning_rate=lr)
+
+    def _completed(self, engine: Engine) -> None:
+        if engine is self._engine:
+            self._close(None)
+
+    def _exception_raised(self, engine: Engine, exc: BaseException) -> None:
+        if engine is self._engine:
+            self._close(exc)
+        # Ignite re-raises only when no EXCEPTION_RAISED handler is registered. Keep that: when
+        # ours is the only one, re-raise; otherwise the user's own handlers decide.
+        if len(engine._event_handlers.get(Events.EXCEPTION_RAISED, ())) <= 1:
+            raise exc
+
+    def _close(self, exc: BaseException | None) -> None:
+        self._engine = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._pending = None
+        self._fit.close(exc)
+
+
+def _finite(output: Any) -> bool:
+    """``TerminateOnNan``'s test: every number and tensor in *output* is finite."""
+    finite = True
+
+    def visit(x: numbers.Number | torch.Tensor) -> numbers.Number | torch.Tensor:
+        nonlocal finite
+        if isinstance(x, numbers.Number):
+            if isinstance(x, numbers.Complex) and not math.isfinite(abs(complex(x))):
+                finite = False
+        elif not bool(torch.isfinite(x).all()):
+            finite = False
+        return x
+
+    apply_to_type(output, (numbers.Number, torch.Tensor), visit)
+    return finite
