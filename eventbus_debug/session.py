@@ -22,6 +22,7 @@ For plain ``for`` loops use :class:`SyncSession` (same arguments, ``with`` inste
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -62,13 +63,19 @@ from .optimization import (
     optimize_model,
 )
 from .probes import DebugLevel, NonFiniteDetected, TensorRole
+from .probes.anomaly_arming import AnomalyArming, RngState, arm_on_incidents
+from .probes.finite import non_finite_counts
 from .probes.levels import Cadence, Thresholds
 from .probes.memory import LeakDetector
 from .probes.profiler import StepProfiler
 from .probes.step import StepProbe, StepVerdict
 from .probes.system import SystemSampler
-from .recovery.engine import RecoveryEngine
+from .recovery.amp import ScalerMonitor
+from .recovery.engine import RecoveryEngine, _policy as _policy
+from .recovery.events import StepSkipped
 from .recovery.safepoint import SafePoint, StepDecision
+from .recovery.strategies import RecoveryPolicy
+from .step_context import bind_step_source
 from .validation import (
     InputSpec,
     InputValidationError,
@@ -218,6 +225,9 @@ class _Core:
         output_checker: OutputChecker | None,
         system_interval: float | None = DEFAULT_SYSTEM_INTERVAL,
         leak_detector: LeakDetector | bool | None = None,
+        policy: RecoveryPolicy | str = RecoveryPolicy.SAFE,
+        scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             msg = f"model must be a torch.nn.Module, got {type(model).__qualname__}"
@@ -236,6 +246,16 @@ class _Core:
         self.model = model
         self.optimizer = optimizer
         self.name = name
+        self.policy = _policy(policy)
+        """The :class:`~eventbus_debug.recovery.RecoveryPolicy` of the default engine."""
+        self.schedulers = _schedulers(scheduler)
+        """The LR schedulers recovery keeps in step with its LR decisions."""
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            msg = f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__qualname__}"
+            raise TypeError(msg)
+        self.scaler = scaler
+        """The AMP ``GradScaler``: its overflow steps are StepSkipped events, not incidents."""
+        self.amp: ScalerMonitor | None = None
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._console = console
         self._report_opt = report
@@ -327,6 +347,8 @@ class _Core:
             thresholds=self._thresholds,
             cadence=self._cadence,
             source=f"{self.name}.step_probe",
+            scaler=self.scaler,
+            optimizer=self.optimizer,
         )
 
     def _make_system(self, bus: EventBus) -> SystemSampler | None:
@@ -346,15 +368,24 @@ class _Core:
 
     def _make_recovery(self, bus: EventBus | SyncEventBus) -> None:
         opt = self._recovery_opt
+        if self.scaler is not None:
+            publish = bus.publish if isinstance(bus, SyncEventBus) else bus.publish_nowait
+            self.amp = ScalerMonitor(self.scaler, publish, source=f"{self.name}.amp")
         if opt is True:
-            self.recovery = RecoveryEngine(bus, name=f"{self.name}.recovery")
+            self.recovery = RecoveryEngine(bus, name=f"{self.name}.recovery", policy=self.policy)
         elif isinstance(opt, RecoveryEngine):
             self.recovery = opt
         elif opt not in (False, None):
             msg = f"recovery must be True, False or a RecoveryEngine, got {opt!r}"
             raise TypeError(msg)
         if self.recovery is not None and self.optimizer is not None:
-            self.safe_point = SafePoint(self.recovery, self.model, self.optimizer)
+            self.safe_point = SafePoint(
+                self.recovery, self.model, self.optimizer, schedulers=self.schedulers
+            )
+            if self.probe is not None:
+                # After a restore the loss and norms are the restored state's: judged against
+                # the undone steps' baselines they would look like new faults.
+                self.safe_point.add_restore_listener(self.probe.rebaseline)
 
     # -- level ----------------------------------------------------------------------------------
 
@@ -401,7 +432,8 @@ class _Core:
                 actions=tuple(a.value for a in decision.actions),
                 decision=decision,
             )
-        should = not (self.skip_non_finite and not verdict.finite)
+        # An AMP overflow is the scaler's to skip: scaler.step() must still run.
+        should = verdict.overflow or not (self.skip_non_finite and not verdict.finite)
         return SessionVerdict(
             step=step,
             probe=verdict,
@@ -467,6 +499,20 @@ class _Core:
         )
 
 
+def _schedulers(scheduler: Any) -> tuple[Any, ...]:
+    if scheduler is None:
+        return ()
+    items = tuple(scheduler) if isinstance(scheduler, list | tuple) else (scheduler,)
+    for item in items:
+        if not callable(getattr(item, "step", None)):
+            msg = (
+                "scheduler must be an LR scheduler (with a step() method) or a sequence of "
+                f"them, got {item!r}"
+            )
+            raise TypeError(msg)
+    return items
+
+
 def _level(value: DebugLevel | str) -> DebugLevel:
     if isinstance(value, DebugLevel):
         return value
@@ -518,6 +564,18 @@ class Session(_Core):
             mode asks for memory tracking (MEMORY_PROFILING, FULL). With the PROFILING or FULL
             mode a :class:`~eventbus_debug.StepProfiler` captures a window of steps at the
             start and after each incident, traces in ``log_dir/traces``.
+        policy: what recovery may do on its own (:class:`~eventbus_debug.recovery.RecoveryPolicy`):
+            ``"observe"`` (never act; every detection still published), ``"safe"`` (default:
+            skip non-finite steps, restore non-finite state, clip only extreme norms, roll back
+            only on sustained spikes, every LR change temporary; never touches a healthy run)
+            or ``"aggressive"``.
+        scheduler: the LR scheduler (or a sequence of them) stepping *optimizer*, so that
+            recovery's LR changes survive schedulers that recompute the rate (warm-up/decay,
+            cosine, OneCycle) and temporary changes are undone on the schedule's values.
+        scaler: the AMP ``torch.amp.GradScaler``. Its overflow steps (inf gradients while it
+            probes its scale) are reported as ``StepSkipped`` with the scales, never as
+            incidents or recovery actions; call ``scaler.step(optimizer)`` when
+            ``verdict.should_step`` and ``scaler.update()`` before ``step_completed``.
 
     Raises:
         TypeError: if *model* is not a module or *optimizer* not an optimizer.
@@ -546,6 +604,9 @@ class Session(_Core):
         output_checker: OutputChecker | None = None,
         system_interval: float | None = DEFAULT_SYSTEM_INTERVAL,
         leak_detector: LeakDetector | bool | None = None,
+        policy: RecoveryPolicy | str = RecoveryPolicy.SAFE,
+        scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -566,6 +627,9 @@ class Session(_Core):
             output_checker=output_checker,
             system_interval=system_interval,
             leak_detector=leak_detector,
+            policy=policy,
+            scheduler=scheduler,
+            scaler=scaler,
         )
         if bus is not None and not isinstance(bus, EventBus):
             msg = f"bus must be an EventBus or None, got {bus!r}; for plain loops use SyncSession"
@@ -585,6 +649,8 @@ class Session(_Core):
             msg = f"session {self.name!r} is not running; use `async with Session(...)`"
             raise RuntimeError(msg)
         return self._bus
+
+    _anomaly: AnomalyArming | None = None  # DebugMode.ANOMALY_DETECTION's localization
 
     async def __aenter__(self) -> Self:
         stack = contextlib.AsyncExitStack()
@@ -621,6 +687,13 @@ class Session(_Core):
                 )
                 self.profiler.arm(trigger="session_start")
             self._make_recovery(bus)
+            stack.callback(bind_step_source(lambda: self.step))
+            if self.plan.anomaly_localization:
+                self._anomaly, sub = arm_on_incidents(
+                    self.model, bus, step=lambda: self.step, name=self.name
+                )
+                self._subscriptions.append(sub)
+                stack.callback(self._anomaly.close)
             bus.publish_nowait(self._started_event())
         except BaseException:
             await stack.aclose()
@@ -639,22 +712,41 @@ class Session(_Core):
         stack, self._stack = self._stack, None
         if stack is None:
             return
+        from dataclasses import replace
+
+        exit_timeout = 10.0  # each cleanup step; the bus's own close is bounded by itself
+        cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+        # Shielded: a session cancelled from outside (move_on_after around it, a cancelled
+        # task) still flushes its probes and publishes SessionEnded, in bounded time; closing
+        # the stack then drains the log (the bus's close shields itself), and the
+        # cancellation goes on propagating once this returns.
         try:
-            if self.probe is not None:
-                await self.probe.flush()
-            if self.profiler is not None:
-                await self.profiler.__aexit__(None, None, None)  # writes a capture under way
+            with anyio.CancelScope(shield=True), anyio.move_on_after(exit_timeout) as scope:
+                try:
+                    if self.probe is not None:
+                        await self.probe.flush()
+                    if self.profiler is not None:
+                        await self.profiler.__aexit__(None, None, None)  # a capture under way
+                except Exception as error:
+                    _log.warning("session_exit_flush_failed", session=self.name, error=repr(error))
+            if scope.cancelled_caught:
+                _log.warning("session_exit_flush_timed_out", session=self.name, s=exit_timeout)
             if self.system is not None:
                 self.system.stop()  # SessionEnded stays the session's last event
-            self.bus.publish_nowait(self._ended_event(exc))
+            ended = self._ended_event(None if cancelled else exc)
+            if cancelled:
+                ended = replace(ended, reason="cancelled")
+            self.bus.publish_nowait(ended)
             if self._given_bus is not None:
-                with anyio.move_on_after(30):
+                with anyio.CancelScope(shield=True), anyio.move_on_after(exit_timeout):
                     await self.bus.drain(*self._subscriptions)
                 for sub in self._subscriptions:
                     sub.cancel()
         finally:
-            await stack.aclose()
-            self._bus = None
+            try:
+                await stack.aclose()
+            finally:
+                self._bus = None
             _log.info("session_ended", session=self.name, steps=self.steps_completed)
 
     # -- publishing -----------------------------------------------------------------------------
@@ -680,6 +772,8 @@ class Session(_Core):
             raise RuntimeError(msg)
         self.step = step
         verdict = await self.probe.check_step(step, loss=loss)
+        if verdict.overflow and self.amp is not None:
+            self.amp.overflowed(verdict.step)
         self._observe_memory(step)
         decision = (
             await self.safe_point.before_optimizer_step(step)
@@ -699,6 +793,8 @@ class Session(_Core):
         """Record that *step* finished (a :class:`~eventbus_debug.StepCompleted`) and yield."""
         if self.profiler is not None:
             self.profiler.step(step)
+        if self.amp is not None:
+            self.amp.completed(step)
         await self.bus.publish(self._completed(step, loss, learning_rate, samples))
 
     async def training_step(
@@ -725,10 +821,15 @@ class Session(_Core):
         step = self._next_step(step)
         t0 = time.perf_counter()
         if self.validator is not None and isinstance(inputs, torch.Tensor):
-            self.validator.check(inputs, publish=self.publish, step=step)
+            violations = self.validator.check(inputs, publish=self.publish, step=step)
+            if violations and self.validator.policy.rejects:  # before the forward pass
+                self.publish(_rejection(step, violations, source=self.name))
+                await self.step_completed(step, loss=None)
+                return _rejected_result(step, violations, t0)
+        rng = RngState.capture(self.model) if self._anomaly is not None else None
         self.optimizer.zero_grad(set_to_none=True)
         outputs = self.model(inputs)
-        if self.output_checker is not None and isinstance(outputs, torch.Tensor):
+        if self.output_checker is not None:
             self.output_checker.check(outputs, publish=self.publish, step=step)
         loss = loss_fn(outputs, targets)
         torch.autograd.backward(loss)
@@ -736,6 +837,13 @@ class Session(_Core):
         if verdict.should_step:
             self.optimizer.step()
         else:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self._anomaly is not None and not verdict.finite:  # replay with the hooks armed
+            await self._anomaly.replay(
+                lambda: torch.autograd.backward(loss_fn(self.model(inputs), targets)),
+                step=step,
+                rng=rng,
+            )
             self.optimizer.zero_grad(set_to_none=True)
         value = verdict.loss if verdict.loss is not None else float(loss.detach())
         await self.step_completed(step, loss=value, samples=samples or _batch_size(inputs))
@@ -750,32 +858,35 @@ class Session(_Core):
     # -- seed 002's async training logger ---------------------------------------------------------
 
     async def check_tensor_anomalies_async(
-        self, tensor: torch.Tensor, name: str, *, role: TensorRole = TensorRole.ACTIVATION
+        self, tensor: object, name: str, *, role: TensorRole = TensorRole.ACTIVATION
     ) -> bool:
-        """Check *tensor* for NaN/Inf (one host transfer); publish a NonFiniteDetected if so.
+        """Check *tensor* for NaN/Inf; publish a NonFiniteDetected naming the bad parts if so.
+
+        Takes what a training loop produces: a tensor of any dtype or layout (checked in its
+        own precision), a number, a numpy array, or a tuple, list or dict of them (see
+        :func:`~eventbus_debug.probes.finite.non_finite_counts`); one host transfer per device.
 
         Returns:
-            True when the tensor is finite.
+            True when every value is finite.
+
+        Raises:
+            TypeError: if *tensor* (or a leaf inside it) is of another type.
+            ValueError: if a tensor is a meta tensor (it holds no values).
         """
-        x = tensor.detach()
-        if not (x.is_floating_point() or x.is_complex()):
-            await anyio.lowlevel.checkpoint()
-            return True
-        counts = torch.stack([torch.isnan(x).sum(), torch.isinf(x).sum()]).tolist()
-        nan, inf = int(counts[0]), int(counts[1])
-        if nan or inf:
+        counts = non_finite_counts(tensor, name=name)
+        if not counts.finite:
             self.publish(
                 NonFiniteDetected(
                     step=self.step,
                     source=self.name,
                     role=role,
-                    names=(name,),
-                    nan_count=nan,
-                    inf_count=inf,
+                    names=counts.non_finite,
+                    nan_count=counts.nan_count,
+                    inf_count=counts.inf_count,
                 )
             )
         await anyio.lowlevel.checkpoint()
-        return not (nan or inf)
+        return counts.finite
 
     async def check_gradient_anomalies_async(self, step: int | None = None) -> SessionVerdict:
         """Check the model's gradients now (the step probe at this step); see :meth:`check_step`."""
@@ -844,6 +955,9 @@ class SyncSession(_Core):
         output_checker: OutputChecker | None = None,
         system_interval: float | None = DEFAULT_SYSTEM_INTERVAL,
         leak_detector: LeakDetector | bool | None = None,
+        policy: RecoveryPolicy | str = RecoveryPolicy.SAFE,
+        scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -864,6 +978,9 @@ class SyncSession(_Core):
             output_checker=output_checker,
             system_interval=system_interval,
             leak_detector=leak_detector,
+            policy=policy,
+            scheduler=scheduler,
+            scaler=scaler,
         )
         self._bus: SyncEventBus | None = None
         self._system_task: Future[None] | None = None
@@ -879,6 +996,18 @@ class SyncSession(_Core):
             msg = f"session {self.name!r} is not running; use `with SyncSession(...)`"
             raise RuntimeError(msg)
         return self._bus
+
+    _anomaly: AnomalyArming | None = None  # DebugMode.ANOMALY_DETECTION's localization
+    _unbind_step: Callable[[], None] | None = None
+
+    def _close_extras(self) -> None:
+        """Judge and remove the localization hooks; unbind the session's step."""
+        anomaly, self._anomaly = self._anomaly, None
+        if anomaly is not None:
+            anomaly.close()
+        unbind, self._unbind_step = self._unbind_step, None
+        if unbind is not None:
+            unbind()
 
     def __enter__(self) -> Self:
         bus = SyncEventBus()
@@ -904,8 +1033,15 @@ class SyncSession(_Core):
                     detail="SyncSession has no event loop to write traces from; use Session",
                 )
             self._make_recovery(bus)
+            self._unbind_step = bind_step_source(lambda: self.step)
+            if self.plan.anomaly_localization:
+                self._anomaly, sub = arm_on_incidents(
+                    self.model, bus, step=lambda: self.step, name=self.name
+                )
+                self._subscriptions.append(sub)
             bus.publish(self._started_event())
         except BaseException:
+            self._close_extras()
             bus.close()
             self._bus = None
             raise
@@ -929,6 +1065,7 @@ class SyncSession(_Core):
             if self.probe is not None:
                 self.probe.flush_nowait()
                 self.probe.close()
+            self._close_extras()
             bus.publish(self._ended_event(exc))
         finally:
             bus.close()
@@ -951,6 +1088,8 @@ class SyncSession(_Core):
             raise RuntimeError(msg)
         self.step = step
         verdict = self.probe.check_step_nowait(step, loss=loss)
+        if verdict.overflow and self.amp is not None:
+            self.amp.overflowed(verdict.step)
         self._observe_memory(step)
         decision = (
             self.safe_point.before_optimizer_step_sync(step)
@@ -969,6 +1108,8 @@ class SyncSession(_Core):
     ) -> None:
         """Record that *step* finished, and hand this step's events to the bus's thread."""
         bus = self.bus
+        if self.amp is not None:
+            self.amp.completed(step)
         bus.publish(self._completed(step, loss, learning_rate, samples))
         bus.flush()
 
@@ -992,10 +1133,15 @@ class SyncSession(_Core):
         step = self._next_step(step)
         t0 = time.perf_counter()
         if self.validator is not None and isinstance(inputs, torch.Tensor):
-            self.validator.check(inputs, publish=self.publish, step=step)
+            violations = self.validator.check(inputs, publish=self.publish, step=step)
+            if violations and self.validator.policy.rejects:  # before the forward pass
+                self.publish(_rejection(step, violations, source=self.name))
+                self.step_completed(step, loss=None)
+                return _rejected_result(step, violations, t0)
+        rng = RngState.capture(self.model) if self._anomaly is not None else None
         self.optimizer.zero_grad(set_to_none=True)
         outputs = self.model(inputs)
-        if self.output_checker is not None and isinstance(outputs, torch.Tensor):
+        if self.output_checker is not None:
             self.output_checker.check(outputs, publish=self.publish, step=step)
         loss = loss_fn(outputs, targets)
         torch.autograd.backward(loss)
@@ -1003,6 +1149,13 @@ class SyncSession(_Core):
         if verdict.should_step:
             self.optimizer.step()
         else:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self._anomaly is not None and not verdict.finite:  # replay with the hooks armed
+            self._anomaly.replay_sync(
+                lambda: torch.autograd.backward(loss_fn(self.model(inputs), targets)),
+                step=step,
+                rng=rng,
+            )
             self.optimizer.zero_grad(set_to_none=True)
         value = verdict.loss if verdict.loss is not None else float(loss.detach())
         self.step_completed(step, loss=value, samples=samples or _batch_size(inputs))
@@ -1025,6 +1178,32 @@ def _batch_size(inputs: Any) -> int | None:
     if isinstance(inputs, torch.Tensor) and inputs.dim() > 0:
         return int(inputs.shape[0])
     return None
+
+
+def _rejection(step: int, violations: Sequence[Violation], *, source: str) -> StepSkipped:
+    """The event of a batch rejected by input validation: the step was not run at all."""
+    rules = ", ".join(sorted({v.rule for v in violations}))
+    return StepSkipped(
+        step=step,
+        source=source,
+        reason=f"input validation rejected the batch before the forward pass ({rules})",
+    )
+
+
+def _rejected_result(
+    step: int, violations: Sequence[Violation], started: float
+) -> TrainingStepResult:
+    """What ``training_step`` returns for a rejected batch: nothing ran, nothing stepped."""
+    finite = not any(v.rule == "non_finite" for v in violations)
+    probe = StepVerdict(step=step, checked=False, finite=finite, fired=("input_validation_failed",))
+    verdict = SessionVerdict(step=step, probe=probe, should_step=False, actions=("reject_batch",))
+    return TrainingStepResult(
+        step=step,
+        loss=math.nan,
+        stepped=False,
+        verdict=verdict,
+        duration_s=time.perf_counter() - started,
+    )
 
 
 # -- the seeds' entry points --------------------------------------------------------------------
