@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import IO, Any, ClassVar, Final, Protocol, TypeAlias, TypeVar
 
 import anyio
-import anyio.to_thread
 import orjson
 
 from eventbus_debug import (
@@ -54,6 +53,7 @@ from eventbus_debug import (
     SystemSampled,
 )
 from eventbus_debug._logging import get_logger
+from eventbus_debug._threads import run_in_daemon_thread
 from eventbus_debug.encoding import encode_event
 from eventbus_debug.events import Event, Severity, event_type
 
@@ -574,7 +574,8 @@ class AlertSink:
                     if inspect.isawaitable(result):
                         await result
                 else:
-                    await anyio.to_thread.run_sync(reg.handler, alert, abandon_on_cancel=True)
+                    # A daemon thread: a handler that never returns never keeps the process alive.
+                    await run_in_daemon_thread(reg.handler, alert, name="eventbus-alert-handler")
         except TimeoutError as exc:
             self._timed_out += 1
             self._report_failure(reg, alert.event, exc, timed_out=True, phase="handler")

@@ -19,15 +19,18 @@ configuration.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TextIO
+from typing import Final, TextIO
 
 import anyio
-import anyio.to_thread
 
+from eventbus_debug._threads import run_in_daemon_thread
 from eventbus_debug.events import Event, Severity
 
 from ._terminal import resolve_stream, write_text
 from .lines import format_event, use_colors
+
+_FLUSH_TIMEOUT: Final = 2.0
+"""Seconds the close waits for a flush of the stream (a full pipe may never drain)."""
 
 __all__ = ("ConsoleSink",)
 
@@ -126,7 +129,9 @@ class ConsoleSink:
             raise RuntimeError(msg)
         shown = [e for e in events if self.wants(e)]
         if shown:
-            await anyio.to_thread.run_sync(self._write, shown)
+            # A daemon thread the bus can abandon: a write blocked on a full pipe never hangs
+            # the bus's close nor the process's exit.
+            await run_in_daemon_thread(self._write, shown, name="eventbus-console")
 
     async def aclose(self) -> None:
         """Flush the stream (it is not closed: the sink does not own it). Idempotent."""
@@ -136,9 +141,9 @@ class ConsoleSink:
         stream = resolve_stream(self._stream)
         flush = getattr(stream, "flush", None)
         if callable(flush):
-            with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_FLUSH_TIMEOUT):
                 try:
-                    await anyio.to_thread.run_sync(flush, abandon_on_cancel=True)
+                    await run_in_daemon_thread(flush, name="eventbus-console")
                 except (OSError, ValueError):  # a closed pipe: nothing left to flush
                     pass
 
