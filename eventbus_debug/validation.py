@@ -12,7 +12,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar, Final
@@ -21,6 +21,8 @@ import torch
 
 from .events import Anomaly, Event, Severity, event_type
 from .exceptions import EventBusError
+from .probes.finite import non_finite_counts, stored_values
+from .probes.tensor import dense_shape
 
 __all__ = (
     "InputSpec",
@@ -107,11 +109,22 @@ class ValidationPolicy(Enum):
     Attributes:
         RAISE: publish the incidents (when a publisher is given), then raise
             :class:`InputValidationError`.
-        REPORT: publish the incidents and return the violations; training goes on.
+        REPORT: publish the incidents and return the violations; training goes on with the
+            batch.
+        SKIP: publish the incidents and return the violations; a session's ``training_step``
+            rejects the batch before the forward pass (no forward, no backward, no optimizer
+            step: BatchNorm running statistics and every other buffer stay untouched) and
+            publishes a :class:`~eventbus_debug.recovery.StepSkipped`.
     """
 
     RAISE = "raise"
     REPORT = "report"
+    SKIP = "skip"
+
+    @property
+    def rejects(self) -> bool:
+        """True when an invalid batch must not reach the model (RAISE and SKIP)."""
+        return self is not ValidationPolicy.REPORT
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,6 +150,16 @@ class InputSpec:
     allow_non_finite: bool = False
 
     def __post_init__(self) -> None:
+        for field_name in ("min_value", "max_value", "max_abs"):
+            bound = getattr(self, field_name)
+            if bound is None:
+                continue
+            if not _is_number(bound):
+                msg = f"{field_name} must be a number or None, got {bound!r}"
+                raise TypeError(msg)
+            if math.isnan(bound):
+                msg = f"{field_name} must not be NaN"
+                raise ValueError(msg)
         if self.ndim is not None and self.ndim < 0:
             msg = f"ndim must be >= 0, got {self.ndim!r}"
             raise ValueError(msg)
@@ -152,6 +175,10 @@ class InputSpec:
             raise ValueError(msg)
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Violation:
     """One broken rule: which, and the numbers behind it."""
@@ -164,27 +191,46 @@ class Violation:
     max_value: float | None = None
 
 
+def _real_values(t: torch.Tensor) -> torch.Tensor:
+    """The stored values of *t*, as real numbers a range can be taken of (complex: ``|z|``)."""
+    v = stored_values(t)
+    if v.is_complex():
+        return v.to(torch.complex128).abs()
+    if not v.is_floating_point():
+        return v.to(torch.float64)
+    return v
+
+
 def _stats(t: torch.Tensor) -> tuple[int, int, float | None, float | None]:
-    """(nan count, inf count, finite min, finite max) with one device-to-host transfer."""
-    if t.numel() == 0:
+    """(nan count, inf count, finite min, finite max) with one device-to-host transfer.
+
+    Sparse tensors are read through their stored values, complex ones by magnitude (a complex
+    value with a NaN part counts as NaN); integers and bools are widened to float64, so the
+    range of an int64 tensor is exact up to 2**53.
+    """
+    v = stored_values(t)
+    if v.numel() == 0:
         return 0, 0, None, None
-    x = t.detach()
-    if not x.is_floating_point():
-        x = x.double() if x.dtype == torch.int64 else x.float()
-    finite = torch.isfinite(x)
-    big = torch.finfo(x.dtype).max
-    lo = torch.where(finite, x, torch.full_like(x, big)).amin()
-    hi = torch.where(finite, x, torch.full_like(x, -big)).amax()
-    nan = torch.isnan(x).sum()
-    inf = torch.isinf(x).sum()
-    values = torch.stack([nan.to(x.dtype), inf.to(x.dtype), lo, hi]).tolist()
-    n_nan, n_inf = int(values[0]), int(values[1])
-    has_finite = n_nan + n_inf < t.numel()
+    with torch.no_grad():
+        if v.is_floating_point() or v.is_complex():
+            nan_mask = torch.isnan(v)
+            inf_mask = torch.isinf(v) & ~nan_mask
+        else:
+            nan_mask = inf_mask = torch.zeros(v.shape, dtype=torch.bool, device=v.device)
+        x = _real_values(t).to(torch.float64)
+        finite = torch.isfinite(x)
+        lo = torch.where(finite, x, torch.full_like(x, math.inf)).amin()
+        hi = torch.where(finite, x, torch.full_like(x, -math.inf)).amax()
+        values = torch.stack(
+            [nan_mask.sum().double(), inf_mask.sum().double(), finite.sum().double(), lo, hi]
+        ).tolist()
+    n_nan, n_inf, n_finite = int(values[0]), int(values[1]), int(values[2])
+    has_finite = n_finite > 0
     return (
         n_nan,
         n_inf,
-        float(values[2]) if has_finite else None,
         float(values[3]) if has_finite else None,
+        float(values[4]) if has_finite else None,
     )
 
 
@@ -193,14 +239,23 @@ def validate_input(
 ) -> tuple[Violation, ...]:
     """Every rule of *spec* that *tensor* breaks (empty when it is valid); never raises for data.
 
+    Any dtype and layout is accepted: sparse tensors are judged by their stored values, nested
+    tensors by their components' values, complex tensors hold NaN or Inf when a part does and
+    are range-checked by magnitude (``max_abs``; ``min_value``/``max_value`` need real values
+    and are a ``dtype`` violation on complex data).
+
     Raises:
-        TypeError: if *tensor* is not a tensor.
+        TypeError: if *tensor* is not a tensor (or holds raw bits, ``torch.bits8``...).
+        ValueError: if *tensor* is a meta tensor (it holds no values to validate).
     """
     if not isinstance(tensor, torch.Tensor):
         msg = f"{name} must be a torch.Tensor, got {type(tensor).__name__}"
         raise TypeError(msg)
+    if tensor.is_meta:
+        msg = f"{name} is a meta tensor: it has a shape and a dtype but no values to validate"
+        raise ValueError(msg)
     out: list[Violation] = []
-    shape = tuple(tensor.shape)
+    shape = dense_shape(tensor)
     if spec.dtype is not None and tensor.dtype != spec.dtype:
         out.append(
             Violation(
@@ -223,8 +278,14 @@ def validate_input(
             out.append(
                 Violation(rule="shape", message=f"{name} has shape {shape}, expected {want_s}")
             )
-    if tensor.is_complex():
-        return tuple(out)
+    complex_data = tensor.is_complex()
+    if complex_data and (spec.min_value is not None or spec.max_value is not None):
+        out.append(
+            Violation(
+                rule="dtype",
+                message=f"{name} is complex ({tensor.dtype}): min_value/max_value need real values (use max_abs for a bound on |z|)",
+            )
+        )
     n_nan, n_inf, lo, hi = _stats(tensor)
     if (n_nan or n_inf) and not spec.allow_non_finite:
         out.append(
@@ -239,9 +300,9 @@ def validate_input(
         )
     if lo is not None and hi is not None:
         problems: list[str] = []
-        if spec.min_value is not None and lo < spec.min_value:
+        if spec.min_value is not None and not complex_data and lo < spec.min_value:
             problems.append(f"minimum {lo:g} < {spec.min_value:g}")
-        if spec.max_value is not None and hi > spec.max_value:
+        if spec.max_value is not None and not complex_data and hi > spec.max_value:
             problems.append(f"maximum {hi:g} > {spec.max_value:g}")
         if spec.max_abs is not None and max(abs(lo), abs(hi)) > spec.max_abs:
             problems.append(f"largest |value| {max(abs(lo), abs(hi)):g} > {spec.max_abs:g}")
@@ -298,7 +359,7 @@ class InputValidator:
                 inf_count=v.inf_count,
                 min_value=v.min_value,
                 max_value=v.max_value,
-                shape=tuple(tensor.shape),
+                shape=dense_shape(tensor),
                 dtype=str(tensor.dtype).removeprefix("torch."),
             )
             for v in violations
@@ -342,90 +403,182 @@ class OutputChecker:
         collapse_std: float | None = 1e-6,
         name: str = "outputs",
     ) -> None:
-        if expected_range is not None and expected_range[0] > expected_range[1]:
-            msg = f"expected_range must be (low, high) with low <= high, got {expected_range!r}"
-            raise ValueError(msg)
-        if collapse_std is not None and collapse_std < 0:
-            msg = f"collapse_std must be >= 0, got {collapse_std!r}"
-            raise ValueError(msg)
+        if expected_range is not None:
+            if (
+                not isinstance(expected_range, tuple | list)
+                or len(expected_range) != 2
+                or not all(_is_number(b) for b in expected_range)
+            ):
+                msg = (
+                    f"expected_range must be a (low, high) pair of numbers, got {expected_range!r}"
+                )
+                raise TypeError(msg)
+            if any(math.isnan(b) for b in expected_range) or expected_range[0] > expected_range[1]:
+                msg = f"expected_range must be (low, high) with low <= high and no NaN, got {expected_range!r}"
+                raise ValueError(msg)
+        if collapse_std is not None:
+            if not _is_number(collapse_std):
+                msg = f"collapse_std must be a number >= 0 or None, got {collapse_std!r}"
+                raise TypeError(msg)
+            if math.isnan(collapse_std) or collapse_std < 0:
+                msg = f"collapse_std must be >= 0, got {collapse_std!r}"
+                raise ValueError(msg)
         self.expected_range = expected_range
         self.collapse_std = collapse_std
         self.name = name
 
     def check(
-        self, outputs: torch.Tensor, *, publish: Publish | None = None, step: int | None = None
+        self, outputs: object, *, publish: Publish | None = None, step: int | None = None
     ) -> tuple[OutputAnomalyDetected, ...]:
-        """Check *outputs* (one device-to-host transfer) and publish an incident per anomaly.
+        """Check *outputs* and publish an incident per anomaly.
+
+        *outputs* is what a model returns: a tensor (any dtype or layout), a number, or a
+        tuple, list or mapping of them (a Hugging Face ``ModelOutput`` included). Each tensor
+        is checked on its own, named by its path (``outputs['logits']``, ``outputs[0]``); the
+        numbers of a structure are checked for NaN/Inf. Each tensor costs one device-to-host
+        transfer.
 
         Collapse is measured per output feature across the batch (dimension 0): a classifier
         that gives every sample the same scores is collapsed even if its scores differ
-        between classes.
+        between classes. Sparse and nested tensors are checked for NaN/Inf and range only
+        (their features are not aligned across the batch).
 
         Returns:
             The incidents (empty when the outputs look healthy).
+
+        Raises:
+            TypeError: if *outputs* (or a leaf inside it) is neither a tensor, a number, a
+                numpy array, a string/``None`` inside a structure, nor a tuple/list/mapping.
+            ValueError: if an output tensor is a meta tensor (it holds no values).
         """
-        x = outputs.detach().float()
-        if x.numel() == 0:
-            return ()
-        finite = torch.isfinite(x)
-        safe = torch.where(finite, x, torch.zeros_like(x))
-        big = torch.finfo(x.dtype).max
-        lo = torch.where(finite, x, torch.full_like(x, big)).amin()
-        hi = torch.where(finite, x, torch.full_like(x, -big)).amax()
-        if x.dim() >= 1 and x.shape[0] > 1:
-            spread = safe.std(dim=0).max()
+        if isinstance(outputs, torch.Tensor):
+            tensors: list[tuple[str, torch.Tensor]] = [(self.name, outputs)]
+            found = self._tensor(self.name, outputs)
         else:
-            spread = torch.tensor(math.nan, device=x.device)
-        nonfinite = (~finite).sum().float()
-        n_bad, lo_v, hi_v, std_v = torch.stack([nonfinite, lo, hi, spread.float()]).tolist()
+            counts = non_finite_counts(outputs, name=self.name)  # TypeError for the unknown
+            tensors = list(_tensor_leaves(outputs, self.name))
+            found = []
+            tensor_paths = {p for p, _ in tensors}
+            loose = [p for p in counts.non_finite if p not in tensor_paths]
+            if loose:
+                found.append(
+                    _Finding(
+                        name=self.name,
+                        rule="non_finite",
+                        message=f"{self.name} hold NaN or infinite numbers at {', '.join(loose)}",
+                        severity=Severity.ERROR,
+                        nonfinite_count=len(loose),
+                    )
+                )
+            for path, t in tensors:
+                found.extend(self._tensor(path, t))
+        events = tuple(
+            OutputAnomalyDetected(
+                step=step,
+                source="output_checker",
+                severity=f.severity,
+                name=f.name,
+                rule=f.rule,
+                message=f.message,
+                min_value=f.min_value,
+                max_value=f.max_value,
+                std=f.std,
+                nonfinite_count=f.nonfinite_count,
+            )
+            for f in found
+        )
+        if publish is not None:
+            for ev in events:
+                publish(ev)
+        return events
+
+    def _tensor(self, name: str, outputs: torch.Tensor) -> list[_Finding]:
+        """The anomalies of one output tensor (one device-to-host transfer)."""
+        if outputs.is_meta:
+            msg = f"{name} is a meta tensor: it has a shape and a dtype but no values to check"
+            raise ValueError(msg)
+        v = stored_values(outputs, name=name)
+        if v.numel() == 0:
+            return []
+        with torch.no_grad():
+            if v.is_floating_point() or v.is_complex():
+                nonfinite = (~torch.isfinite(v)).sum().double()
+            else:
+                nonfinite = torch.zeros((), dtype=torch.float64, device=v.device)
+            x = _real_values(outputs).to(torch.float64)
+            finite = torch.isfinite(x)
+            lo = torch.where(finite, x, torch.full_like(x, math.inf)).amin()
+            hi = torch.where(finite, x, torch.full_like(x, -math.inf)).amax()
+            dense = outputs.layout is torch.strided and not outputs.is_nested
+            if dense and outputs.dim() >= 1 and outputs.shape[0] > 1:
+                d = outputs.detach()
+                d = d.to(torch.complex128).abs() if d.is_complex() else d.to(torch.float64)
+                d = torch.where(torch.isfinite(d), d, torch.zeros_like(d))
+                spread = d.std(dim=0).amax()
+            else:
+                spread = torch.tensor(math.nan, dtype=torch.float64, device=v.device)
+            n_bad, lo_v, hi_v, std_v = torch.stack([nonfinite, lo, hi, spread]).tolist()
         n_bad = int(n_bad)
-        has_finite = n_bad < x.numel()
+        has_finite = n_bad < v.numel()
         lo_f = float(lo_v) if has_finite else None
         hi_f = float(hi_v) if has_finite else None
         std_f = float(std_v) if has_finite and math.isfinite(std_v) else None
-        found: list[tuple[str, str, Severity]] = []
+        stats = {"min_value": lo_f, "max_value": hi_f, "std": std_f, "nonfinite_count": n_bad}
+        found: list[_Finding] = []
         if n_bad:
             found.append(
-                (
-                    "non_finite",
-                    f"{self.name} contain {n_bad} NaN or infinite values",
-                    Severity.ERROR,
+                _Finding(
+                    name=name,
+                    rule="non_finite",
+                    message=f"{name} contain {n_bad} NaN or infinite values",
+                    severity=Severity.ERROR,
+                    **stats,  # type: ignore[arg-type]
                 )
             )
         if self.expected_range is not None and lo_f is not None and hi_f is not None:
             low, high = self.expected_range
             if lo_f < low or hi_f > high:
                 found.append(
-                    (
-                        "range",
-                        f"{self.name} span [{lo_f:g}, {hi_f:g}], outside the expected [{low:g}, {high:g}]",
-                        Severity.WARNING,
+                    _Finding(
+                        name=name,
+                        rule="range",
+                        message=f"{name} span [{lo_f:g}, {hi_f:g}], outside the expected [{low:g}, {high:g}]",
+                        severity=Severity.WARNING,
+                        **stats,  # type: ignore[arg-type]
                     )
                 )
         if self.collapse_std is not None and std_f is not None and std_f < self.collapse_std:
             found.append(
-                (
-                    "collapsed",
-                    f"{self.name} are uniform across the batch (std {std_f:.3g} < {self.collapse_std:g})",
-                    Severity.WARNING,
+                _Finding(
+                    name=name,
+                    rule="collapsed",
+                    message=f"{name} are uniform across the batch (std {std_f:.3g} < {self.collapse_std:g})",
+                    severity=Severity.WARNING,
+                    **stats,  # type: ignore[arg-type]
                 )
             )
-        events = tuple(
-            OutputAnomalyDetected(
-                step=step,
-                source="output_checker",
-                severity=sev,
-                name=self.name,
-                rule=rule,
-                message=msg,
-                min_value=lo_f,
-                max_value=hi_f,
-                std=std_f,
-                nonfinite_count=n_bad,
-            )
-            for rule, msg, sev in found
-        )
-        if publish is not None:
-            for ev in events:
-                publish(ev)
-        return events
+        return found
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Finding:
+    name: str
+    rule: str
+    message: str
+    severity: Severity
+    min_value: float | None = None
+    max_value: float | None = None
+    std: float | None = None
+    nonfinite_count: int = 0
+
+
+def _tensor_leaves(value: object, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors inside a structure, with the paths :func:`non_finite_counts` gives them."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _tensor_leaves(item, f"{path}[{key!r}]")
+    elif isinstance(value, tuple | list):
+        for i, item in enumerate(value):
+            yield from _tensor_leaves(item, f"{path}[{i}]")

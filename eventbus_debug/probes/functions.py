@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._reduce import NormPlan
+from .finite import stored_values
 from .levels import Cadence, Thresholds
 from .step import StepProbe, StepVerdict
 
@@ -68,35 +68,79 @@ def _check_model(model: object) -> nn.Module:
     return model
 
 
-def _stats(model: nn.Module, *, grads: bool) -> tuple[ParameterStats, ...]:
+def _threshold(value: object, argument: str, *, allow_inf: bool = True) -> float:
+    """*value* as a positive float, or a clear error naming *argument*."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        msg = f"{argument} must be a positive number, got {value!r}"
+        raise TypeError(msg)
+    f = float(value)
+    if math.isnan(f) or f <= 0 or (math.isinf(f) and not allow_inf):
+        msg = f"{argument} must be a positive number, got {value!r}"
+        raise ValueError(msg)
+    return f
+
+
+def _named(model: nn.Module, *, grads: bool) -> list[tuple[str, torch.Tensor]]:
     named: list[tuple[str, torch.Tensor]] = []
     for n, p in _check_model(model).named_parameters():
         t = p.grad if grads else p.detach()
-        if t is not None and (p.is_floating_point() or p.is_complex()):
-            named.append((n, t))
+        if t is None or not (p.is_floating_point() or p.is_complex()):
+            continue
+        if t.is_meta:
+            what = "gradient of parameter" if grads else "parameter"
+            msg = f"the {what} {n!r} is on the meta device: it has a shape but no values to check; materialize the model first (model.to_empty(device=...) and load its weights)"
+            raise ValueError(msg)
+        named.append((n, t))
+    return named
+
+
+def _reductions(t: torch.Tensor) -> torch.Tensor:
+    """[2-norm, sum of |x|, non-finite flag] of one tensor, in float64, without overflow.
+
+    Non-finiteness comes from ``isfinite``, not from the norm: a finite gradient of 1e20 has a
+    float32 sum of squares of inf, and is still finite. The norm is taken of the values divided
+    by their largest magnitude, so it overflows only when the true norm exceeds float64's range.
+    """
+    v = stored_values(t)
+    if v.is_complex():
+        v = v.to(torch.complex128).abs()
+    v = v.to(torch.float64)
+    if v.numel() == 0:
+        return torch.zeros(3, dtype=torch.float64, device=v.device)
+    finite = torch.isfinite(v).all()
+    scale = v.abs().amax()
+    safe = torch.where(finite & (scale > 0), scale, torch.ones_like(scale))
+    norm = torch.linalg.vector_norm(v / safe) * safe
+    return torch.stack([norm, v.abs().sum(), (~finite).to(torch.float64)])
+
+
+def _stats(model: nn.Module, *, grads: bool) -> tuple[tuple[ParameterStats, ...], tuple[str, ...]]:
+    """Per-parameter statistics and the names of the non-finite ones (one transfer per device)."""
+    named = _named(model, grads=grads)
     if not named:
-        return ()
-    tensors = [t for _, t in named]
-    plan = NormPlan(tensors)
-    l2, l1 = plan.reduce(tensors, l1=True)
-    assert l1 is not None
-    values = torch.cat([l2, l1]).tolist()  # the one transfer
-    k = plan.size
-    out: list[ParameterStats | None] = [None] * k
-    for j, (i, size) in enumerate(zip(plan.order, plan.numels, strict=True)):
-        out[i] = ParameterStats(
-            name=named[i][0],
-            norm=values[j],
-            mean_abs=values[k + j] / size if size else 0.0,
-            numel=size,
+        return (), ()
+    with torch.no_grad():
+        rows = [_reductions(t) for _, t in named]
+        home = rows[0].device
+        values = torch.stack([r.to(home) for r in rows]).tolist()  # the one transfer
+    stats = []
+    bad = []
+    for (name, t), (norm, l1, non_finite) in zip(named, values, strict=True):
+        size = t.numel()
+        stats.append(
+            ParameterStats(name=name, norm=norm, mean_abs=l1 / size if size else 0.0, numel=size)
         )
-    return tuple(s for s in out if s is not None)
+        if non_finite:
+            bad.append(name)
+    return tuple(stats), tuple(bad)
 
 
-def _report(stats: tuple[ParameterStats, ...], high: float, low: float) -> GradientReport:
+def _report(
+    stats: tuple[ParameterStats, ...], bad: tuple[str, ...], high: float, low: float
+) -> GradientReport:
     return GradientReport(
         total_norm=math.sqrt(math.fsum(s.norm * s.norm for s in stats)),
-        non_finite=tuple(s.name for s in stats if not s.finite),
+        non_finite=bad,
         above=tuple(s.name for s in stats if s.norm > high),
         below=tuple(s.name for s in stats if s.mean_abs < low),
         stats=stats,
@@ -109,7 +153,7 @@ def analyze_gradients(model: nn.Module) -> tuple[ParameterStats, ...]:
     Raises:
         TypeError: if *model* is not an ``nn.Module``.
     """
-    return _stats(model, grads=True)
+    return _stats(model, grads=True)[0]
 
 
 def analyze_model_parameters(model: nn.Module) -> tuple[ParameterStats, ...]:
@@ -118,7 +162,7 @@ def analyze_model_parameters(model: nn.Module) -> tuple[ParameterStats, ...]:
     Raises:
         TypeError: if *model* is not an ``nn.Module``.
     """
-    return _stats(model, grads=False)
+    return _stats(model, grads=False)[0]
 
 
 def check_gradients(
@@ -126,10 +170,16 @@ def check_gradients(
 ) -> GradientReport:
     """Gradients' total norm, the non-finite ones, those above / below the thresholds.
 
+    A gradient is non-finite when it holds NaN or Inf; a huge finite gradient (1e20) is finite
+    and is reported in ``above``.
+
     Raises:
-        TypeError: if *model* is not an ``nn.Module``.
+        TypeError: if *model* is not an ``nn.Module`` or a threshold is not a number.
+        ValueError: if a threshold is zero, negative or NaN, or a gradient is on the meta device.
     """
-    return _report(_stats(model, grads=True), gradient_threshold, vanishing_threshold)
+    high = _threshold(gradient_threshold, "gradient_threshold")
+    low = _threshold(vanishing_threshold, "vanishing_threshold", allow_inf=False)
+    return _report(*_stats(model, grads=True), high, low)
 
 
 def check_model_parameters(model: nn.Module) -> GradientReport:
@@ -137,27 +187,33 @@ def check_model_parameters(model: nn.Module) -> GradientReport:
 
     Raises:
         TypeError: if *model* is not an ``nn.Module``.
+        ValueError: if a parameter is on the meta device (it holds no values).
     """
-    return _report(_stats(model, grads=False), math.inf, 0.0)
+    return _report(*_stats(model, grads=False), math.inf, 0.0)
 
 
 def check_gradient_explosion(model: nn.Module, threshold: float = 10.0) -> tuple[str, ...]:
     """Names of the parameters whose gradient 2-norm exceeds *threshold* (or is non-finite).
 
     Raises:
-        TypeError: if *model* is not an ``nn.Module``.
+        TypeError: if *model* is not an ``nn.Module`` or *threshold* not a number.
+        ValueError: if *threshold* is zero, negative or NaN, or a gradient is on the meta device.
     """
-    stats = _stats(model, grads=True)
-    return tuple(s.name for s in stats if not s.norm <= threshold)
+    limit = _threshold(threshold, "threshold")
+    stats, bad = _stats(model, grads=True)
+    return tuple(s.name for s in stats if s.name in bad or not s.norm <= limit)
 
 
 def check_gradient_vanishing(model: nn.Module, threshold: float = 1e-7) -> tuple[str, ...]:
     """Names of the parameters whose mean ``|grad|`` is below *threshold*.
 
     Raises:
-        TypeError: if *model* is not an ``nn.Module``.
+        TypeError: if *model* is not an ``nn.Module`` or *threshold* not a number.
+        ValueError: if *threshold* is zero, negative, NaN or infinite, or a gradient is on the
+            meta device.
     """
-    return tuple(s.name for s in _stats(model, grads=True) if s.mean_abs < threshold)
+    limit = _threshold(threshold, "threshold", allow_inf=False)
+    return tuple(s.name for s in _stats(model, grads=True)[0] if s.mean_abs < limit)
 
 
 def monitor_training_step(
@@ -167,8 +223,10 @@ def monitor_training_step(
 
     Raises:
         TypeError: if *model* is not a module, *step* not an int or *loss* not a tensor/number.
-        ValueError: if *loss* has more than one element or *step* is negative.
+        ValueError: if *loss* has more than one element, *step* is negative, or a parameter of
+            *model* is on the meta device.
     """
+    _named(model, grads=False)  # a meta model: a clear error before the probe reads values
     probe = StepProbe(
         _check_model(model), None, cadence=Cadence(param_every=1), thresholds=Thresholds()
     )

@@ -1,9 +1,10 @@
-"""First-NaN localization: name the first module whose output (or gradient) is non-finite.
+"""First-NaN localization: name the module (or parameter gradient) where a NaN/Inf was made.
 
-Hooks are installed only while armed (a replayed step, a ``with`` block) and removed after, so
-a disarmed locator costs nothing. While armed, every module output gets one on-device flag
-(and, for the backward pass, every module input and output gradient); the flags are moved to
-the host once, after the replay.
+Hooks are installed only while armed (a replayed step, a ``with`` block, the next steps after
+an incident) and removed after, so a disarmed locator costs nothing. While armed, every module
+call gets on-device flags for its inputs and its output (and, for the backward pass, the
+gradients at its outputs and inputs, and every parameter gradient); the flags are moved to the
+host once, after the replay.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 import anyio.lowlevel
@@ -24,6 +26,7 @@ from .._bus import EventBus
 from .._sync import SyncEventBus
 from ._publish import publisher_for
 from .events import AnomalyLocalized, TensorRole
+from .finite import stored_values
 
 __all__ = (
     "BackwardReport",
@@ -53,18 +56,79 @@ def _float_tensors(value: object) -> list[torch.Tensor]:
     ]
 
 
+def _flags(tensors: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """``[any NaN, any NaN or Inf]`` over *tensors*, as a uint8 pair on their device."""
+    parts: list[torch.Tensor] = []
+    for t in tensors:
+        try:
+            v = stored_values(t)
+        except (TypeError, ValueError):
+            continue
+        if v.numel() == 0:
+            continue
+        parts.append(torch.stack([torch.isnan(v).any(), (~torch.isfinite(v)).any()]))
+    if not parts:
+        return torch.zeros(2, dtype=torch.uint8, device=device)
+    home = parts[0].device
+    return torch.stack([p.to(home) for p in parts]).any(dim=0).to(torch.uint8)
+
+
+class _Kind(Enum):
+    FORWARD = "forward"  # a module call: its input and output flags
+    OUT_GRAD = "out_grad"  # the gradient arriving at a module call's output
+    IN_GRAD = "in_grad"  # the gradient a module call's backward made for its input
+    PARAM_GRAD = "param_grad"  # the gradient of a parameter
+
+
 @dataclass(slots=True)
 class _Record:
+    kind: _Kind
     module: str
-    phase: str
-    role: TensorRole
-    flag: torch.Tensor
+    call: int  # the forward call this record belongs to (-1: a parameter gradient)
+    flags: torch.Tensor  # FORWARD: [in NaN, in non-finite, out NaN, out non-finite]; else 2
     shapes: tuple[tuple[int, ...], ...]
     inputs: list[torch.Tensor] = field(default_factory=list)
+    parameter: str = ""
+
+
+@dataclass(slots=True)
+class _Read:
+    """A record with its flags on the host."""
+
+    record: _Record
+    flags: list[int]
+
+    @property
+    def out_nan(self) -> bool:
+        return bool(self.flags[-2])
+
+    @property
+    def out_bad(self) -> bool:
+        return bool(self.flags[-1])
+
+
+def _made_here(flags: list[int]) -> bool:
+    """A call made the NaN/Inf of its output: no NaN came in for a NaN out; nothing for an Inf.
+
+    An input holding ``-inf`` (an additive attention mask) does not excuse a NaN output: the
+    module turned it into NaN (a softmax over a fully masked row).
+    """
+    in_nan, in_bad, out_nan, out_bad = flags
+    if not out_bad:
+        return False
+    return not in_nan if out_nan else not in_bad
 
 
 class FirstNonFiniteLocator:
-    """Finds the first module of *model* whose output, or gradient, is NaN or infinite.
+    """Finds where a NaN or Inf was made: the module (or parameter gradient) of its origin.
+
+    In the forward pass that is the first module, in completion order, whose inputs were
+    finite and whose output is not: a NaN made inside a parent's own code (a softmax over a
+    fully masked row in ``Attention.forward``, before its output projection) names the parent,
+    not the projection that only passed the NaN on. In the backward pass it is the first module
+    that received finite gradients and produced a non-finite one, or the parameter whose
+    gradient alone is non-finite. Forward findings win: a NaN made in the forward pass poisons
+    every gradient after it.
 
     Example::
 
@@ -75,7 +139,8 @@ class FirstNonFiniteLocator:
     Args:
         model: the module to watch; it is never mutated (hooks are removed after each use).
         bus: where :class:`AnomalyLocalized` goes (``None``: only returned).
-        backward: also watch gradients (tensor hooks on module inputs and outputs).
+        backward: also watch gradients (tensor hooks on module inputs, outputs and
+            parameters).
         source: the ``source`` stamped on events.
 
     Raises:
@@ -99,25 +164,49 @@ class FirstNonFiniteLocator:
         self.source = source
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._records: list[_Record] = []
+        self._open: dict[int, list[tuple[int, torch.Tensor, list[torch.Tensor]]]] = {}
+        self._calls = 0
+
+    @property
+    def model(self) -> nn.Module:
+        """The watched module."""
+        return self._model
 
     @property
     def is_armed(self) -> bool:
         """True while hooks are installed."""
         return bool(self._handles)
 
+    @property
+    def has_records(self) -> bool:
+        """True when the hooks recorded something since the last :meth:`result`."""
+        return bool(self._records)
+
     def arm(self) -> None:
         """Install the hooks on every module (idempotent). Prefer :meth:`armed` or :meth:`localize`."""
         if self._handles:
             return
         self._records.clear()
+        self._open.clear()
         for name, module in self._model.named_modules():
-            self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_hook(), with_kwargs=True)
+            )
+            self._handles.append(
+                module.register_forward_hook(self._forward_hook(name), with_kwargs=True)
+            )
+        if self.backward:
+            for name, p in self._model.named_parameters():
+                if p.requires_grad:
+                    owner = name.rpartition(".")[0]
+                    self._handles.append(p.register_hook(self._param_hook(owner, name, p)))  # type: ignore[no-untyped-call]
 
     def disarm(self) -> None:
-        """Remove every hook (idempotent)."""
+        """Remove every hook (idempotent); what was recorded stays for :meth:`result`."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._open.clear()
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
@@ -129,29 +218,40 @@ class FirstNonFiniteLocator:
             self.disarm()
 
     def result(self, *, step: int | None = None) -> AnomalyLocalized | None:
-        """The first non-finite forward output (else backward gradient) seen while armed.
+        """Where the first NaN/Inf seen while armed was made (``None``: everything finite).
 
-        One transfer moves every flag to the host. Forward findings win over backward ones:
-        a NaN produced in the forward pass also poisons every gradient after it.
+        One transfer moves every flag to the host; the records are cleared.
         """
         records, self._records = self._records, []
         if not records:
             return None
-        flags = torch.stack([r.flag.to("cpu") for r in records]).tolist()
-        bad = [r for r, f in zip(records, flags, strict=True) if f]
-        if not bad:
+        home = records[0].flags.device
+        flat = torch.cat([r.flags.reshape(-1).to(home) for r in records]).tolist()
+        reads: list[_Read] = []
+        at = 0
+        for r in records:
+            n = r.flags.numel()
+            reads.append(_Read(r, flat[at : at + n]))
+            at += n
+        forward = [x for x in reads if x.record.kind is _Kind.FORWARD]
+        found = _forward_origin(forward)
+        if found is None:
+            found = _backward_origin([x for x in reads if x.record.kind is not _Kind.FORWARD])
+        if found is None:
             return None
-        first = next((r for r in bad if r.phase == "forward"), bad[0])
-        lo, hi = _finite_range(first.inputs)
+        read, role = found
+        record = read.record
+        lo, hi = _finite_range(record.inputs)
         return AnomalyLocalized(
             step=step,
             source=self.source,
-            module=first.module,
-            phase=first.phase,
-            role=first.role,
-            shapes=first.shapes,
+            module=record.module,
+            phase="forward" if record.kind is _Kind.FORWARD else "backward",
+            role=role,
+            shapes=record.shapes,
             input_min=lo,
             input_max=hi,
+            parameter=record.parameter,
         )
 
     async def localize(
@@ -164,68 +264,167 @@ class FirstNonFiniteLocator:
         Returns:
             the published :class:`AnomalyLocalized`, or ``None`` when everything stayed finite.
         """
+        found = self.localize_sync(replay, step=step)
+        await anyio.lowlevel.checkpoint()
+        return found
+
+    def localize_sync(
+        self, replay: Callable[[], object], *, step: int | None = None
+    ) -> AnomalyLocalized | None:
+        """:meth:`localize` for synchronous code (a :class:`~eventbus_debug.SyncSession`)."""
+        self._records.clear()
         with self.armed():
             replay()
         found = self.result(step=step)
         if found is not None:
-            self._publish(found)
-            _log.info("anomaly_localized", module=found.module, phase=found.phase, step=step)
-        await anyio.lowlevel.checkpoint()
+            self.publish(found)
         return found
+
+    def publish(self, found: AnomalyLocalized) -> None:
+        """Publish *found* on the locator's bus and log it."""
+        self._publish(found)
+        _log.info(
+            "anomaly_localized",
+            module=found.module,
+            phase=found.phase,
+            parameter=found.parameter,
+            step=found.step,
+        )
 
     # -- hooks --------------------------------------------------------------------------------
 
-    def _forward_hook(self, name: str) -> Callable[[nn.Module, object, object], None]:
+    def _pre_hook(
+        self,
+    ) -> Callable[[nn.Module, tuple[object, ...], dict[str, object] | None], None]:
+        def hook(
+            module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object] | None = None
+        ) -> None:
+            # Disarmed while the module's hooks were being called (by a hook before this one):
+            # torch then calls this hook without kwargs; it must do nothing.
+            if not self._handles:
+                return
+            try:
+                inputs = _float_tensors(args) + _float_tensors(kwargs or {})
+                with torch.no_grad():
+                    flags = _flags(inputs)
+                self._calls += 1
+                self._open.setdefault(id(module), []).append((self._calls, flags, inputs))
+            except Exception:  # a probe never raises into the user's forward
+                _log.warning("localizer_hook_failed", exc_info=True)
+
+        return hook
+
+    def _forward_hook(
+        self, name: str
+    ) -> Callable[[nn.Module, tuple[object, ...], dict[str, object], object], None]:
         records = self._records
 
-        def hook(module: nn.Module, args: object, output: object) -> None:
+        def hook(
+            module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], output: object
+        ) -> None:
+            if not self._handles:
+                return
             try:
+                stack = self._open.get(id(module))
+                if stack:
+                    call, in_flags, inputs = stack.pop()
+                else:  # armed while this call was running: judge its inputs as they are now
+                    inputs = _float_tensors(args) + _float_tensors(kwargs)
+                    self._calls += 1
+                    call, in_flags = self._calls, _flags(inputs)
                 outs = _float_tensors(output)
                 if not outs:
                     return
-                inputs = _float_tensors(args)
                 with torch.no_grad():
-                    flag = torch.stack([(~torch.isfinite(o)).any() for o in outs]).any()
-                shapes = tuple(tuple(o.shape) for o in outs)
+                    out_flags = _flags(outs)
+                    flags = torch.cat([in_flags.to(out_flags.device), out_flags])
+                shapes = tuple(tuple(o.shape) for o in outs if not o.is_nested)
                 records.append(
-                    _Record(
-                        name,
-                        "forward",
-                        TensorRole.OUTPUT,
-                        flag,
-                        shapes,
-                        [i.detach() for i in inputs],
-                    )
+                    _Record(_Kind.FORWARD, name, call, flags, shapes, [i.detach() for i in inputs])
                 )
                 if self.backward and torch.is_grad_enabled():
-                    # The gradient into a module's input is what that module's backward made;
-                    # inner modules register first, so the innermost culprit is seen first.
-                    watched = [t for t in inputs if t.requires_grad]
-                    if not name:  # the model's output: a gradient already bad came from outside
-                        watched += [o for o in outs if o.requires_grad]
-                    for t in watched:
-                        t.register_hook(self._grad_hook(name, t))  # type: ignore[no-untyped-call]
+                    for o in outs:
+                        if o.requires_grad:
+                            o.register_hook(self._grad_hook(_Kind.OUT_GRAD, name, call, o))  # type: ignore[no-untyped-call]
+                    for t in inputs:
+                        if t.requires_grad:
+                            t.register_hook(self._grad_hook(_Kind.IN_GRAD, name, call, t))  # type: ignore[no-untyped-call]
             except Exception:  # a probe never raises into the user's forward
                 _log.warning("localizer_hook_failed", module=name, exc_info=True)
 
         return hook
 
-    def _grad_hook(self, name: str, tensor: torch.Tensor) -> Callable[[torch.Tensor], None]:
+    def _grad_hook(
+        self, kind: _Kind, name: str, call: int, tensor: torch.Tensor
+    ) -> Callable[[torch.Tensor], None]:
         records = self._records
         shape = tuple(tensor.shape)
 
         def hook(grad: torch.Tensor) -> None:
-            # The gradient *into* a module's input is produced by that module's backward.
             with torch.no_grad():
-                flag = (~torch.isfinite(grad)).any()
-            records.append(_Record(name, "backward", TensorRole.GRADIENT, flag, (shape,)))
+                flags = _flags([grad], grad.device)
+            records.append(_Record(kind, name, call, flags, (shape,)))
+
+        return hook
+
+    def _param_hook(
+        self, owner: str, name: str, param: torch.Tensor
+    ) -> Callable[[torch.Tensor], None]:
+        records = self._records
+        shape = tuple(param.shape)
+
+        def hook(grad: torch.Tensor) -> None:
+            with torch.no_grad():
+                flags = _flags([grad], grad.device)
+            records.append(_Record(_Kind.PARAM_GRAD, owner, -1, flags, (shape,), parameter=name))
 
         return hook
 
 
+def _forward_origin(reads: list[_Read]) -> tuple[_Read, TensorRole] | None:
+    """The first call (in completion order) that made a NaN/Inf; else where bad inputs came in."""
+    for r in reads:
+        if _made_here(r.flags):
+            return r, TensorRole.OUTPUT
+    came_in = [r for r in reads if r.flags[1]]  # non-finite inputs, made by no module
+    if came_in:
+        return min(came_in, key=lambda r: r.record.call), TensorRole.INPUT
+    return None
+
+
+def _backward_origin(reads: list[_Read]) -> tuple[_Read, TensorRole] | None:
+    """The first gradient made non-finite by a call whose incoming gradients were finite."""
+    bad_out_calls = {r.record.call for r in reads if r.record.kind is _Kind.OUT_GRAD and r.flags[1]}
+    bad_out_modules = {
+        r.record.module for r in reads if r.record.kind is _Kind.OUT_GRAD and r.flags[1]
+    }
+    first_bad: _Read | None = None
+    for r in reads:
+        if not r.flags[1]:
+            continue
+        first_bad = first_bad or r
+        kind = r.record.kind
+        if kind is _Kind.IN_GRAD and r.record.call not in bad_out_calls:
+            return r, TensorRole.GRADIENT
+        if kind is _Kind.PARAM_GRAD and r.record.module not in bad_out_modules:
+            return r, TensorRole.GRADIENT
+        if kind is _Kind.OUT_GRAD and r.record.module == "":
+            return r, TensorRole.GRADIENT  # the loss, outside the model, made it
+    return (first_bad, TensorRole.GRADIENT) if first_bad is not None else None
+
+
 def _finite_range(inputs: list[torch.Tensor]) -> tuple[float | None, float | None]:
-    values = [t[torch.isfinite(t)].float() for t in inputs if not t.is_complex() and t.numel()]
-    values = [v for v in values if v.numel()]
+    values = []
+    for t in inputs:
+        try:
+            v = stored_values(t)
+        except (TypeError, ValueError):
+            continue
+        if v.is_complex():
+            v = v.abs()
+        v = v[torch.isfinite(v)]
+        if v.numel():
+            values.append(v.to(torch.float64))
     if not values:
         return None, None
     lo, hi = torch.stack([torch.stack([v.min(), v.max()]) for v in values]).T.tolist()
@@ -246,6 +445,7 @@ class LayerRecord:
         mean, std, min, max: statistics over its (first) output's finite values.
         nan_count, inf_count: non-finite elements over all its outputs.
         duration_s: host time from the module's start to its end (on GPU: launch time only).
+        inputs_finite: False when its (positional) inputs held NaN or Inf.
     """
 
     module: str
@@ -258,11 +458,20 @@ class LayerRecord:
     nan_count: int
     inf_count: int
     duration_s: float
+    inputs_finite: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ForwardReport:
-    """What :func:`debug_forward_pass` saw, layer by layer, in completion order."""
+    """What :func:`debug_forward_pass` saw, layer by layer, in completion order.
+
+    Attributes:
+        layers: every module's record, in completion order.
+        duration_s: host time of the whole forward pass.
+        first_non_finite: the module where a NaN/Inf was made: the first (in completion order)
+            whose inputs were finite and whose output is not — a parent whose own code made it
+            is named, not the child that passed it on; ``None`` when everything was finite.
+    """
 
     layers: tuple[LayerRecord, ...]
     duration_s: float
@@ -296,10 +505,13 @@ def debug_forward_pass(
         msg = f"model must be a torch.nn.Module, got {type(model).__qualname__}"
         raise TypeError(msg)
     starts: dict[int, float] = {}
+    in_flags: dict[int, torch.Tensor] = {}
     rows: list[tuple[str, str, tuple[tuple[int, ...], ...], torch.Tensor, float]] = []
 
     def pre(name: str) -> Callable[[nn.Module, object], None]:
         def hook(module: nn.Module, args: object) -> None:
+            with torch.no_grad():
+                in_flags[id(module)] = _flags(_float_tensors(args))
             starts[id(module)] = time.perf_counter()
 
         return hook
@@ -320,8 +532,13 @@ def debug_forward_pass(
                     stats = torch.stack([fin.mean(), std, fin.min(), fin.max()])
                 else:
                     stats = torch.full((4,), float("nan"), device=o.device)
+                flags = in_flags.pop(id(module), torch.zeros(2, dtype=torch.uint8))
                 row = torch.cat(
-                    [stats, torch.stack([torch.as_tensor(nan), torch.as_tensor(inf)]).to(stats)]
+                    [
+                        stats,
+                        torch.stack([torch.as_tensor(nan), torch.as_tensor(inf)]).to(stats),
+                        flags.to(stats),
+                    ]
                 )
             rows.append(
                 (name, type(module).__name__, tuple(tuple(x.shape) for x in outs), row, elapsed)
@@ -355,11 +572,22 @@ def debug_forward_pass(
             nan_count=int(v[4]),
             inf_count=int(v[5]),
             duration_s=elapsed,
+            inputs_finite=not v[7],
         )
         for (name, type_name, shapes, _, elapsed), v in zip(rows, values, strict=True)
     )
-    first = next((r.module for r in layers if r.nan_count or r.inf_count), None)
-    return output, ForwardReport(layers=layers, duration_s=duration, first_non_finite=first)
+    made = [
+        r
+        for r, v in zip(layers, values, strict=True)
+        if _made_here([int(v[6]), int(v[7]), int(v[4] > 0), int(v[4] + v[5] > 0)])
+    ]
+    bad = [r for r in layers if r.nan_count or r.inf_count]
+    first = made[0] if made else bad[0] if bad else None
+    return output, ForwardReport(
+        layers=layers,
+        duration_s=duration,
+        first_non_finite=first.module if first is not None else None,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

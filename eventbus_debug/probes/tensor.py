@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .finite import _RAW_BITS, stored_values
+
 __all__ = ("TensorStats", "analyze_tensor")
 
 
@@ -15,12 +17,16 @@ class TensorStats:
     """What :func:`analyze_tensor` found.
 
     Statistics cover the finite values only (NaN and Inf are counted, not averaged). Booleans
-    count as 0/1, integers are widened to float64, complex values are summarized by magnitude,
-    sparse tensors by their stored values, quantized tensors by their dequantized values.
+    count as 0/1; every statistic is computed in float64 from values scaled by their largest
+    magnitude, so bf16/fp16/fp32 values near their dtype's limit never overflow the mean or
+    std. Complex values are summarized by magnitude, sparse tensors (COO, CSR, CSC, BSR, BSC)
+    by their stored values, nested tensors by the values of all their components, MKLDNN
+    tensors by their dense values, quantized tensors by their dequantized values, float8 and
+    float4 tensors by their exact float32 values.
 
     Attributes:
         name: the name given to :func:`analyze_tensor`.
-        shape: the (dense) shape.
+        shape: the (dense) shape; ``-1`` for the ragged dimensions of a nested tensor.
         dtype: e.g. ``"torch.float16"``.
         device: e.g. ``"cpu"``, ``"cuda:0"``, ``"meta"``.
         layout: e.g. ``"torch.strided"``, ``"torch.sparse_coo"``.
@@ -57,29 +63,56 @@ class TensorStats:
         return not self.nan_count and not self.inf_count
 
 
-def _values(t: torch.Tensor) -> torch.Tensor:
-    """The stored values of *t* as a dense 1-d tensor of a type reductions accept."""
-    if t.is_quantized:
-        t = t.dequantize()
-    if t.layout is torch.sparse_coo:
-        t = t.coalesce().values()
-    elif t.layout is not torch.strided:
-        t = t.values()
-    return t.reshape(-1)
-
-
 def _nbytes(t: torch.Tensor) -> int:
+    """The memory a (non-meta) tensor's stored values, and its index tensors, take."""
+    if t.is_nested:
+        parts = [t.values()]
+        offsets = t.offsets() if t.layout is torch.jagged else None  # type: ignore[attr-defined]
+        if offsets is not None:
+            parts.append(offsets)
+        return int(sum(p.numel() * p.element_size() for p in parts))
     if t.layout is torch.sparse_coo:
         c = t.coalesce()
         return int(c.values().nbytes + c.indices().nbytes)
-    if t.layout is not torch.strided:
-        parts = [t.values()]
-        if t.layout in (torch.sparse_csr, torch.sparse_bsr):
-            parts += [t.crow_indices(), t.col_indices()]
-        else:
-            parts += [t.ccol_indices(), t.row_indices()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = [t.values(), t.crow_indices(), t.col_indices()]
+        return int(sum(p.nbytes for p in parts))
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = [t.values(), t.ccol_indices(), t.row_indices()]
         return int(sum(p.nbytes for p in parts))
     return int(t.numel() * t.element_size())
+
+
+def dense_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape, with ``-1`` for the ragged dimensions of a nested tensor."""
+    if not t.is_nested:
+        return tuple(int(s) for s in t.shape)
+    if t.layout is torch.jagged:
+        return tuple(s if isinstance(s, int) else -1 for s in t.shape)
+    sizes = t._nested_tensor_size()  # strided nested: one row of sizes per component
+    if sizes.numel() == 0:
+        return (t.size(0),)
+    cols = sizes.T.tolist()
+    return (int(sizes.shape[0]), *(c[0] if len(set(c)) == 1 else -1 for c in cols))
+
+
+def _contiguous(t: torch.Tensor) -> bool:
+    if t.layout is not torch.strided or t.is_nested:
+        return True
+    return t.is_contiguous()
+
+
+def _moments(x: torch.Tensor) -> torch.Tensor:
+    """min, max, mean and std of finite float64 values, computed without overflow.
+
+    The values are divided by their largest magnitude first, so the sum and the sum of squares
+    stay below the number of elements whatever the values are (``1e300`` included).
+    """
+    scale = x.abs().amax()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = x / safe
+    std = y.std() if x.numel() > 1 else torch.zeros((), dtype=torch.float64, device=x.device)
+    return torch.stack([x.min(), x.max(), y.mean() * safe, std * safe])
 
 
 def analyze_tensor(tensor: torch.Tensor, name: str = "tensor") -> TensorStats:
@@ -93,20 +126,24 @@ def analyze_tensor(tensor: torch.Tensor, name: str = "tensor") -> TensorStats:
         name: a label carried into the result.
 
     Raises:
-        TypeError: if *tensor* is not a ``torch.Tensor``.
+        TypeError: if *tensor* is not a ``torch.Tensor``, or its dtype holds raw bits
+            (``torch.bits8``...), which have no numeric meaning.
     """
     if not isinstance(tensor, torch.Tensor):
         msg = f"analyze_tensor needs a torch.Tensor, got {type(tensor).__qualname__}"
         raise TypeError(msg)
     t = tensor.detach()
+    if t.dtype in _RAW_BITS:
+        msg = f"{name} has dtype {t.dtype}, raw bits with no numeric meaning; view it as a numeric dtype first"
+        raise TypeError(msg)
     common = {
         "name": name,
-        "shape": tuple(t.shape),
+        "shape": dense_shape(t),
         "dtype": str(t.dtype),
         "device": str(t.device),
         "layout": str(t.layout),
         "numel": t.numel(),
-        "contiguous": t.is_contiguous() if t.layout is torch.strided else True,
+        "contiguous": _contiguous(t),
         "requires_grad": tensor.requires_grad,
     }
     if t.is_meta:
@@ -121,7 +158,7 @@ def analyze_tensor(tensor: torch.Tensor, name: str = "tensor") -> TensorStats:
             std=None,
             is_meta=True,
         )
-    v = _values(t)
+    v = stored_values(t, name=name)
     nbytes = _nbytes(t)
     if v.numel() == 0:
         return TensorStats(
@@ -136,18 +173,17 @@ def analyze_tensor(tensor: torch.Tensor, name: str = "tensor") -> TensorStats:
         )
     with torch.no_grad():
         if v.is_complex() or v.is_floating_point():
-            nan, inf = v.isnan().sum(), v.isinf().sum()
-            if v.is_complex():
-                v = v.abs()
-            x = v.to(torch.float64 if v.dtype == torch.float64 else torch.float32)
+            nan_mask = v.isnan()
+            nan, inf = nan_mask.sum(), (v.isinf() & ~nan_mask).sum()
+            # |z| of a finite complex64 z can overflow float32: take it in float64
+            x = v.to(torch.complex128).abs() if v.is_complex() else v.to(torch.float64)
             x = x[torch.isfinite(x)]
         else:  # bool and integers hold no NaN/Inf
             nan = inf = torch.zeros((), dtype=torch.int64, device=v.device)
             x = v.to(torch.float64)
         n = x.numel()
         if n:
-            std = x.std() if n > 1 else torch.zeros((), dtype=torch.float64, device=x.device)
-            stats = torch.stack([x.min(), x.max(), x.mean(), std]).to(torch.float64)
+            stats = _moments(x)
         else:
             stats = torch.full((4,), math.nan, dtype=torch.float64, device=v.device)
         packed = torch.cat([torch.stack([nan, inf]).to(torch.float64), stats])

@@ -25,6 +25,7 @@ from eventbus_debug._logging import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
+from ..step_context import StepSource, current_step
 from .classify import exception_names
 from .events import SampleSkipped
 
@@ -152,10 +153,15 @@ class SkippingLoader:
             a :class:`CorruptSampleCollate`).
         bus: where the incidents go (``None``: only logged and counted).
         max_skipped: the most corrupt samples one pass may skip.
+        step: returns the training step the incidents are stamped with; ``None`` (default):
+            the step bound by the session iterating the loader
+            (:func:`~eventbus_debug.step_context.current_step`), else no step. A batch is
+            loaded before its step starts, so this is the step of the last completed batch
+            (``None`` before the first).
 
     Raises:
         ValueError: if *max_skipped* < 0.
-        TypeError: if *bus* is not a bus or ``None``.
+        TypeError: if *bus* is not a bus or ``None``, or *step* is not callable.
     """
 
     def __init__(
@@ -164,6 +170,7 @@ class SkippingLoader:
         bus: EventBus | SyncEventBus | None,
         *,
         max_skipped: int = DEFAULT_MAX_SKIPPED,
+        step: StepSource | None = None,
     ) -> None:
         if isinstance(max_skipped, bool) or not isinstance(max_skipped, int) or max_skipped < 0:
             msg = f"max_skipped must be an integer >= 0 (corrupt samples per pass), got {max_skipped!r}"
@@ -171,6 +178,10 @@ class SkippingLoader:
         if bus is not None and not isinstance(bus, (EventBus, SyncEventBus)):
             msg = f"bus must be an EventBus, a SyncEventBus or None, got {bus!r}"
             raise TypeError(msg)
+        if step is not None and not callable(step):
+            msg = f"step must be a callable returning the current step, or None, got {step!r}"
+            raise TypeError(msg)
+        self.step = step
         self.loader = loader
         self.bus = bus
         self.max_skipped = max_skipped
@@ -207,6 +218,7 @@ class SkippingLoader:
             "sample_skipped", index=corrupt.index, error=f"{corrupt.error_type}: {corrupt.message}"
         )
         event = SampleSkipped(
+            step=current_step(self.step),
             source=SOURCE,
             index=corrupt.index,
             error_type=corrupt.error_type,
@@ -236,12 +248,14 @@ def skip_corrupt_samples(
     max_skipped: int = DEFAULT_MAX_SKIPPED,
     catch: tuple[type[Exception], ...] = (Exception,),
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    step: StepSource | None = None,
     **loader_kwargs: Any,
 ) -> SkippingLoader:
     """A ``DataLoader`` over *dataset* that skips and reports samples that raise.
 
     *loader_kwargs* go to ``torch.utils.data.DataLoader`` (``batch_size``, ``shuffle``,
-    ``num_workers``, ...); *collate_fn* collates the good samples.
+    ``num_workers``, ...); *collate_fn* collates the good samples; *step* is as for
+    :class:`SkippingLoader`.
 
     Raises:
         TypeError, ValueError: as :class:`SkipCorruptSamples` and :class:`SkippingLoader`, or
@@ -252,4 +266,4 @@ def skip_corrupt_samples(
         collate_fn=CorruptSampleCollate(collate_fn),
         **loader_kwargs,
     )
-    return SkippingLoader(loader, bus, max_skipped=max_skipped)
+    return SkippingLoader(loader, bus, max_skipped=max_skipped, step=step)

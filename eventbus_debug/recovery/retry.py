@@ -32,6 +32,7 @@ import tenacity
 from eventbus_debug._logging import get_logger
 
 from ..exceptions import TrainingStopped
+from ..step_context import StepSource, current_step
 from .engine import DecidedAction, RecoveryEngine
 from .events import RecoveryAction, RecoveryApplied
 from .memory import free_memory
@@ -203,9 +204,12 @@ class Retrying:
         operation: what the call does (``"data_loading"``, ``"model_loading"``, ``"train_step"``):
             it is in the error's context and guides the classification.
         context: more context for the error incidents.
+        step: returns the training step the events are stamped with; ``None`` (default): the
+            step bound by the session the call runs in
+            (:func:`~eventbus_debug.step_context.current_step`), else no step.
 
     Raises:
-        TypeError: if *engine* is not a :class:`RecoveryEngine`.
+        TypeError: if *engine* is not a :class:`RecoveryEngine` or *step* not callable.
         ValueError: if *max_attempts* < 1, a delay is negative or *multiplier* < 1.
     """
 
@@ -220,6 +224,7 @@ class Retrying:
         multiplier: float = 2.0,
         operation: str = "",
         context: Mapping[str, str] | None = None,
+        step: StepSource | None = None,
     ) -> None:
         if not isinstance(engine, RecoveryEngine):
             msg = f"engine must be a RecoveryEngine, got {engine!r}"
@@ -238,7 +243,11 @@ class Retrying:
         ):
             msg = f"multiplier must be a number >= 1, got {multiplier!r}"
             raise ValueError(msg)
+        if step is not None and not callable(step):
+            msg = f"step must be a callable returning the current step, or None, got {step!r}"
+            raise TypeError(msg)
         self.engine = engine
+        self.step = step
         self.state = state if state is not None else CallState()
         self.max_attempts = max_attempts
         self.operation = operation
@@ -311,11 +320,19 @@ class Retrying:
             ctx["operation"] = self.operation
         return ctx
 
+    def current_step(self) -> int | None:
+        """The step this call's events are stamped with (see the *step* argument)."""
+        return current_step(self.step)
+
     async def _report_async(self, exc: Exception, attempt: int) -> tuple[DecidedAction, ...]:
-        return await self.engine.report_error(exc, context=self._ctx(), attempt=attempt)
+        return await self.engine.report_error(
+            exc, context=self._ctx(), attempt=attempt, step=self.current_step()
+        )
 
     def _report_sync(self, exc: Exception, attempt: int) -> tuple[DecidedAction, ...]:
-        return self.engine.report_error_sync(exc, context=self._ctx(), attempt=attempt)
+        return self.engine.report_error_sync(
+            exc, context=self._ctx(), attempt=attempt, step=self.current_step()
+        )
 
     def _outcome(self, exc: Exception, decided: tuple[DecidedAction, ...]) -> BaseException:
         self._last_error = exc
@@ -364,7 +381,13 @@ class Retrying:
 
     def _publish(self, action: RecoveryAction, detail: str, outcome: str) -> None:
         self.engine.publish(
-            RecoveryApplied(source=SOURCE, action=action, detail=detail, outcome=outcome)
+            RecoveryApplied(
+                step=self.current_step(),
+                source=SOURCE,
+                action=action,
+                detail=detail,
+                outcome=outcome,
+            )
         )
 
 
@@ -409,6 +432,7 @@ def retrying(
     multiplier: float = 2.0,
     operation: str = "",
     context: Mapping[str, str] | None = None,
+    step: StepSource | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorator: run a sync or async function under recovery (the seeds' ``DebugDecorator``).
 
@@ -431,6 +455,7 @@ def retrying(
             multiplier=multiplier,
             operation=operation,
             context=ctx,
+            step=step,
         )
         wrapped = _decorate(policy, fn, pass_state=pass_state)
         wrapped.retrying = policy  # type: ignore[attr-defined]
