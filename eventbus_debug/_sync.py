@@ -124,12 +124,18 @@ class SyncEventBus:
         self.flush()
 
     def flush(self) -> None:
-        """Hand everything published so far to the bus's thread: one cross-thread wake-up."""
+        """Hand everything published so far to the bus's thread: one cross-thread wake-up.
+
+        If a flow-controlled sink (the canonical log) is behind, also waits until it caught
+        up, as ``await bus.publish(...)`` does (see :meth:`EventBus.subscribe`).
+        """
         self._pending = 0
         if self._portal is None:
             msg = "the SyncEventBus is not running; use `with SyncEventBus() as bus:`"
             raise BusClosedError(msg)
         self._bus.wake_threadsafe()
+        if self._bus._pressing:
+            self._call_async(self._bus._wait_for_room)
 
     def drain(self, *subscriptions: Subscription, timeout: float | None = None) -> None:
         """Block until everything published so far was handled (see :meth:`EventBus.drain`)."""

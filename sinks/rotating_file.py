@@ -83,6 +83,8 @@ _GZIP_LEVEL: Final = 6
 _COPY_CHUNK: Final = 1024 * 1024
 _FILE_MODE: Final = 0o644
 _TAIL_SCAN: Final = 1024 * 1024
+_clock: Callable[[], float] = time.monotonic
+"""The backoff's clock (a seam for tests)."""
 _MAX_TAIL_DECODE: Final = 64 * 1024 * 1024
 
 Namer = Callable[[str], str]
@@ -431,7 +433,7 @@ class RotatingFileSink:
                     self._append_locked(data)
                     self._trim_pending_locked()
                     if self._outage_since is not None:
-                        if time.monotonic() >= self._next_attempt:
+                        if _clock() >= self._next_attempt:
                             self._flush_locked()  # a retry, on the backoff schedule
                     elif self._flush_interval == 0 or len(self._buffer) >= self._buffer_size:
                         self._flush_locked()
@@ -443,16 +445,16 @@ class RotatingFileSink:
             finally:
                 self._ensure_flusher()
         if bad:
-            event, exc = bad[0]
+            event, error = bad[0]
             msg = (
                 f"{len(bad)} event(s) of the batch could not be encoded and were not written "
-                f"(first: {type(event).__name__} seq={event.seq}: {exc})"
+                f"(first: {type(event).__name__} seq={event.seq}: {error})"
             )
             raise LogWriteError(msg)
 
     def _note_outage_locked(self, exc: LogWriteError) -> bool:
         """Schedule the next attempt with backoff; returns True if this failure starts an outage."""
-        now = time.monotonic()
+        now = _clock()
         self._outage_error = str(exc)
         if self._outage_since is None:
             self._outage_since = now
@@ -475,7 +477,7 @@ class RotatingFileSink:
         event = LogWriteResumed(
             source=self.name,
             path=str(self._path),
-            outage_s=time.monotonic() - since,
+            outage_s=_clock() - since,
             write_errors=self._outage_errors,
             lines_lost=self._outage_lost,
             error=self._outage_error,
@@ -585,7 +587,7 @@ class RotatingFileSink:
                     return
                 if not self._buffer:
                     continue
-                if self._outage_since is not None and time.monotonic() < self._next_attempt:
+                if self._outage_since is not None and _clock() < self._next_attempt:
                     continue
                 try:
                     self._flush_locked()

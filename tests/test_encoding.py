@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections.abc import Mapping
 from dataclasses import field
 from enum import Enum
@@ -198,3 +199,50 @@ class TestErrors:
         """EventDecodeError is a ValueError."""
         with pytest.raises(ValueError):
             decode_event("")
+
+
+class TestUntrustedInput:
+    @pytest.mark.parametrize(
+        ("field", "value", "expected"),
+        [
+            ("step", '"abc"', "integer"),
+            ("step", "true", "integer"),
+            ("step", "1.5", "integer"),
+            ("seq", "99999999999999999999999", "integer"),
+            ("source", "[1]", "string"),
+            ("loss", '"1.5"', "number"),
+            ("loss", "{}", "number"),
+            ("rank", "null", "integer"),
+        ],
+    )
+    def test_wrong_field_type_is_named(self, field: str, value: str, expected: str) -> None:
+        """Every field is checked against its declared type; the error names the field."""
+        obj = orjson.loads(encode_event(StepCompleted(step=1, loss=0.5)))
+        line = orjson.dumps(obj).replace(
+            f'"{field}":'.encode() + orjson.dumps(obj[field]), f'"{field}":{value}'.encode()
+        )
+        with pytest.raises(EventDecodeError, match=rf"field '{field}'.*{expected}"):
+            decode_event(line)
+
+    def test_nested_types_are_checked(self) -> None:
+        """Mappings and sequences are checked item by item (keys and values)."""
+        base = {"kind": "events_dropped", "sink": "s", "dropped": 1, "total_dropped": 1}
+        with pytest.raises(EventDecodeError, match=r"field 'by_kind'.*integer"):
+            decode_event({**base, "by_kind": {"a": "many"}})
+        with pytest.raises(EventDecodeError, match=r"field 'by_kind'.*object"):
+            decode_event({**base, "by_kind": [1, 2]})
+
+    def test_decoded_events_always_encode_again(self) -> None:
+        """Seeded mutations of a valid line: each decodes to an encodable event or is rejected."""
+        rng = random.Random(12)
+        good = orjson.loads(encode_event(_Floats(plain=1.0, series=(1.0, 2.0), table={"a": 1.0})))
+        junk: list[object] = ["x", 1, -1, 2.5, None, True, [], {}, [1, "a"], {"k": [None]}]
+        for _ in range(400):
+            obj = dict(good)
+            name = rng.choice([k for k in obj if k != "kind"])
+            obj[name] = rng.choice(junk)
+            try:
+                event = decode_event(obj)
+            except EventDecodeError:
+                continue
+            assert decode_event(encode_event(event)) == event

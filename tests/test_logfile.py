@@ -18,6 +18,7 @@ from eventbus_debug import (
     read_events,
 )
 from eventbus_debug.encoding import encode_events
+from eventbus_debug.logfile import ReadStatistics
 
 
 def _steps(n0: int, n1: int, *, rank: int = 0, t0: int = 0) -> list[StepCompleted]:
@@ -134,3 +135,49 @@ def test_truncated_gzip_backup(tmp_path: Path) -> None:
         list(read_events(tmp_path))
     steps = [e.step for e in read_events(tmp_path, strict=False)]
     assert steps[-1] == 200 and steps[:3] == [0, 1, 2] and len(steps) < 201
+
+
+def test_torn_line_in_the_middle_is_skipped_and_counted(tmp_path: Path) -> None:
+    """A line cut by a crash in the middle of a file is skipped, even in strict mode."""
+    f = tmp_path / "events.jsonl"
+    whole = encode_event(StepCompleted(step=1, loss=0.5))
+    f.write_bytes(encode_event(StepCompleted(step=0)) + whole[:25] + b"\n" + whole)
+    stats = ReadStatistics()
+    assert [e.step for e in read_events(f, stats=stats)] == [0, 1]
+    assert (stats.events, stats.torn_lines, stats.invalid_lines) == (2, 1, 0)
+
+
+def test_event_glued_after_a_torn_prefix_is_recovered(tmp_path: Path) -> None:
+    """A restart that appended to a cut line: the whole event after the cut is recovered."""
+    f = tmp_path / "events.jsonl"
+    torn = encode_event(StepCompleted(step=1))[:30]
+    f.write_bytes(encode_event(StepCompleted(step=0)) + torn + encode_event(StepCompleted(step=2)))
+    stats = ReadStatistics()
+    assert [e.step for e in read_events(f, stats=stats)] == [0, 2]
+    assert (stats.torn_lines, stats.recovered) == (1, 1)
+
+
+def test_wrong_field_type_names_file_line_and_field(tmp_path: Path) -> None:
+    """`step: "abc"` is rejected with the file, the line number and the field's name."""
+    f = tmp_path / "events.jsonl"
+    bad = encode_event(StepCompleted(step=1)).replace(b'"step":1', b'"step":"abc"')
+    f.write_bytes(encode_event(StepCompleted(step=0)) + bad)
+    with pytest.raises(EventDecodeError, match=r"events.jsonl:2: .*field 'step'.*integer.*'abc'"):
+        list(read_events(f))
+
+
+def test_tolerant_mode_skips_and_counts_invalid_lines(tmp_path: Path) -> None:
+    """With strict=False, lines with wrong types are skipped and counted; the rest is read."""
+    f = tmp_path / "events.jsonl"
+    good = encode_event(StepCompleted(step=0, loss=1.0))
+    f.write_bytes(
+        good
+        + good.replace(b'"step":0', b'"step":"abc"')
+        + good.replace(b'"loss":1.0', b'"loss":{"x":1}')
+        + good.replace(b'"source":""', b'"source":[1,2]')
+        + b"[1,2,3]\n"
+        + good
+    )
+    stats = ReadStatistics()
+    assert [e.step for e in read_events(f, strict=False, stats=stats)] == [0, 0]
+    assert (stats.invalid_lines, stats.torn_lines) == (4, 0)

@@ -401,7 +401,7 @@ class TestFailures:
     ) -> None:
         """Many failures in one outage raise once; retries back off; nothing is lost."""
         clock = [1000.0]
-        monkeypatch.setattr(rf.time, "monotonic", lambda: clock[0])
+        monkeypatch.setattr(rf, "_clock", lambda: clock[0])
         sink = RotatingFileSink(tmp_path)
         await sink.handle_batch(_steps(0, 2))
         disk = _DiskFull(times=4, partial=45)
