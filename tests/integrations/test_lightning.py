@@ -23,11 +23,6 @@ from eventbus_debug import (
 )
 from eventbus_debug.integrations.lightning import EventBusDebugCallback
 
-pytestmark = pytest.mark.filterwarnings(
-    # lightning 2.6 uses torch's LeafSpec, deprecated by torch: not ours to fix
-    "ignore:.*LeafSpec.*:FutureWarning",
-)
-
 BATCHES = 8
 
 
