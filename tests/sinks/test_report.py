@@ -2,8 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
-import subprocess
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -30,15 +29,18 @@ from eventbus_debug import (
     encode_event,
     read_events,
 )
-from eventbus_debug.events import Event, EventsDropped, StepCompleted
+from eventbus_debug.events import Event, EventsDropped, SessionStarted, StepCompleted
 from sinks import (
     ReportWriter,
     RunAggregator,
     build_report,
     render_html,
     summarize,
+    summarize_runs,
     summary_to_dict,
+    write_report,
 )
+from tests.sinks._chromium import dump_dom, needs_chromium, screenshot
 
 T0 = 1_700_000_000_000_000_000
 NAN = math.nan
@@ -285,57 +287,280 @@ class TestReportWriter:
             ReportWriter(tmp_path, interval=0)
 
 
-CHROMIUM = shutil.which("chromium") or (
-    "/usr/bin/chromium" if Path("/usr/bin/chromium").exists() else None
-)
+def practitioner_events(steps: int = 40, layers: int = 6) -> list[Event]:
+    """A run with everything a practitioner looks at: a session start, LR schedule,
+    throughput, per-layer gradient norms and update ratios (ADVANCED), CUDA memory, and the
+    scripted incidents with their recovery decisions and applied actions."""
+    out: list[Event] = [SessionStarted(seq=0, time_ns=T0 - 1, name="train", run_id="run-1")]
+    for event in scripted_events(steps):
+        step = event.step
+        if isinstance(event, StepCompleted) and step is not None:
+            event = dataclasses.replace(
+                event,
+                learning_rate=0.1 * (0.5 ** (step // 10)),
+                samples_per_s=1000.0 - step,
+                duration_s=0.032 + 0.001 * (step % 3),
+            )
+        elif isinstance(event, StepChecked) and step is not None:
+            event = dataclasses.replace(
+                event,
+                layer_grad_norms={f"block{i}.weight": 10.0 ** (i - 3) for i in range(layers)},
+                update_ratios={f"block{i}.weight": 1e-3 * (i + 1) for i in range(layers)},
+            )
+        elif isinstance(event, MemorySampled) and step is not None:
+            event = dataclasses.replace(
+                event,
+                cuda_allocated=(200 + step) * MiB,
+                cuda_reserved=512 * MiB,
+                cuda_peak=(300 + step) * MiB,
+            )
+        out.append(event)
+    return out
 
 
-@pytest.mark.skipif(
-    CHROMIUM is None,
-    reason="needs Debian's chromium for a headless browser: apt-get update && apt-get install -y chromium",
-)
+class TestPractitionerViews:
+    def test_learning_rate_throughput_and_layer_series(self) -> None:
+        """LR, samples/s, step time and per-layer series come from the events, with the last
+        values for the cards and /metrics."""
+        s = summarize(practitioner_events(40, layers=6))
+        assert [p.mean for p in s.learning_rate][:11] == [0.1] * 10 + [0.05]
+        assert s.samples_per_s[0].mean == 1000.0 and s.samples_per_s[-1].mean == 961.0
+        assert s.step_duration_s[1].mean == pytest.approx(0.033)
+        assert [layer.name for layer in s.layer_grad_norms] == [
+            f"block{i}.weight" for i in range(6)
+        ]
+        assert s.layer_grad_norms[5].points[0].mean == pytest.approx(100.0)
+        assert s.update_ratios[1].points[-1].mean == pytest.approx(2e-3)
+        assert s.latest.learning_rate == pytest.approx(0.1 * 0.5**3)
+        assert s.latest.samples_per_s == 961.0 and s.latest.step == 39
+        assert s.memory.peak_cuda_allocated_bytes == 339 * MiB  # the allocator's peak
+        assert len(s.cuda_reserved_bytes) == 40
+        page = render_html(s)
+        for ident in ("chart-lr", "chart-throughput", "chart-step-time", "chart-cuda"):
+            assert f'id="{ident}"' in page and "no data" not in page.split(f'id="{ident}"')[1][:300]
+        assert page.count('<rect x="') > 6 * 40  # two heatmaps of 6 layers
+        assert "block5.weight" in page
+
+    def test_layer_views_stay_bounded(self) -> None:
+        """Beyond max_layers the other layers are counted, not kept; buckets are bounded."""
+        agg = RunAggregator(max_layers=4, layer_points=8)
+        for step in range(200):
+            agg.add(StepChecked(step=step, layer_grad_norms={f"l{i}": 1.0 for i in range(10)}))
+        s = agg.summary()
+        assert [layer.name for layer in s.layer_grad_norms] == ["l0", "l1", "l2", "l3"]
+        assert s.layers_omitted == 6
+        assert all(len(layer.points) <= 8 for layer in s.layer_grad_norms)
+        assert sum(p.count for p in s.layer_grad_norms[0].points) == 200
+        assert "6 more layer(s) not shown" in render_html(s)
+        with pytest.raises(ValueError, match="max_layers"):
+            RunAggregator(max_layers=1)
+
+    def test_incidents_link_to_decisions_and_actions_both_ways(self) -> None:
+        """Each incident lists the decisions it triggered; each decision its trigger and the
+        action applied for it; each applied action its decision."""
+        events = scripted_events(20)
+        rows = {r.seq: r for r in summarize(events).incidents}
+        by_kind = {(r.kind, r.step): r for r in rows.values()}
+        nan = by_kind[("non_finite_detected", 5)]
+        skip = by_kind[("recovery_decided", 5)]
+        skip_done = by_kind[("recovery_applied", 5)]
+        assert nan.led_to == (skip.seq,) and nan.caused_by is None
+        assert skip.caused_by == nan.seq and skip.led_to == (skip_done.seq,)
+        assert skip_done.caused_by == skip.seq and skip_done.led_to == ()
+        boom = by_kind[("gradient_exploded", 8)]
+        clip = by_kind[("recovery_decided", 8)]
+        assert boom.led_to == (clip.seq,)
+        assert rows[clip.led_to[0]].kind == "recovery_applied"
+        page = render_html(summarize(events))
+        for r in (nan, skip, skip_done, boom, clip):
+            assert f"id='ev-0-{r.seq}'" in page
+        assert f"href='#ev-0-{skip.seq}'" in page and f"href='#ev-0-{nan.seq}'" in page
+        chain = page.split("id='recovery-chain'")[1].split("</table>")[0]
+        assert chain.count("<tr>") == 3  # header + two decisions
+        assert "clipped to 1.0" in chain and "zeroed grads" in chain
+
+    def test_an_applied_action_without_a_decision_links_nothing(self) -> None:
+        """A RecoveryApplied with no decision pending (or unsequenced events) is not linked."""
+        s = summarize(
+            [
+                RecoveryApplied(seq=1, step=0, action=RecoveryAction.SKIP_STEP, detail="x"),
+                RecoveryDecided(
+                    step=1,
+                    action=RecoveryAction.SKIP_STEP,
+                    reason="r",
+                    strategy="s",
+                    trigger_kind="k",
+                    trigger_seq=-1,
+                ),
+            ]
+        )
+        assert [(r.caused_by, r.led_to) for r in s.incidents] == [(None, ()), (None, ())]
+        assert "not applied (yet)" in render_html(s)
+
+
+def _run(run_id: str, t0: int, steps: int, *, rank: int = 0, name: str = "train") -> list[Event]:
+    out: list[Event] = [SessionStarted(seq=1, time_ns=t0, rank=rank, name=name, run_id=run_id)]
+    for step in range(steps):
+        out.append(
+            StepCompleted(seq=step + 2, time_ns=t0 + step + 1, rank=rank, step=step, loss=1.0)
+        )
+    return out
+
+
+class TestRuns:
+    def test_reruns_into_one_log_are_not_merged(self, tmp_path: Path) -> None:
+        """Two runs appended to one log: the report shows the latest and lists both; a run
+        id or 'all' picks another view; an unknown id names the runs the log holds."""
+        log = tmp_path / "log"
+        log.mkdir()
+        first, second = _run("run-a", T0, 30), _run("run-b", T0 + 10**12, 12)
+        (log / "events.jsonl").write_bytes(b"".join(encode_event(e) for e in first + second))
+        summary, paths = build_report(log, tmp_path / "out")
+        assert summary.run_id == "run-b" and summary.steps == 12
+        assert [(r.run_id, r.events, r.shown) for r in summary.runs] == [
+            ("run-a", 31, False),
+            ("run-b", 13, True),
+        ]
+        assert not summary.mixed_runs
+        assert orjson.loads(paths.json.read_bytes())["run_id"] == "run-b"
+        page = paths.html.read_text() if paths.html else ""
+        assert "holds <strong>2 runs</strong>" in page and "(the latest)" in page
+        older, _ = build_report(log, tmp_path / "a", run="run-a")
+        assert older.steps == 30 and older.run_id == "run-a"
+        everything, _ = build_report(log, tmp_path / "all", run="all")
+        assert everything.steps == 42 and everything.mixed_runs and everything.run_id is None
+        assert "mixes 2 runs" in render_html(everything)
+        with pytest.raises(ValueError, match="'run-a', 'run-b'"):
+            build_report(log, tmp_path / "x", run="run-c")
+
+    def test_ranks_of_one_job_are_one_run(self) -> None:
+        """Ranks whose sessions start together under one name are one run, even without a
+        shared run id; a rank restarting much later is another run."""
+        events = sorted(
+            _run("r0", T0, 5)
+            + _run("r1", T0 + 2 * 10**9, 5, rank=1)
+            + _run("later", T0 + 3600 * 10**9, 3, rank=1),
+            key=lambda e: e.time_ns,
+        )
+        latest = summarize_runs(events)
+        assert latest.run_id == "later" and latest.ranks == (1,)
+        job = summarize_runs(events, run="r0")
+        assert job.ranks == (0, 1) and job.steps == 10
+        assert [r.run_id for r in job.runs] == ["r0", "later"]
+
+    def test_live_writer_sees_its_session(self) -> None:
+        """A live aggregator records the run id of the session it saw."""
+        s = summarize(_run("live-1", T0, 3))
+        assert s.run_id == "live-1"
+        assert [(r.run_id, r.events, r.shown) for r in s.runs] == [("live-1", 4, True)]
+        assert "id='run-id'>live-1</code>" in render_html(s)
+
+    def test_run_argument_is_checked(self) -> None:
+        """An empty run selector is a clear error."""
+        with pytest.raises(ValueError, match="run must be"):
+            summarize_runs([], run="")
+
+    def test_session_started_gets_a_fresh_run_id(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Every SessionStarted has its own id, unless the environment fixes one for a job."""
+        a, b = SessionStarted(name="x"), SessionStarted(name="x")
+        assert a.run_id and b.run_id and a.run_id != b.run_id
+        monkeypatch.setenv("EVENTBUS_DEBUG_RUN_ID", "job-42")
+        assert SessionStarted().run_id == "job-42"
+        monkeypatch.delenv("EVENTBUS_DEBUG_RUN_ID")
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+        assert SessionStarted().run_id != "none"
+
+
+def test_report_files_are_world_readable(tmp_path: Path) -> None:
+    """report.json and report.html are written 0644, so colleagues can open them."""
+    paths = write_report(summarize(scripted_events(3)), tmp_path)
+    assert paths.html is not None
+    for path in (paths.json, paths.html):
+        assert path.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_memory_for_both_session_kinds(tmp_path: Path, kind: str) -> None:
+    """Session and SyncSession both put memory in the report: RSS samples and chart."""
+    import torch
+    from torch import nn
+
+    from eventbus_debug import LeakDetector, Session, SyncSession
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    report = ReportWriter(tmp_path / "report", interval=None)
+    options: dict[str, Any] = {
+        "log_dir": None,
+        "report": report,
+        "console": False,
+        "alerts": False,
+        "leak_detector": LeakDetector(every=1, count_tensors=False),
+    }
+
+    def step_once() -> torch.Tensor:
+        x = torch.randn(8, 4)
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+        loss.backward()  # type: ignore[no-untyped-call]
+        return loss
+
+    if kind == "async":
+        async with Session(model, optimizer, **options) as session:
+            for step in range(6):
+                loss = step_once()
+                await session.check_step(step, loss=loss)
+                optimizer.step()
+                await session.step_completed(step, loss=loss)
+    else:
+        with SyncSession(model, optimizer, **options) as sync:
+            for step in range(6):
+                loss = step_once()
+                sync.check_step_nowait(step, loss=loss)
+                optimizer.step()
+                sync.step_completed(step, loss=loss)
+    s = report.summary()
+    assert s.memory.samples >= 5 and s.memory.peak_rss_bytes
+    assert s.run_id and s.latest.learning_rate == pytest.approx(0.05)
+    page = (tmp_path / "report" / "report.html").read_text()
+    memory_chart = page.split('id="chart-memory"')[1].split("</figure>")[0]
+    assert "<polyline" in memory_chart
+
+
+@needs_chromium
 def test_report_opens_in_headless_browser(tmp_path: Path) -> None:
-    """A real browser loads report.html offline and renders its charts and incident table."""
-    assert CHROMIUM is not None
-    events = scripted_events(40)
-    summary = summarize(events)
-    from sinks import write_report
-
+    """A real browser loads report.html offline and renders its charts (loss, LR,
+    throughput, memory with the CUDA peak), the per-layer heatmaps, the incident table with
+    working links to the recovery decisions and actions, and the run id."""
+    summary = summarize(practitioner_events(40))
     paths = write_report(summary, tmp_path / "report")
     assert paths.html is not None
-    profile = tmp_path / "profile"
-    base = [
-        CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={profile}",
-    ]
-    dom = subprocess.run(
-        [*base, "--dump-dom", paths.html.as_uri()],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    assert 'id="chart-loss"' in dom and 'id="chart-grad-norm"' in dom and 'id="chart-memory"' in dom
-    assert "<polyline" in dom and 'class="marker-anomaly"' in dom
+    dom = dump_dom(paths.html.as_uri(), tmp_path / "profile", budget_ms=500)
+    for chart in (
+        "chart-loss",
+        "chart-grad-norm",
+        "chart-lr",
+        "chart-throughput",
+        "chart-step-time",
+        "chart-memory",
+        "chart-cuda",
+    ):
+        figure = dom.split(f'id="{chart}"')[1].split("</figure>")[0]
+        assert "<polyline" in figure, chart
+    assert 'class="marker-anomaly"' in dom and 'class="marker-recovery"' in dom
+    for heat in ("heat-grad-norms", "heat-update-ratios"):
+        figure = dom.split(f'id="{heat}"')[1].split("</figure>")[0]
+        assert figure.count("<rect") >= 6 * 40 and "block5.weight" in figure
     assert 'id="incidents"' in dom and "non-finite loss" in dom
-    shot = tmp_path / "report.png"
-    subprocess.run(
-        [
-            *base,
-            "--hide-scrollbars",
-            "--window-size=1200,2200",
-            f"--screenshot={shot}",
-            paths.html.as_uri(),
-        ],
-        capture_output=True,
-        timeout=60,
-        check=True,
-    )
+    hrefs = set(re.findall(r'href="#(ev-[0-9]+-[0-9]+)"', dom))
+    ids = set(re.findall(r'id="(ev-[0-9]+-[0-9]+)"', dom))
+    assert len(hrefs) >= 5 and hrefs <= ids  # every link lands on a row
+    chain = dom.split('id="recovery-chain"')[1].split("</table>")[0]
+    assert "clipped to 1.0" in chain and "zeroed grads" in chain
+    assert '<code class="rid" id="run-id">run-1</code>' in dom
+    assert "339.0 MiB" in dom.split('id="card-cuda-peak"')[1][:200]
+    shot = screenshot(paths.html.as_uri(), tmp_path / "profile", tmp_path / "report.png")
     assert shot.stat().st_size > 10_000
+    followed = dump_dom(f"{paths.html.as_uri()}#{sorted(hrefs)[0]}", tmp_path / "p2", budget_ms=500)
+    assert sorted(hrefs)[0] in followed
