@@ -1,6 +1,7 @@
 """End-to-end throughput into RotatingFileSink, against aiofiles baselines measured in the same run.
 
-Run: ``.venv/bin/python benchmarks/bench_file_sink.py [--events N] [--repeat R] [--profile]``
+Run: ``.venv/bin/python benchmarks/bench_file_sink.py [--events N] [--repeat R] [--profile]
+[--volume N] [--burst N] [--kill-trials N] [--guarantees-only]``
 
 What is timed, per figure (best of ``--repeat`` runs, events pre-built so that event
 construction is not measured):
@@ -15,16 +16,35 @@ construction is not measured):
   4096 events — what batching alone buys, without the bus.
 
 ``--profile`` runs the sink case once under cProfile and prints the top functions by own time.
+
+Then the guarantees of issue 12, each against a baseline measured in the same run:
+
+- zero loss: ``--volume`` events through the documented ``await bus.publish(e)`` loop into the
+  default ``RotatingFileSink`` (flow-controlled); events/s and events lost, against the same loop
+  with the pre-issue-12 settings (a 1,024-event queue, no flow control), which sheds;
+- bursts: ``--burst`` incidents published at once, then close; how many reach the log and the
+  longest event-loop stall (a 5 ms ticker task measures lag), against the same burst published
+  to a bus without subscribers (what building and publishing the burst costs by itself);
+- close under a stuck sink: the file sink's write(2) hangs forever; the bus's close time with
+  ``close_timeout=1``, against the close time of the same bus with a healthy disk;
+- kill -9: ``--kill-trials`` writer processes killed at random (seeded) moments; every log read
+  back in strict mode, the torn lines counted, and a restart appending after each kill.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
+import random
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import textwrap
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -34,8 +54,9 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eventbus_debug import EventBus, StepCompleted, encode_event
-from sinks import RotatingFileSink
+from eventbus_debug import EventBus, SinkFailed, StepCompleted, encode_event, read_events
+from eventbus_debug.logfile import ReadStatistics
+from sinks import RotatingFileSink, rotating_file
 
 BURST = 1000
 BATCH = 4096
@@ -105,12 +126,183 @@ def _gzip(events: list[StepCompleted], d: Path) -> Awaitable[float]:
     return _sink_run(events, d, compress=True)
 
 
+class _LagMeter:
+    """A task ticking every 5 ms; the longest lateness is the longest loop stall."""
+
+    def __init__(self) -> None:
+        self.worst = 0.0
+
+    async def run(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            await anyio.sleep(0.005)
+            self.worst = max(self.worst, time.perf_counter() - t0 - 0.005)
+
+
+async def _volume(n: int, directory: Path, *, legacy: bool) -> tuple[float, int]:
+    """The `await bus.publish` loop into a file sink: (events/s, events lost)."""
+    events = _events(n)
+    sink = RotatingFileSink(directory)
+    t0 = time.perf_counter()
+    async with EventBus() as bus:
+        if legacy:  # the defaults before issue 12: 1,024 events, no flow control
+            bus.subscribe(sink, capacity=1024, backpressure=False)
+        else:
+            bus.subscribe(sink)
+        for event in events:
+            await bus.publish(event)
+    elapsed = time.perf_counter() - t0
+    return n / elapsed, n - sink.statistics().lines_written
+
+
+async def _burst(n: int, directory: Path | None) -> tuple[float, int]:
+    """*n* incidents at once then close: (longest loop stall in s, incidents in the log)."""
+    events = [SinkFailed(sink="x", error_type="E", message="m", step=i) for i in range(n)]
+    meter = _LagMeter()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(meter.run)
+        await anyio.sleep(0.02)
+        async with EventBus() as bus:
+            if directory is not None:
+                bus.subscribe(RotatingFileSink(directory))
+            for event in events:
+                bus.publish_nowait(event)
+            await anyio.sleep(0)
+        await anyio.sleep(0.02)
+        tg.cancel_scope.cancel()
+    found = 0 if directory is None else sum(1 for _ in read_events(directory))
+    return meter.worst, found
+
+
+async def _close_time(directory: Path, *, stuck: bool) -> float:
+    """Seconds from leaving ``async with EventBus(close_timeout=1)`` to its return."""
+    release = threading.Event()
+    original = rotating_file._write_some
+
+    def hung(fd: int, data: bytes | bytearray) -> int:
+        release.wait()
+        return original(fd, data)
+
+    try:
+        async with EventBus(close_timeout=1.0) as bus:
+            bus.subscribe(RotatingFileSink(directory))
+            if stuck:
+                rotating_file._write_some = hung
+            for event in _events(1000):
+                bus.publish_nowait(event)
+            await anyio.sleep(0.05)
+            t0 = time.perf_counter()
+        return time.perf_counter() - t0
+    finally:
+        rotating_file._write_some = original
+        release.set()
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, anyio
+    sys.path.insert(0, {root!r})
+    from eventbus_debug import EventBus, StepCompleted
+    from sinks import RotatingFileSink
+
+    async def main():
+        async with EventBus() as bus:
+            bus.subscribe(RotatingFileSink(sys.argv[1], max_bytes=200_000, backup_count=50))
+            step = 0
+            print("ready", flush=True)
+            while True:
+                for _ in range(200):
+                    await bus.publish(StepCompleted(step=step, loss=step / 7, source="x" * (step % 900)))
+                    step += 1
+                await anyio.sleep(0)
+
+    anyio.run(main)
+    """
+)
+
+
+def _kill_trials(trials: int, seed: int) -> tuple[int, int, int, int]:
+    """(trials, logs read back in strict mode, torn lines skipped, events read)."""
+    rng = random.Random(seed)
+    root = str(Path(__file__).resolve().parent.parent)
+    ok = torn = events = 0
+    for _ in range(trials):
+        directory = Path(tempfile.mkdtemp(prefix="bench_kill_"))
+        try:
+            for _run in range(2):  # a kill, then a restart appending to the same log, killed too
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", _WRITER.format(root=root), str(directory)],
+                    stdout=subprocess.PIPE,
+                )
+                assert proc.stdout is not None
+                proc.stdout.readline()
+                time.sleep(rng.uniform(0.05, 0.6))
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                proc.stdout.close()
+            stats = ReadStatistics()
+            events += sum(1 for _ in read_events(directory, stats=stats))
+            torn += stats.torn_lines
+            ok += 1
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    return trials, ok, torn, events
+
+
+def _in_temp(fn: Callable[[Path], Awaitable[object]]) -> object:
+    directory = Path(tempfile.mkdtemp(prefix="bench_file_sink_"))
+    try:
+        return anyio.run(fn, directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _guarantees(args: argparse.Namespace) -> None:
+    print(f"\nguarantees (issue 12), Python {sys.version.split()[0]}")
+    rate, lost = _in_temp(lambda d: _volume(args.volume, d, legacy=False))  # type: ignore[misc]
+    old_rate, old_lost = _in_temp(lambda d: _volume(args.volume, d, legacy=True))  # type: ignore[misc]
+    print(
+        f"  zero loss: {args.volume:,} x `await bus.publish` into the default file sink: "
+        f"{rate:,.0f} events/s, {lost:,} lost"
+    )
+    print(
+        f"    baseline (1,024-event queue, no flow control): {old_rate:,.0f} events/s, "
+        f"{old_lost:,} lost; rate ratio {rate / old_rate:.2f}x"
+    )
+    stall, found = _in_temp(lambda d: _burst(args.burst, d))  # type: ignore[misc]
+    base_stall, _ = anyio.run(_burst, args.burst, None)
+    print(
+        f"  burst: {args.burst:,} incidents then close: {found:,} in the log; longest loop stall "
+        f"{stall * 1000:.0f} ms (baseline, same burst to a bus without sinks: "
+        f"{base_stall * 1000:.0f} ms)"
+    )
+    stuck = _in_temp(lambda d: _close_time(d, stuck=True))
+    healthy = _in_temp(lambda d: _close_time(d, stuck=False))
+    print(
+        f"  close with a write(2) hung forever, close_timeout=1 s: {stuck:.2f} s "
+        f"(baseline, healthy disk: {healthy:.3f} s)"
+    )
+    if args.kill_trials:
+        trials, ok, torn, n = _kill_trials(args.kill_trials, seed=12)
+        print(
+            f"  kill -9: {trials} trials (kill, restart, kill): {ok}/{trials} logs read in strict "
+            f"mode, {n:,} events, {torn} torn line(s) skipped"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=200_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--volume", type=int, default=300_000)
+    parser.add_argument("--burst", type=int, default=50_000)
+    parser.add_argument("--kill-trials", type=int, default=10)
+    parser.add_argument("--guarantees-only", action="store_true")
     args = parser.parse_args()
+    if args.guarantees_only:
+        _guarantees(args)
+        return
 
     events = _events(args.events)
     small = events[: max(1000, args.events // 10)]
@@ -148,6 +340,7 @@ def main() -> None:
             shutil.rmtree(directory, ignore_errors=True)
         print("\ncProfile, top 12 by own time (worker threads are not profiled by cProfile):")
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+    _guarantees(args)
 
 
 if __name__ == "__main__":
