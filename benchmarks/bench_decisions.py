@@ -20,7 +20,7 @@ them)::
             await session.step_completed(step, loss=verdict.loss)
 
 Healthy runs (``--steps`` each, default 20,000): a noisy minibatch cross-entropy classifier
-(batch 16, AdamW 3e-3), a regression whose loss converges to ~1e-13, a hinge loss that sits at
+(batch 16, AdamW 3e-3, 2 % label noise), a regression whose loss converges to ~1e-13, a hinge loss that sits at
 exactly 0.0, a Gaussian NLL with learned variance (negative, improving), a classifier under a
 cyclic LR (oscillating loss), a BERT-like block (separate q/k/v projections with biases, so the
 key bias has a zero gradient by construction) and a GPT-like causal block (fused qkv, tied
@@ -35,6 +35,15 @@ NaN parameter, single explosion, and the BatchNorm batch whose running stats iss
 restored) the same seed also runs without the library (plain loop, fault kept) and without the
 fault (the clean run). Final loss: the mean, over the last 100 steps, of the loss on a fixed
 held-out batch (eval mode, no grad).
+
+Columns: *detected* is the step of the first incident (any ``Anomaly`` event) at or after the
+planted step, *delay* its distance to it; *false alarms /10k* counts incidents per 10,000
+fault-free steps (the whole healthy run; the steps before the fault of a faulty one);
+*actions* are the ``RecoveryApplied`` events (``continue`` excluded) and the steps whose verdict
+said not to call ``optimizer.step()`` (a GradScaler's own overflow skips are counted apart, in
+*steps*, and are no action); *LR end/ref* is the LR at the end over the LR the same loop ends
+with without the library; *final* is the held-out loss with the library, of the clean run and
+of the plain loop with the fault (*no lib*); *ratio* = final (lib) / final (clean).
 
 It prints one markdown row per run and a PASS/FAIL line per target of issue 9:
 0 actions and 0 stops on every healthy run; every planted fault detected within 2 steps;
@@ -181,7 +190,9 @@ def _classifier(
     cyclic: bool = False,
 ) -> Workload:
     d, k, n = 32, 10, 4096
-    x, y = _classification_data(SEED, n + 512, d, k, noise=0.2)
+    # 2 % label noise: the loss falls to ~0.3 and a batch of 16 with a mislabelled sample
+    # doubles it, the ordinary minibatch noise issue 9 saw flagged as spikes.
+    x, y = _classification_data(SEED, n + 512, d, k, noise=0.02)
     xt, yt, xh, yh = x[:n], y[:n], x[n:], y[n:]
     torch.manual_seed(SEED)
     layers: list[nn.Module] = [nn.Linear(d, 64)]
@@ -198,7 +209,9 @@ def _classifier(
             optimizer, base_lr=0.002 * lr_scale, max_lr=0.2 * lr_scale, step_size_up=250
         )
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3 * lr_scale)
+        # fused (same algorithm, one kernel: 10x cheaper per step on CPU), except under AMP,
+        # where a fused optimizer takes the scaler's found_inf itself instead of being skipped.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3 * lr_scale, fused=not amp)
 
     # AMP: a summed loss, so the scaled logit gradients overflow fp16 at the scaler's initial
     # 2**16 scale: the routine overflow-and-back-off of the first step(s), and again whenever the
@@ -287,7 +300,7 @@ def _gaussian_nll(steps: int, lr_scale: float) -> Workload:
 
     return Workload(
         model=model,
-        optimizer=torch.optim.Adam(model.parameters(), lr=1e-3 * lr_scale),
+        optimizer=torch.optim.Adam(model.parameters(), lr=1e-3 * lr_scale, fused=True),
         batch=lambda step: (xt[idx[step]], yt[idx[step]]),
         loss=loss,
         heldout=lambda m: _eval(m, lambda: loss(m, xh, yh)),
@@ -330,8 +343,7 @@ class _BertLayer(nn.Module):
             p(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
             for p in (self.query, self.key, self.value)
         )
-        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d // self.heads), dim=-1)
-        ctx = (att @ v).transpose(1, 2).reshape(b, t, d)
+        ctx = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
         h = self.norm1(h + self.out(ctx))
         out: torch.Tensor = self.norm2(h + self.ffn(h))
         return out
@@ -352,7 +364,7 @@ class _Bert(nn.Module):
 
 
 class _CausalBlock(nn.Module):
-    """A GPT-2 block: fused qkv projection, hand-written causal softmax attention."""
+    """A GPT-2 block: fused qkv projection (its key bias inside), causal attention."""
 
     def __init__(self, d: int, heads: int) -> None:
         super().__init__()
@@ -362,7 +374,6 @@ class _CausalBlock(nn.Module):
         self.proj = nn.Linear(d, d)
         self.ln2 = nn.LayerNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-        self.register_buffer("mask", torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         b, t, d = h.shape
@@ -370,10 +381,8 @@ class _CausalBlock(nn.Module):
             z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
             for z in self.qkv(self.ln1(h)).split(d, dim=-1)
         )
-        scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)
-        mask = self.get_buffer("mask")[:t, :t]
-        att = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
-        h = h + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.proj(att.transpose(1, 2).reshape(b, t, d))
         out: torch.Tensor = h + self.mlp(self.ln2(h))
         return out
 
@@ -436,7 +445,9 @@ def _transformer(steps: int, lr_scale: float, *, causal: bool) -> Workload:
         return F.cross_entropy(logits.reshape(-1, VOCAB), yb.reshape(-1), ignore_index=-100)
 
     hx, hy = (held[:, :-1], held[:, 1:]) if causal else mlm(held, held_masked)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3 * lr_scale, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=1e-3 * lr_scale, weight_decay=0.01, fused=True
+    )
     return Workload(
         model=model,
         optimizer=optimizer,
