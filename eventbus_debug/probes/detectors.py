@@ -62,6 +62,9 @@ class _RunningMedian:
         self._order.clear()
         self._sorted.clear()
 
+    def maximum(self) -> float:
+        return self._sorted[-1]
+
     def median(self) -> float:
         s = self._sorted
         n = len(s)
@@ -104,12 +107,18 @@ class SpikeVerdict:
 class LossSpikeDetector:
     """Flags losses far above their recent median; a drop is never a spike.
 
-    A loss is a spike when, after *warmup* finite losses (Lightning: 1),
+    A loss is a spike when, after *warmup* finite losses (Lightning: 1), it is above every loss
+    in the window and
     ``loss - median > max(rtol * |median|, mad_factor * sigma, atol, scale_tol * scale)`` where
     ``sigma`` is the MAD-based noise of the window and ``scale`` the largest ``|median|`` the
     run has had (so a loss converging to 1e-17 may wobble by 1e-15 without alarm). Spikes stay
-    out of the window. *patience* spikes in a row are reported as :attr:`SpikeRule.SUSTAINED`
-    and the window restarts at the new level (the loss moved; the detector does not go blind).
+    out of the window. Two envelopes keep heavy-tailed minibatch noise (an overfitting
+    classifier's rare batch at 25x the median) quiet: the excess must also exceed *rtol* times
+    the largest excess in the window, and *rtol* times the largest robust z-score the run has
+    had (decaying by *tail_decay* per step, so early turbulence is forgotten over a few thousand
+    steps). *patience* spiking or elevated losses in a row are reported as
+    :attr:`SpikeRule.SUSTAINED` and the window restarts at the new level (the loss moved; the
+    detector does not go blind).
 
     Args:
         window: how many recent losses the median covers.
@@ -118,18 +127,26 @@ class LossSpikeDetector:
         atol: absolute tolerance.
         mad_factor: how many noise sigmas above the median a loss may go.
         scale_tol: tolerance as a fraction of the largest baseline the run has had.
-        patience: spikes in a row before :attr:`SpikeRule.SUSTAINED`.
+        patience: spiking or elevated steps in a row before :attr:`SpikeRule.SUSTAINED`.
+        sustained_rtol: a loss more than this x ``|median|`` above the median ...
+        sustained_mad: ... and this many noise sigmas above it is *elevated*; *patience*
+            elevated or spiking losses in a row are a sustained spike.
+        tail_decay: per-step decay of the run's largest z-score.
     """
 
     __slots__ = (
         "_scale",
         "_streak",
+        "_tail",
         "_window",
         "atol",
         "mad_factor",
         "patience",
         "rtol",
         "scale_tol",
+        "sustained_mad",
+        "sustained_rtol",
+        "tail_decay",
         "warmup",
     )
 
@@ -143,6 +160,9 @@ class LossSpikeDetector:
         mad_factor: float,
         scale_tol: float,
         patience: int,
+        sustained_rtol: float = 0.5,
+        sustained_mad: float = 4.0,
+        tail_decay: float = 0.9995,
     ) -> None:
         self._window = _RunningMedian(window)
         self.warmup = warmup
@@ -151,8 +171,12 @@ class LossSpikeDetector:
         self.mad_factor = mad_factor
         self.scale_tol = scale_tol
         self.patience = patience
+        self.sustained_rtol = sustained_rtol
+        self.sustained_mad = sustained_mad
         self._scale = 0.0
         self._streak = 0
+        self._tail = 0.0
+        self.tail_decay = tail_decay
 
     def reset(self) -> None:
         """Forget the window and the streak (after a restore: the loss level is the snapshot's)."""
@@ -174,23 +198,40 @@ class LossSpikeDetector:
             return None
         n = len(window)
         sigma = _MAD_TO_SIGMA * window.mad(median) if n >= _MIN_NOISE else 0.0
+        floor = max(self.atol, self.scale_tol * self._scale)
         tolerance = max(
-            self.rtol * abs(median) * max(1.0, _MIN_NOISE / n),
-            self.mad_factor * sigma,
-            self.atol,
-            self.scale_tol * self._scale,
+            self.rtol * abs(median) * max(1.0, _MIN_NOISE / n), self.mad_factor * sigma, floor
         )
-        if excess <= tolerance:
-            self._streak = 0
-            window.add(loss)
-            return None
-        self._streak += 1
+        # ... and beyond the run's own envelope: its excess must exceed the largest excess in
+        # the window by the same relative tolerance (heavy-tailed minibatch noise has rare
+        # batches at 10x the median; they widen the envelope instead of firing).
+        envelope = self.rtol * (window.maximum() - median)
+        z = excess / sigma if sigma > 0 else 0.0
+        self._tail *= self.tail_decay
+        tail = self.rtol * self._tail * sigma
+        if excess > tolerance and excess > envelope and excess > tail:
+            self._streak += 1
+            if self._streak >= self.patience:
+                return self._sustained(loss, median, tolerance)
+            return SpikeVerdict(SpikeRule.SPIKE, median, tolerance, self._streak)  # kept out
+        # Not a spike. An *elevated* loss (well above the noise, not far enough for a spike)
+        # joins the window but keeps the streak going: a level shift that persists for
+        # `patience` steps is sustained even when no single loss is a spike.
+        elevated = n >= _MIN_NOISE and excess > max(
+            self.sustained_rtol * abs(median), self.sustained_mad * sigma, floor
+        )
+        self._streak = self._streak + 1 if elevated else 0
+        if self._streak >= self.patience:
+            return self._sustained(loss, median, tolerance)
+        self._tail = max(self._tail, z)  # the run's own noise: its largest robust z-score
+        window.add(loss)
+        return None
+
+    def _sustained(self, loss: float, median: float, tolerance: float) -> SpikeVerdict:
         streak = self._streak
-        if streak >= self.patience:
-            self.reset()
-            window.add(loss)  # the new level is the baseline from here on
-            return SpikeVerdict(SpikeRule.SUSTAINED, median, tolerance, streak)
-        return SpikeVerdict(SpikeRule.SPIKE, median, tolerance, streak)
+        self.reset()
+        self._window.add(loss)  # the new level is the baseline from here on
+        return SpikeVerdict(SpikeRule.SUSTAINED, median, tolerance, streak)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +286,8 @@ class ExplosionDetector:
         window = self._window
         baseline = window.median() if len(window) else math.nan
         growth = self.factor * baseline if len(window) else math.inf
+        if norm == 0.0:
+            return None  # a zero gradient (a converged or satisfied loss) says nothing of scale
         cap = self.cap if self.cap is not None else math.inf
         if norm > cap or norm > growth:
             rule = "cap" if norm > cap and (norm <= growth or cap <= growth) else "growth"

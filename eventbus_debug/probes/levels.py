@@ -57,7 +57,8 @@ class Thresholds:
         spike_atol: ... and more than this absolute amount ...
         spike_scale_tol: ... and more than this fraction of the largest baseline the run had
             (converged losses near zero wobble by tiny amounts; that is not a spike).
-        spike_patience: spikes in a row reported as a *sustained* spike (the strong,
+        spike_patience: spikes (or *elevated* losses: more than 0.5 x ``|baseline|`` and 4
+            noise sigmas above it) in a row reported as a *sustained* spike (the strong,
             persistent evidence a rollback needs); the baseline then restarts at the new level.
         update_ratio_low: weight-update ratios ``‖Δw‖/‖w‖`` below this are reported as stalled
             (SageMaker: 1e-8); frozen and gradient-less parameters are never included.
@@ -80,7 +81,7 @@ class Thresholds:
     spike_rtol: float = 2.0
     spike_mad: float = 8.0
     spike_atol: float = 0.0
-    spike_scale_tol: float = 1e-3
+    spike_scale_tol: float = 0.05
     spike_patience: int = 5
     update_ratio_low: float = 1e-8
     update_ratio_high: float = 10.0

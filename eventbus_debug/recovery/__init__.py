@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .amp import ScalerStepWatcher
+from .amp import ScalerMonitor, ScalerStepWatcher
 from .classify import ErrorClassification, ErrorClassifier, ErrorRule, is_out_of_memory
 from .compat import DebugDecorator, ErrorHandler, HandledError
 from .data import (
@@ -28,6 +28,7 @@ from .events import (
     RecoveryApplied,
     RecoveryDecided,
     SampleSkipped,
+    ScalerInTrouble,
     StepSkipped,
 )
 from .fixes import CommonFixes, apply_common_fixes
@@ -41,6 +42,8 @@ from .strategies import (
     Decision,
     FreeMemoryOnLeak,
     ModelLoadingFallback,
+    RecoveryPolicy,
+    ReportNonFinite,
     ReportVanishing,
     RestoreLastGood,
     RollbackOnLossSpike,
@@ -78,12 +81,16 @@ __all__: tuple[str, ...] = (
     "RecoveryDecided",
     "RecoveryEngine",
     "RecoveryStatistics",
+    "RecoveryPolicy",
+    "ReportNonFinite",
     "ReportVanishing",
     "RestoreLastGood",
     "Retrying",
     "RollbackOnLossSpike",
     "SafePoint",
     "SampleSkipped",
+    "ScalerInTrouble",
+    "ScalerMonitor",
     "ScalerStepWatcher",
     "ShrinkBatchOnOOM",
     "SkipCorruptSamples",

@@ -23,7 +23,7 @@ __all__ = ("ScalerMonitor", "ScalerStepWatcher")
 SCALE_FLOOR: Final = 1.0
 """A loss scale below 1 means fp16 overflows even unscaled: the scaler is in trouble."""
 
-MAX_CONSECUTIVE_SKIPS: Final = 10
+MAX_CONSECUTIVE_SKIPS: Final = 50
 """Overflow steps in a row before the scaler is reported in trouble."""
 
 SOURCE: Final = "recovery.amp"

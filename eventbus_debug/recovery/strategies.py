@@ -483,8 +483,8 @@ class ReportVanishing:
             what = f"mean |grad| {incident.mean_abs:.3g} < {incident.threshold:.3g}"
         else:
             what = (
-                f"mean |grad| below {incident.threshold:.3g} in {len(incident.layers)} "
-                f"parameter(s) (model mean {incident.mean_abs:.3g})"
+                f"{len(incident.layers)} parameter(s) lost their gradient (RMS below "
+                f"{incident.threshold:.3g}x the model's)"
             )
         run = history.consecutive + 1
         raised = history.actions.get(RecoveryAction.SCALE_LR, 0)

@@ -119,11 +119,11 @@ class TestNonFinite:
 
 
 class TestExplosionAndVanishing:
-    async def test_too_high_learning_rate_explodes_after_warmup(self, bus: EventBus) -> None:
-        """After a warm-up at a sane LR, LR=3 diverges and the 10x-warm-up rule fires."""
+    async def test_too_high_learning_rate_explodes(self, bus: EventBus) -> None:
+        """After 5 steps at a sane LR, LR=3 diverges and the growth rule fires before NaN."""
         model = make_mlp()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        probe = StepProbe(model, bus, thresholds=Thresholds(explosion_warmup=5))
+        probe = StepProbe(model, bus)
         async with capture_events(bus, GradientExploded) as events:
             for step in range(30):
                 if step == 5:
@@ -145,19 +145,18 @@ class TestExplosionAndVanishing:
         verdict = await probe.check_step(0, loss=mse_step(mlp, 0))
         assert verdict.fired == ("gradient_exploded",)
 
-    async def test_dead_layer_from_zero_init_vanishes(self, bus: EventBus) -> None:
-        """Zero-initialised first layer + ReLU: no gradient reaches it; the dead layers are named."""
+    async def test_dead_from_init_is_not_vanishing(self, bus: EventBus) -> None:
+        """Layers that never had a gradient (zero by construction) are not reported as dead."""
         model = make_mlp()
         with torch.no_grad():
             linear_at(model, 0).weight.zero_()
             linear_at(model, 0).bias.fill_(-1.0)
         probe = StepProbe(model, bus)
         async with capture_events(bus, GradientVanished) as events:
-            await probe.check_step(0, loss=mse_step(model, 0))
-        (event,) = events
-        assert isinstance(event, GradientVanished)
-        assert {"0.weight", "0.bias", "2.weight"} <= set(event.layers)
-        assert not event.all_zero  # 2.bias still learns
+            for step in range(12):
+                await probe.check_step(step, loss=mse_step(model, step))
+                model.zero_grad()
+        assert events == []
 
     async def test_all_zero_gradients(self, bus: EventBus, mlp: nn.Sequential) -> None:
         """A loss that does not depend on the output: every gradient is zero."""
@@ -171,18 +170,36 @@ class TestExplosionAndVanishing:
 
 
 class TestLossSpike:
-    async def test_deviation_and_sustained_rules(self, bus: EventBus, mlp: nn.Sequential) -> None:
-        """A 5x jump fires 'deviation'; five consecutive 2.5x losses fire 'sustained'."""
+    async def test_spike_and_sustained_rules(self, bus: EventBus, mlp: nn.Sequential) -> None:
+        """A 5x jump is a 'spike'; five 4x losses in a row end in one 'sustained'."""
         probe = StepProbe(mlp, bus, cadence=Cadence(grad_every=1000, param_every=1000))
-        losses = [1.0] * 10 + [5.0] + [1.0] * 2 + [2.5] * 5
+        losses = [1.0] * 10 + [5.0] + [1.0] * 2 + [4.0] * 5 + [4.0] * 3
         async with capture_events(bus, LossSpiked) as events:
             for step, value in enumerate(losses):
                 await probe.check_step(step, loss=value)
         spikes = [e for e in events if isinstance(e, LossSpiked)]
-        assert [(e.step, e.rule) for e in spikes] == [(10, "deviation"), (17, "sustained")]
+        assert [(e.step, e.rule) for e in spikes] == [
+            (10, "spike"),
+            (13, "spike"),
+            (14, "spike"),
+            (15, "spike"),
+            (16, "spike"),
+            (17, "sustained"),
+        ]  # after "sustained" the baseline is the new level: 18-20 are not spikes
         assert spikes[0].running_mean == pytest.approx(1.0) and spikes[0].ratio == pytest.approx(
             5.0
         )
+
+    async def test_rebaseline_forgets_the_window(self, bus: EventBus, mlp: nn.Sequential) -> None:
+        """After rebaseline() (a restore) a higher loss level is the new baseline, not a spike."""
+        probe = StepProbe(mlp, bus, cadence=Cadence(grad_every=1000, param_every=1000))
+        async with capture_events(bus, LossSpiked) as events:
+            for step in range(10):
+                await probe.check_step(step, loss=0.1)
+            probe.rebaseline()
+            for step in range(10, 20):
+                await probe.check_step(step, loss=1.0)
+        assert events == []
 
 
 class TestModes:

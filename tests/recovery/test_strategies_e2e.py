@@ -55,9 +55,9 @@ class TestNonFinite:
     async def test_repeated_nan_restores_and_lowers_lr(
         self, bus: EventBus, recorder: RecordingSink
     ) -> None:
-        """Four NaN steps in a row: three skips, then restore + LR x0.5 at the fourth."""
+        """Aggressive policy: four NaN steps in a row: three skips, then restore + LR x0.5."""
         bus.subscribe(recorder)
-        engine = RecoveryEngine(bus)
+        engine = RecoveryEngine(bus, policy="aggressive")
         with anyio.fail_after(30):
             model, loss, skipped = await run(bus, nan_at(10, 11, 12, 13), engine=engine)
             await bus.drain()
@@ -73,7 +73,7 @@ class TestNonFinite:
     ) -> None:
         """NaN on every step from 5: skips and restores run out and TrainingStopped is raised."""
         bus.subscribe(recorder)
-        engine = RecoveryEngine(bus)
+        engine = RecoveryEngine(bus, policy="aggressive")
         with anyio.fail_after(30), pytest.raises(TrainingStopped, match="exhausted"):
             await run(bus, nan_at(*range(5, 40)), engine=engine)
         await bus.drain()
@@ -149,7 +149,7 @@ class TestLossSpike:
     ) -> None:
         """A loss spike at step 25 → restore, skip, LR x0.5, all applied at step 25."""
         bus.subscribe(recorder)
-        engine = RecoveryEngine(bus)
+        engine = RecoveryEngine(bus, policy="aggressive")
 
         def spike(step: int, loss: torch.Tensor, model: nn.Module) -> torch.Tensor:
             return loss * 50 if step == 25 else loss

@@ -31,14 +31,15 @@ from ._loop import all_finite, make, nan_at, run
 DEAD: tuple[str, ...] = ("0.bias", "0.weight", "2.weight")
 
 
+DIES_AT = 5
+
+
 def dead_relu_model() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
-    """A ReLU stack whose first layer never activates (bias -10): layers 0 and 2.weight are dead."""
+    """A ReLU stack that learns, then (at DIES_AT) its first layer stops activating (bias -10)."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)
     )
-    with torch.no_grad():
-        model[0].bias.fill_(-10.0)  # type: ignore[index,operator]
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x = torch.randn(64, 4)
     return model, opt, x, x.sum(dim=1, keepdim=True)
@@ -49,6 +50,9 @@ async def train_dead(bus: EventBus, engine: RecoveryEngine, steps: int) -> torch
     probe = StepProbe(model, bus)
     safe = SafePoint(engine, model, opt)
     for step in range(steps):
+        if step == DIES_AT:
+            with torch.no_grad():
+                model[0].bias.fill_(-10.0)  # type: ignore[index,operator]
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()  # type: ignore[no-untyped-call]
         await probe.check_step(step, loss=loss)
@@ -60,34 +64,33 @@ async def train_dead(bus: EventBus, engine: RecoveryEngine, steps: int) -> torch
 
 
 class TestVanishing:
-    async def test_dead_layers_are_reported_every_step(
+    async def test_dead_layers_are_reported_once_when_they_die(
         self, bus: EventBus, recorder: RecordingSink
     ) -> None:
-        """The default strategy names the dead layers (CONTINUE) and changes nothing."""
+        """Layers that learned and then died are named once, after 3 checks; nothing changes."""
         bus.subscribe(recorder)
         engine = RecoveryEngine(bus)
         with anyio.fail_after(30):
-            opt = await train_dead(bus, engine, 6)
+            opt = await train_dead(bus, engine, 20)
             await bus.drain()
         vanished = recorder.of_type(GradientVanished)
-        assert [v.step for v in vanished] == list(range(6))
-        assert all(v.layers == DEAD and not v.all_zero for v in vanished)
+        assert [v.step for v in vanished] == [DIES_AT + 2]
+        assert vanished[0].layers == DEAD and not vanished[0].all_zero
         decided = recorder.of_type(RecoveryDecided)
         assert [(d.step, d.action, d.strategy) for d in decided] == [
-            (s, RecoveryAction.CONTINUE, "report_vanishing") for s in range(6)
+            (DIES_AT + 2, RecoveryAction.CONTINUE, "report_vanishing")
         ]
         assert "dead layers: 0.bias, 0.weight, 2.weight" in decided[0].reason
-        assert "below 1e-07 in 3 parameter(s)" in decided[0].reason
         assert not recorder.of_type(RecoveryApplied)
         assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
 
-    async def test_configured_lr_raise_every_window_bounded(
+    async def test_configured_lr_raise_bounded(
         self, bus: EventBus, recorder: RecordingSink
     ) -> None:
-        """lr_factor=2, window=3, max_raises=2: LR doubled at steps 2 and 5, never again."""
+        """lr_factor=2, window=1, max_raises=1: the LR is doubled once, when the layers die."""
         bus.subscribe(recorder)
         engine = RecoveryEngine(bus)
-        engine.register(ReportVanishing(window=3, lr_factor=2.0, max_raises=2), on=GradientVanished)
+        engine.register(ReportVanishing(window=1, lr_factor=2.0, max_raises=1), on=GradientVanished)
         with anyio.fail_after(30):
             opt = await train_dead(bus, engine, 12)
             await bus.drain()
@@ -96,13 +99,8 @@ class TestVanishing:
             for a in recorder.of_type(RecoveryApplied)
             if a.action is RecoveryAction.SCALE_LR
         ]
-        assert raised == [
-            (2, "lr x2: 0.05 -> 0.1 in 1 param group(s)"),
-            (5, "lr x2: 0.1 -> 0.2 in 1 param group(s)"),
-        ]
-        assert opt.param_groups[0]["lr"] == pytest.approx(0.2)
-        later = [d for d in recorder.of_type(RecoveryDecided) if d.step is not None and d.step > 5]
-        assert later and all(d.action is RecoveryAction.CONTINUE for d in later)
+        assert raised == [(DIES_AT + 2, "lr x2: 0.05 -> 0.1 in 1 param group(s)")]
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
 
     def test_lr_factor_must_raise(self) -> None:
         """A vanishing LR factor <= 1 is a configuration error naming the argument."""
@@ -175,7 +173,7 @@ async def _train_with_scheduler(
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1.0 + 0.05 * e))
     else:
         scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=40)
-    engine = RecoveryEngine(bus) if bus is not None else None
+    engine = RecoveryEngine(bus, policy="aggressive") if bus is not None else None
     probe = StepProbe(model, bus) if bus is not None else None
     safe = SafePoint(engine, model, opt, schedulers=[scheduler]) if engine is not None else None
     lrs: list[float] = []
