@@ -26,6 +26,8 @@ from eventbus_debug import (
     SessionEnded,
     StepCompleted,
     StepSkipped,
+    SyncSession,
+    TrainingStopped,
     read_events,
 )
 from eventbus_debug.integrations.transformers import EventBusDebugCallback
@@ -177,6 +179,30 @@ def test_gradient_accumulation_checks_each_optimizer_step_once(tmp_path: Path) -
     assert debug.steps_checked == STEPS and debug.steps_skipped == 0
     completed = [e for e in read_events(tmp_path / "logs") if isinstance(e, StepCompleted)]
     assert [e.step for e in completed] == list(range(STEPS))
+
+
+def test_training_stopped_gives_max_grad_norm_back_and_next_train_starts_fresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop raised at the safe point ends the session and restores the arguments."""
+    original = SyncSession.check_step_nowait
+
+    def stop_at_two(self: SyncSession, step: int, **kwargs: Any) -> Any:
+        if step == 2:
+            raise TrainingStopped("planted stop")
+        return original(self, step, **kwargs)
+
+    debug = EventBusDebugCallback(log_dir=tmp_path / "logs", alerts=False, system_interval=None)
+    trainer = _trainer(tmp_path, _model(), [debug])
+    with monkeypatch.context() as patch:
+        patch.setattr(SyncSession, "check_step_nowait", stop_at_two)
+        with pytest.raises(TrainingStopped, match="planted stop"):
+            trainer.train()
+    assert trainer.args.max_grad_norm == MAX_GRAD_NORM and debug.session is None
+    trainer.train()  # a fresh run: its own session, the loss hook registered once again
+    assert debug.steps_checked == STEPS
+    ended = [e.reason for e in read_events(tmp_path / "logs") if isinstance(e, SessionEnded)]
+    assert ended == ["stopped", "completed"]
 
 
 def test_deepspeed_or_fsdp_is_refused_clearly() -> None:
