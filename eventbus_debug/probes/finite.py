@@ -83,6 +83,8 @@ def stored_values(tensor: torch.Tensor, *, name: str = "tensor") -> torch.Tensor
         t = t.coalesce().values()
     elif layout in _SPARSE_COMPRESSED:
         t = t.values()
+        if t.is_complex():  # a complex view of CSR values has no strides for .real: copy it
+            t = t.clone()
     elif layout is torch._mkldnn:  # type: ignore[attr-defined]
         t = t.to_dense()
     t = t.reshape(-1)

@@ -16,8 +16,10 @@ from eventbus_debug import (
     RecoveryAction,
     RecoveryApplied,
     RecoveryEngine,
+    Session,
     StateSnapshots,
     SyncEventBus,
+    SyncSession,
     TrainingStopped,
 )
 from eventbus_debug.recovery import (
@@ -248,3 +250,43 @@ class TestSeedNames:
             await always_oom()
         with pytest.raises(ValueError, match="max_retries"):
             DebugDecorator(handler, max_retries=-1)
+
+
+class TestSkippedSamplesCarryTheStep:
+    async def test_inside_a_session_the_session_step_is_stamped(self) -> None:
+        """SampleSkipped events published while a Session runs carry the session's step."""
+        recorder = RecordingSink()
+        model, opt, _, _ = make()
+        async with EventBus() as bus:
+            bus.subscribe(recorder)
+            async with Session(model, opt, bus=bus, log_dir=None, recovery=False) as s:
+                loader = skip_corrupt_samples(FlakyDataset(), bus, max_skipped=3, batch_size=8)
+                for step, (x, y) in enumerate(loader):
+                    await s.training_step(x, y, nn.functional.mse_loss, step=step + 10)
+            await bus.drain()
+        # batches 0 (index 3) and 2 (17, 18) are loaded after steps -, 10 and 11 completed
+        assert [(e.index, e.step) for e in recorder.of_type(SampleSkipped)] == [
+            (3, None),
+            (17, 11),
+            (18, 11),
+        ]
+
+    def test_sync_session_and_explicit_provider(self) -> None:
+        """In a SyncSession the step is stamped too; an explicit step provider wins; outside
+        any session the step stays None."""
+        recorder = RecordingSink()
+        model, opt, _, _ = make()
+        with SyncSession(model, opt, log_dir=None, recovery=False) as s:
+            s.bus.subscribe(recorder)
+            s.step = 41
+            list(skip_corrupt_samples(FlakyDataset(frozenset({0})), s.bus, batch_size=32))
+            list(
+                skip_corrupt_samples(
+                    FlakyDataset(frozenset({1})), s.bus, batch_size=32, step=lambda: 7
+                )
+            )
+            s.bus.drain()
+        list(skip_corrupt_samples(FlakyDataset(frozenset({2})), None, batch_size=32))
+        assert [(e.index, e.step) for e in recorder.of_type(SampleSkipped)] == [(0, 41), (1, 7)]
+        with pytest.raises(TypeError, match="step must be a callable"):
+            skip_corrupt_samples(FlakyDataset(), None, step=3)  # type: ignore[arg-type]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import anyio
 import pytest
 import torch
@@ -20,6 +22,7 @@ from eventbus_debug import (
     Retrying,
     SafePoint,
     ScalerStepWatcher,
+    Session,
     ShrinkBatchOnOOM,
     StepChecked,
     StepProbe,
@@ -263,3 +266,55 @@ class TestAmp:
         assert ran == [True, True, False, True]
         skipped = recorder.of_type(StepSkipped)
         assert [(s.step, s.scale_before, s.scale_after) for s in skipped] == [(2, 1024.0, 512.0)]
+
+
+class TestRetriedCallsCarryTheStep:
+    async def test_retry_events_inside_a_session_carry_its_step(self) -> None:
+        """An OOM retried inside a Session: ErrorRaised, RecoveryDecided and RecoveryApplied
+        all carry the session's step (not None)."""
+        recorder = RecordingSink()
+        model, opt, _, _ = make()
+        async with EventBus() as bus:
+            bus.subscribe(recorder)
+            async with Session(model, opt, bus=bus, log_dir=None) as s:
+                assert s.recovery is not None
+                failures = iter([True, False])
+
+                @retrying(s.recovery, state=CallState(batch_size=8), operation="train_step")
+                async def call() -> None:
+                    if next(failures):
+                        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+
+                await s.step_completed(12)
+                await call()
+            await bus.drain()
+        steps = [
+            (type(e).__name__, e.step)
+            for e in recorder.events
+            if isinstance(e, ErrorRaised | RecoveryDecided | RecoveryApplied)
+        ]
+        assert steps and all(step == 12 for _, step in steps), steps
+        assert {name for name, _ in steps} == {"ErrorRaised", "RecoveryDecided", "RecoveryApplied"}
+
+    def test_sync_retry_explicit_provider_and_no_session(self) -> None:
+        """A sync retry takes an explicit step provider; without one and without a session
+        the events carry no step; a non-callable provider is a TypeError."""
+        recorder = RecordingSink()
+        with SyncEventBus() as bus:
+            bus.subscribe(recorder)
+            engine = RecoveryEngine(bus)
+            for provider, expected in ((lambda: 5, 5), (None, None)):
+                failures = iter([True, False])
+
+                @retrying(engine, state=CallState(batch_size=8), step=provider)
+                def call(failures: Iterator[bool] = failures) -> None:
+                    if next(failures):
+                        raise torch.OutOfMemoryError("CUDA out of memory")
+
+                call()
+                bus.drain()
+                applied = recorder.of_type(RecoveryApplied)
+                errors = recorder.of_type(ErrorRaised)
+                assert applied[-1].step == expected and errors[-1].step == expected
+        with pytest.raises(TypeError, match="step must be a callable"):
+            Retrying(engine, step=5)  # type: ignore[arg-type]

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
-from eventbus_debug import EventBus
+from eventbus_debug import EventBus, Session, StepSkipped, SyncSession
 from eventbus_debug.testing import RecordingSink
 from eventbus_debug.validation import (
     InputSpec,
@@ -113,3 +117,157 @@ class TestOutputChecker:
         OutputChecker().check(torch.ones(3, 2), publish=bus.publish_nowait)
         await bus.drain()
         assert len(recorder.of_type(OutputAnomalyDetected)) == 1
+
+
+def _quiet_csr(dense: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Sparse CSR tensor support is in beta"
+        return dense.to_sparse_csr()
+
+
+class TestEveryInput:
+    def test_complex_nan_and_inf_fail_validation(self) -> None:
+        """A complex batch holding NaN and Inf is caught; max_abs bounds |z|."""
+        x = torch.tensor([complex(1, 1), complex(math.nan, 0), complex(0, math.inf)])
+        (v,) = validate_input(x, InputSpec())
+        assert (v.rule, v.nan_count, v.inf_count) == ("non_finite", 1, 1)
+        (r,) = validate_input(torch.tensor([complex(3, 4)]), InputSpec(max_abs=4.0))
+        assert r.rule == "range" and r.max_value == 5.0
+
+    def test_complex_with_an_order_bound_is_a_dtype_violation(self) -> None:
+        """min_value/max_value need real values: a complex batch breaks the dtype rule."""
+        rules = [
+            v.rule
+            for v in validate_input(torch.zeros(2, dtype=torch.cfloat), InputSpec(min_value=0))
+        ]
+        assert rules == ["dtype"]
+
+    @pytest.mark.parametrize(
+        "make",
+        [
+            lambda d: d.to_sparse(),
+            _quiet_csr,
+            lambda d: d.to_sparse_csc(),
+        ],
+    )
+    def test_sparse_batches_are_validated(
+        self, make: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Sparse COO/CSR/CSC batches: their stored values are validated, no crash."""
+        bad = make(torch.tensor([[0.0, math.nan], [50.0, 0.0]]))
+        rules = [v.rule for v in validate_input(bad, InputSpec(max_abs=10.0, shape=(None, 2)))]
+        assert rules == ["non_finite", "range"]
+        good = make(torch.tensor([[0.0, 1.0], [2.0, 0.0]]))
+        assert validate_input(good, InputSpec(max_abs=10.0)) == ()
+
+    def test_sparse_and_structured_outputs(self) -> None:
+        """OutputChecker takes sparse tensors, dicts, tuples and numbers (no AttributeError)."""
+        checker = OutputChecker(expected_range=(0, 1))
+        sparse = torch.tensor([[0.0, 5.0], [math.nan, 0.0]]).to_sparse()
+        assert [e.rule for e in checker.check(sparse)] == ["non_finite", "range"]
+        events = checker.check(
+            {"logits": torch.rand(4, 2), "loss": math.nan, "aux": (torch.full((3, 1), 2.0),)}
+        )
+        assert [(e.name, e.rule) for e in events] == [
+            ("outputs", "non_finite"),
+            ("outputs['aux'][0]", "range"),
+            ("outputs['aux'][0]", "collapsed"),
+        ]
+        assert "outputs['loss']" in events[0].message
+        assert checker.check(0.5) == ()
+        with pytest.raises(TypeError, match="got str"):
+            checker.check("logits")
+
+    def test_meta_tensors_are_a_clear_error(self) -> None:
+        """A meta batch or output has no values: ValueError, not a crash inside torch."""
+        with pytest.raises(ValueError, match="meta tensor"):
+            validate_input(torch.empty(2, device="meta"), InputSpec())
+        with pytest.raises(ValueError, match="meta tensor"):
+            OutputChecker().check(torch.empty(2, device="meta"))
+
+    @pytest.mark.parametrize(
+        ("kwargs", "error"),
+        [
+            ({"min_value": math.nan}, ValueError),
+            ({"max_abs": math.nan}, ValueError),
+            ({"max_value": "1"}, TypeError),
+        ],
+    )
+    def test_spec_bounds_are_checked(self, kwargs: dict[str, Any], error: type[Exception]) -> None:
+        """NaN or non-number bounds are rejected when the spec is built."""
+        with pytest.raises(error):
+            InputSpec(**kwargs)
+
+    def test_output_checker_arguments(self) -> None:
+        """NaN range bounds and a NaN or negative collapse_std are rejected."""
+        with pytest.raises(ValueError, match="expected_range"):
+            OutputChecker(expected_range=(math.nan, 1.0))
+        with pytest.raises(TypeError, match="expected_range"):
+            OutputChecker(expected_range=(0.0,))  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="collapse_std"):
+            OutputChecker(collapse_std=math.nan)
+
+
+class _BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)
+        self.lin = nn.Linear(3, 1)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out: torch.Tensor = self.lin(self.bn(x))
+        return out
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)
+
+
+class TestRejectedBatchHasNoEffect:
+    async def test_skip_policy_runs_no_forward_and_keeps_batchnorm_finite(
+        self, recorder: RecordingSink
+    ) -> None:
+        """A NaN batch under SKIP never reaches the model: BatchNorm stats stay finite, no
+        optimizer step, a StepSkipped with the session's step; the next batch trains."""
+        model = _BNNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        weight = model.lin.weight.detach().clone()
+        async with EventBus() as bus:
+            bus.subscribe(recorder)
+            async with Session(model, opt, bus=bus, log_dir=None, recovery=False) as s:
+                s.validator = InputValidator(InputSpec(), policy=ValidationPolicy.SKIP)
+                bad = torch.randn(8, 3)
+                bad[2, 1] = math.nan
+                result = await s.training_step(bad, torch.randn(8, 1), _mse, step=4)
+                assert model.calls == 0 and not result.stepped
+                assert result.verdict.actions == ("reject_batch",) and math.isnan(result.loss)
+                assert torch.isfinite(model.bn.running_mean).all()
+                assert torch.isfinite(model.bn.running_var).all()
+                assert torch.equal(model.lin.weight, weight)
+                ok = await s.training_step(torch.randn(8, 3), torch.randn(8, 1), _mse)
+                assert ok.step == 5 and ok.stepped and model.calls == 1
+            await bus.drain()
+        (skipped,) = recorder.of_type(StepSkipped)
+        assert skipped.step == 4 and "before the forward pass" in skipped.reason
+        (failed,) = recorder.of_type(InputValidationFailed)
+        assert failed.step == 4 and failed.rule == "non_finite"
+
+    def test_sync_session_skips_too_and_report_policy_still_runs(self) -> None:
+        """SyncSession under SKIP rejects; under REPORT (the session default) the batch runs."""
+        model = _BNNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        bad = torch.full((4, 3), math.inf)
+        with SyncSession(model, opt, log_dir=None, recovery=False, input_spec=InputSpec()) as s:
+            assert s.validator is not None and s.validator.policy is ValidationPolicy.REPORT
+            s.training_step(bad, torch.zeros(4, 1), _mse, step=0)
+            assert model.calls == 1  # REPORT: reported, then run
+            s.validator = InputValidator(InputSpec(), policy=ValidationPolicy.SKIP)
+            result = s.training_step(bad, torch.zeros(4, 1), _mse, step=1)
+            assert model.calls == 1 and not result.stepped
+
+    def test_policy_rejects(self) -> None:
+        """RAISE and SKIP reject a batch; REPORT does not."""
+        assert ValidationPolicy.SKIP.rejects and ValidationPolicy.RAISE.rejects
+        assert not ValidationPolicy.REPORT.rejects
