@@ -19,6 +19,8 @@ from eventbus_debug import (
     SessionEnded,
     StepCompleted,
     StepSkipped,
+    SyncSession,
+    TrainingStopped,
     read_events,
 )
 from eventbus_debug.integrations.lightning import EventBusDebugCallback
@@ -202,6 +204,26 @@ def test_an_exception_in_training_ends_the_session_with_its_reason(tmp_path: Pat
     assert debug.session is None
     ended = [e for e in read_events(tmp_path) if isinstance(e, SessionEnded)]
     assert len(ended) == 1 and "data loader went away" in ended[0].reason
+
+
+def test_training_stopped_at_the_safe_point_ends_fit_and_session(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop decided at the safe point propagates out of fit; SessionEnded says stopped."""
+    original = SyncSession.check_step_nowait
+
+    def stop_at_two(self: SyncSession, step: int, **kwargs: Any) -> Any:
+        if step == 2:
+            raise TrainingStopped("planted stop")
+        return original(self, step, **kwargs)
+
+    monkeypatch.setattr(SyncSession, "check_step_nowait", stop_at_two)
+    debug = EventBusDebugCallback(log_dir=tmp_path, alerts=False, system_interval=None)
+    with pytest.raises(TrainingStopped, match="planted stop"):
+        _fit(Tiny(scheduler=False), [debug])
+    assert debug.session is None and debug.steps_checked == 2
+    ended = [e for e in read_events(tmp_path) if isinstance(e, SessionEnded)]
+    assert [e.reason for e in ended] == ["stopped"]
 
 
 def test_more_than_one_optimizer_is_a_clear_error(tmp_path: Path) -> None:
