@@ -348,6 +348,9 @@ class _RunningStat:
         return Stat(self.n, self.total / self.n if self.n else None, self.min, self.max)
 
 
+_isfinite = math.isfinite
+
+
 class _Bucket:
     __slots__ = ("count", "index", "max", "min", "nonfinite", "step", "total")
 
@@ -362,12 +365,16 @@ class _Bucket:
 
     def add(self, value: float) -> None:
         self.count += 1
-        if not math.isfinite(value):
+        if not _isfinite(value):
             self.nonfinite += 1
             return
         self.total += value
-        self.min = value if self.min is None else min(self.min, value)
-        self.max = value if self.max is None else max(self.max, value)
+        low = self.min
+        if low is None or value < low:
+            self.min = value
+        high = self.max
+        if high is None or value > high:
+            self.max = value
 
     def merge(self, other: _Bucket) -> None:
         self.step = min(self.step, other.step)
@@ -428,6 +435,104 @@ class _Series:
 
     def freeze(self) -> tuple[SeriesPoint, ...]:
         return tuple(b.freeze() for b in self.buckets)
+
+
+class _Column:
+    __slots__ = ("cells", "index", "step")
+
+    def __init__(self, index: int, step: int) -> None:
+        self.index = index
+        self.step = step
+        # name -> [sum of finite values, finite count, non-finite count]
+        self.cells: dict[str, list[float]] = {}
+
+    def merge(self, other: _Column) -> None:
+        self.step = min(self.step, other.step)
+        cells = self.cells
+        for name, (total, finite, nonfinite) in other.cells.items():
+            cell = cells.get(name)
+            if cell is None:
+                cells[name] = [total, finite, nonfinite]
+            else:
+                cell[0] += total
+                cell[1] += finite
+                cell[2] += nonfinite
+
+
+class _LayerGrid:
+    """Per-layer values over steps, for a heatmap: one column per bucket of steps shared by
+    every layer (at most *max_points*; the stride doubles when full), the bucket mean per
+    layer. O(1) per value: a dict lookup and two additions."""
+
+    __slots__ = ("columns", "max_layers", "max_points", "names", "omitted", "stride")
+
+    def __init__(self, max_points: int, max_layers: int) -> None:
+        self.max_points = max_points
+        self.max_layers = max_layers
+        self.stride = 1
+        self.columns: list[_Column] = []
+        self.names: dict[str, None] = {}
+        self.omitted: set[str] = set()
+
+    def _column(self, step: int) -> _Column:
+        index = step // self.stride
+        columns = self.columns
+        if columns and columns[-1].index == index:
+            return columns[-1]
+        if columns and index < columns[-1].index:
+            for column in reversed(columns):
+                if column.index == index:
+                    return column
+        column = _Column(index, step)
+        columns.append(column)
+        if len(columns) > 1 and columns[-2].index > index:
+            columns.sort(key=lambda c: c.index)
+        if len(columns) > self.max_points:
+            self.stride *= 2
+            merged: list[_Column] = []
+            for c in columns:
+                c.index //= 2
+                if merged and merged[-1].index == c.index:
+                    merged[-1].merge(c)
+                else:
+                    merged.append(c)
+            self.columns = merged
+            return self._column(step)
+        return column
+
+    def add(self, step: int, values: Mapping[str, float]) -> None:
+        cells = self._column(step).cells
+        for name, value in values.items():
+            cell = cells.get(name)
+            if cell is None:
+                if name not in self.names:
+                    if len(self.names) >= self.max_layers:
+                        if len(self.omitted) < 100_000:
+                            self.omitted.add(name)
+                        continue
+                    self.names[name] = None
+                cell = cells[name] = [0.0, 0, 0]
+            if _isfinite(value):
+                cell[0] += value
+                cell[1] += 1
+            else:
+                cell[2] += 1
+
+    def freeze(self) -> tuple[LayerSeries, ...]:
+        out = []
+        for name in self.names:
+            points = []
+            for column in self.columns:
+                cell = column.cells.get(name)
+                if cell is None:
+                    continue
+                total, finite, nonfinite = cell[0], int(cell[1]), int(cell[2])
+                mean = total / finite if finite else None
+                points.append(
+                    SeriesPoint(column.step, mean, None, None, finite + nonfinite, nonfinite)
+                )
+            out.append(LayerSeries(name, tuple(points)))
+        return tuple(out)
 
 
 class _Trend:
@@ -622,9 +727,8 @@ class RunAggregator:
         self._lr = _Series(self._max_points)
         self._throughput = _Series(self._max_points)
         self._duration = _Series(self._max_points)
-        self._layer_grad: dict[str, _Series] = {}
-        self._layer_update: dict[str, _Series] = {}
-        self._layers_omitted: set[str] = set()
+        self._layer_grad = _LayerGrid(self._layer_points, self._max_layers)
+        self._layer_update = _LayerGrid(self._layer_points, self._max_layers)
         self._latest: dict[str, float | None] = {}
         self._latest_step: int | None = None
         self._markers: list[Marker] = []
@@ -661,9 +765,10 @@ class RunAggregator:
                 self._first_step = step
             if self._last_step is None or step > self._last_step:
                 self._last_step = step
-        run = self._runs.get(self._rank_run.get(event.rank, ""))
-        if run is not None:
-            run.events += 1
+        if self._rank_run:
+            run = self._runs.get(self._rank_run.get(event.rank, ""))
+            if run is not None:
+                run.events += 1
 
         if isinstance(event, StepChecked):
             self._checked += 1
@@ -677,9 +782,9 @@ class RunAggregator:
                     self._grad.add(step, event.grad_norm)
                     latest["grad_norm"] = event.grad_norm
                 if event.layer_grad_norms:
-                    self._add_layers(self._layer_grad, step, event.layer_grad_norms)
+                    self._layer_grad.add(step, event.layer_grad_norms)
                 if event.update_ratios:
-                    self._add_layers(self._layer_update, step, event.update_ratios)
+                    self._layer_update.add(step, event.update_ratios)
             return
         if isinstance(event, StepCompleted):
             self._completed += 1
@@ -750,19 +855,6 @@ class RunAggregator:
                 caused_by=caused_by,
             )
         )
-
-    def _add_layers(
-        self, table: dict[str, _Series], step: int, values: Mapping[str, float]
-    ) -> None:
-        for name, value in values.items():
-            series = table.get(name)
-            if series is None:
-                if len(table) >= self._max_layers:
-                    if len(self._layers_omitted) < 100_000:
-                        self._layers_omitted.add(name)
-                    continue
-                series = table[name] = _Series(self._layer_points)
-            series.add(step, value)
 
     def _link(self, rank: int, source_seq: int, target_seq: int) -> None:
         links = self._led_to
@@ -976,9 +1068,9 @@ class RunAggregator:
             cuda_allocated_bytes=self._cuda.freeze(),
             cuda_reserved_bytes=self._cuda_reserved.freeze(),
             host_memory_percent=self._host_mem.freeze(),
-            layer_grad_norms=_freeze_layers(self._layer_grad),
-            update_ratios=_freeze_layers(self._layer_update),
-            layers_omitted=len(self._layers_omitted),
+            layer_grad_norms=self._layer_grad.freeze(),
+            update_ratios=self._layer_update.freeze(),
+            layers_omitted=len(self._layer_grad.omitted | self._layer_update.omitted),
             latest=LatestValues(
                 step=self._latest_step,
                 loss=latest.get("loss"),
@@ -1032,10 +1124,6 @@ class _RunState:
         self.started_ns = started_ns
         self.ranks: set[int] = set()
         self.events = 0
-
-
-def _freeze_layers(table: Mapping[str, _Series]) -> tuple[LayerSeries, ...]:
-    return tuple(LayerSeries(name, series.freeze()) for name, series in table.items())
 
 
 def summarize(events: Iterable[Event], /, **options: int) -> RunSummary:
