@@ -58,6 +58,10 @@ from .logfile import (
 from .probes import *  # noqa: F403
 from .recovery import *  # noqa: F403
 from .session import *  # noqa: F403
+from .step_context import (
+    current_step as current_step,
+    step_source as step_source,
+)
 from .typing import (
     BatchSink as BatchSink,
     Handler as Handler,
@@ -103,6 +107,8 @@ _CORE = (
     "log_files",
     "read_events",
     "refresh_rank",
+    "current_step",
+    "step_source",
 )
 
 __all__ = (*_CORE, *probes.__all__, *recovery.__all__, *_session_mod.__all__)

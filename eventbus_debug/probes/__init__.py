@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .anomaly_arming import AnomalyArming
 from .autograd import AnomalyCapture, capture_autograd_anomaly, replay_with_anomaly_detection
 from .events import (
     AnomalyLocalized,
@@ -19,6 +20,7 @@ from .events import (
     SystemSampled,
     TensorRole,
 )
+from .finite import NonFiniteCounts, non_finite_counts
 from .functions import (
     GradientReport,
     ParameterStats,
@@ -66,6 +68,7 @@ from .system import (
 from .tensor import TensorStats, analyze_tensor
 
 __all__: tuple[str, ...] = (
+    "AnomalyArming",
     "AnomalyCapture",
     "BackwardReport",
     "Cadence",
@@ -74,6 +77,7 @@ __all__: tuple[str, ...] = (
     "ForwardReport",
     "GradientReport",
     "LayerRecord",
+    "NonFiniteCounts",
     "ParameterStats",
     "StepProbe",
     "StepVerdict",
@@ -90,6 +94,7 @@ __all__: tuple[str, ...] = (
     "debug_backward_pass",
     "debug_forward_pass",
     "monitor_training_step",
+    "non_finite_counts",
     "replay_with_anomaly_detection",
     # memory, system, profiler
     "CpuMeter",

@@ -9,7 +9,7 @@ import torch
 
 from .finite import _RAW_BITS, stored_values
 
-__all__ = ("TensorStats", "analyze_tensor")
+__all__ = ("TensorStats", "analyze_tensor", "dense_shape")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
