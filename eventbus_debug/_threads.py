@@ -46,10 +46,16 @@ class _Job(Generic[T]):
         except BaseException as exc:  # handed back to the awaiting task
             self.error = exc
         self.done = True
+
+    def wake(self) -> None:
         try:
             self.notify()
         except RuntimeError:  # the event loop is closed: nobody waits any more
             pass
+
+    def run_and_wake(self) -> None:
+        self.run()
+        self.wake()
 
 
 def _scheduler() -> Callable[[Callable[[], object]], object]:
@@ -116,10 +122,9 @@ class DaemonWorker:
                 return
             assert isinstance(job, _Job)
             self._running = job
-            try:
-                job.run()
-            finally:
-                self._running = None
+            job.run()
+            self._running = None  # before the wake: the awaiting task sees the thread idle
+            job.wake()
 
 
 async def run_in_daemon_thread(fn: Callable[..., T], /, *args: Any, name: str = "") -> T:
@@ -131,6 +136,6 @@ async def run_in_daemon_thread(fn: Callable[..., T], /, *args: Any, name: str = 
     event = anyio.Event()
     schedule = _scheduler()
     job: _Job[T] = _Job(fn, args, lambda: schedule(event.set))
-    thread = threading.Thread(target=job.run, name=name or "eventbus-daemon", daemon=True)
+    thread = threading.Thread(target=job.run_and_wake, name=name or "eventbus-daemon", daemon=True)
     thread.start()
     return await _await_job(job, event)
