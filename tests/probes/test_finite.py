@@ -29,6 +29,8 @@ from eventbus_debug import (
 from eventbus_debug.probes.finite import NonFiniteCounts, non_finite_counts, stored_values
 from eventbus_debug.testing import RecordingSink
 
+_MKLDNN: bool = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+
 
 def _quiet(make: object) -> torch.Tensor:
     """Build a tensor whose constructor warns (CSR beta, strided nested prototype)."""
@@ -134,7 +136,7 @@ class TestNonFiniteCounts:
         c = non_finite_counts(value)
         assert (c.nan_count, c.inf_count) == (nan, inf)
 
-    @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no MKLDNN in this build")
+    @pytest.mark.skipif(not _MKLDNN, reason="no MKLDNN in this build")
     def test_mkldnn(self) -> None:
         """An MKLDNN tensor is read through its dense values."""
         c = non_finite_counts(torch.tensor([[1.0, math.nan]]).to_mkldnn())
@@ -230,7 +232,7 @@ class TestAnalyzeTensorInputs:
         s2 = analyze_tensor(strided)
         assert s2.shape == (2, -1, 3) and s2.min == 1.0 and s2.max == 1.0
 
-    @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no MKLDNN in this build")
+    @pytest.mark.skipif(not _MKLDNN, reason="no MKLDNN in this build")
     def test_mkldnn_tensor(self) -> None:
         """An MKLDNN tensor is summarized from its dense values."""
         s = analyze_tensor(torch.arange(6.0).reshape(2, 3).to_mkldnn())

@@ -84,7 +84,7 @@ def _with_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
             layout == "mkldnn"
             and t.dtype == torch.float32
             and t.numel()
-            and torch.backends.mkldnn.is_available()
+            and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         ):
             return t.to_mkldnn()
     return t
@@ -132,7 +132,7 @@ class TestEveryPublicCheck:
         exact = 1e-12 if np.iscomplexobj(a) else 0.0  # |z| differs by an ulp between libraries
         assert s.min == pytest.approx(finite.min(), rel=exact, abs=0)
         assert s.max == pytest.approx(finite.max(), rel=exact, abs=0)
-        assert s.mean is not None and s.std is not None
+        assert s.mean is not None and s.std is not None and s.min is not None and s.max is not None
         assert math.isfinite(s.mean) and math.isfinite(s.std) and s.std >= 0
         tol = 1e-9 * max(abs(s.min), abs(s.max))
         assert s.min - tol <= s.mean <= s.max + tol
