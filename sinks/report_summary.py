@@ -405,9 +405,21 @@ class _Series:
     def add(self, step: int, value: float) -> None:
         index = step // self.stride
         buckets = self.buckets
-        if buckets and buckets[-1].index == index:
-            buckets[-1].add(value)
-            return
+        if buckets:
+            last = buckets[-1]
+            if last.index == index:  # the common case, inlined: one call per value
+                last.count += 1
+                if not _isfinite(value):
+                    last.nonfinite += 1
+                    return
+                last.total += value
+                low = last.min
+                if low is None or value < low:
+                    last.min = value
+                high = last.max
+                if high is None or value > high:
+                    last.max = value
+                return
         if buckets and index < buckets[-1].index:
             # Out-of-order step (a restored checkpoint replays steps): find its bucket.
             for b in reversed(buckets):
@@ -462,7 +474,8 @@ class _Column:
 class _LayerGrid:
     """Per-layer values over steps, for a heatmap: one column per bucket of steps shared by
     every layer (at most *max_points*; the stride doubles when full), the bucket mean per
-    layer. O(1) per value: a dict lookup and two additions."""
+    layer. O(1) per value (a dict lookup and two additions), and once *max_layers* layers are
+    known, O(max_layers) per step whatever the model's size."""
 
     __slots__ = ("columns", "max_layers", "max_points", "names", "omitted", "stride")
 
@@ -472,7 +485,7 @@ class _LayerGrid:
         self.stride = 1
         self.columns: list[_Column] = []
         self.names: dict[str, None] = {}
-        self.omitted: set[str] = set()
+        self.omitted = 0
 
     def _column(self, step: int) -> _Column:
         index = step // self.stride
@@ -502,15 +515,24 @@ class _LayerGrid:
 
     def add(self, step: int, values: Mapping[str, float]) -> None:
         cells = self._column(step).cells
-        for name, value in values.items():
+        names = self.names
+        if len(names) >= self.max_layers:
+            # full: look up the kept layers only, never walk a huge model's every parameter
+            pairs: Iterable[tuple[str, float | None]] = [(n, values.get(n)) for n in names]
+            kept = sum(1 for _, v in pairs if v is not None)
+            self.omitted = max(self.omitted, len(values) - kept)
+        else:
+            pairs = values.items()
+        for name, value in pairs:
+            if value is None:
+                continue
             cell = cells.get(name)
             if cell is None:
-                if name not in self.names:
-                    if len(self.names) >= self.max_layers:
-                        if len(self.omitted) < 100_000:
-                            self.omitted.add(name)
+                if name not in names:
+                    if len(names) >= self.max_layers:
+                        self.omitted = max(self.omitted, len(values) - len(names))
                         continue
-                    self.names[name] = None
+                    names[name] = None
                 cell = cells[name] = [0.0, 0, 0]
             if _isfinite(value):
                 cell[0] += value
@@ -1070,7 +1092,7 @@ class RunAggregator:
             host_memory_percent=self._host_mem.freeze(),
             layer_grad_norms=self._layer_grad.freeze(),
             update_ratios=self._layer_update.freeze(),
-            layers_omitted=len(self._layer_grad.omitted | self._layer_update.omitted),
+            layers_omitted=max(self._layer_grad.omitted, self._layer_update.omitted),
             latest=LatestValues(
                 step=self._latest_step,
                 loss=latest.get("loss"),
