@@ -233,6 +233,40 @@ def test_more_than_one_optimizer_is_a_clear_error(tmp_path: Path) -> None:
         _fit(Tiny(optimizers=2), [debug])
 
 
+def test_the_pytorch_lightning_namespace_works_too(tmp_path: Path) -> None:
+    """pytorch_lightning (installed with lightning) calls the same hooks: the skip works."""
+    import pytorch_lightning as legacy
+
+    class Legacy(legacy.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            if batch_idx == 2:
+                x = x.clone()
+                x[0, 0] = math.nan
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    debug = EventBusDebugCallback(log_dir=tmp_path, alerts=False, system_interval=None)
+    trainer = legacy.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[debug],  # type: ignore[list-item]
+    )
+    trainer.fit(Legacy(), _loader())
+    assert debug.steps_checked == BATCHES and debug.steps_skipped == 1
+    assert [e.step for e in read_events(tmp_path) if isinstance(e, StepSkipped)] == [2]
+
+
 def test_model_or_optimizer_as_session_options_is_rejected() -> None:
     """The model and optimizer come from Lightning: passing them as options is a TypeError."""
     with pytest.raises(TypeError, match="model"):
