@@ -12,7 +12,7 @@ import anyio
 import torch
 from torch import nn
 
-from eventbus_debug import GradientExploded, NonFiniteDetected, Session, Severity, Thresholds
+from eventbus_debug import GradientExploded, NonFiniteDetected, Session, Severity
 from sinks import Alert, AlertSink, StderrAlert, rules
 
 
@@ -28,7 +28,6 @@ async def main(steps: int = 120) -> list[str]:
         log_dir=None,
         report=False,
         alerts=False,
-        thresholds=Thresholds(explosion_warmup=10),
     ) as session:
         alerts = AlertSink(session.bus)
 

@@ -71,7 +71,7 @@ class Thresholds:
 
     vanishing: float = 1e-7
     vanishing_relative: float = 1e-4
-    vanishing_patience: int = 3
+    vanishing_patience: int = 10
     vanishing_per_layer: bool = True
     explosion: float | None = 1e6
     explosion_factor: float = 10.0
