@@ -157,7 +157,8 @@ def _host_of(header: bytes) -> str | None:
         return None
     if text.startswith("["):
         end = text.find("]")
-        if end < 0 or (len(text) > end + 1 and text[end + 1] != ":"):
+        rest = text[end + 1 :] if end > 0 else ""
+        if end < 0 or (rest and not (rest[0] == ":" and rest[1:].isdigit())):
             return None
         return text[1:end]
     name, _, port = text.partition(":")

@@ -65,6 +65,8 @@ class TestHost:
                     b"127.0.0.1 evil",
                     b"evil.example@127.0.0.1",
                     b"[::1",
+                    b"[::1]:x",
+                    b"[::1]80",
                     b"127.0.0.1:80:80",
                     b"127.0.0.1:x",
                     "lоcalhost".encode(),  # Cyrillic o
@@ -359,3 +361,21 @@ async def test_dns_rebinding_page_gets_no_report(tmp_path: Path) -> None:
     assert "Host header" in rebound and 'id="chart-loss"' not in rebound
     assert 'id="chart-loss"' in direct and "gradient norm 500" in direct
     assert server.refused["host"] >= 1
+
+
+@pytest.mark.parametrize(
+    ("header", "host"),
+    [
+        (b"127.0.0.1:8080", "127.0.0.1"),
+        (b"LocalHost.", "localhost"),
+        (b"[::1]:8080", "::1"),
+        (b"[::1]", "::1"),
+        (b"[::1]:", None),
+        (b"a:1:2", None),
+        (b"\xffhost", None),
+        (b"host/path", None),
+    ],
+)
+def test_host_header_parsing(header: bytes, host: str | None) -> None:
+    """The Host header's name is parsed strictly: port removed, anything odd refused."""
+    assert http_module._host_of(header) == host
