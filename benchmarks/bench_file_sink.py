@@ -46,7 +46,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import aiofiles
@@ -54,7 +54,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eventbus_debug import EventBus, SinkFailed, StepCompleted, encode_event, read_events
+from eventbus_debug import Event, EventBus, SinkFailed, StepCompleted, encode_event, read_events
 from eventbus_debug.logfile import ReadStatistics
 from sinks import RotatingFileSink, rotating_file
 
@@ -174,6 +174,59 @@ async def _burst(n: int, directory: Path | None) -> tuple[float, int]:
     return meter.worst, found
 
 
+class _Gate:
+    """A sink blocked until opened: its queue fills with incidents."""
+
+    def __init__(self) -> None:
+        self.open = anyio.Event()
+        self.got = 0
+
+    async def handle_batch(self, events: Sequence[Event], /) -> None:
+        await self.open.wait()
+        self.got += sum(1 for e in events if isinstance(e, SinkFailed) and e.sink == "x")
+
+
+async def _blocked_burst(n: int, *, blocked: bool) -> tuple[float, int, int]:
+    """*n* incidents interleaved with *n* telemetry events into a (blocked) 1,024-slot queue:
+    (longest loop stall in s, incidents delivered, telemetry shed)."""
+    incidents = [SinkFailed(sink="x", error_type="E", message="m", step=i) for i in range(n)]
+    telemetry = _events(n)
+    meter = _LagMeter()
+    gate = _Gate()
+    if not blocked:
+        gate.open.set()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(meter.run)
+        await anyio.sleep(0.02)
+        async with EventBus(capacity=1024) as bus:
+            sub = bus.subscribe(gate)
+            for incident, step in zip(incidents, telemetry, strict=True):
+                bus.publish_nowait(incident)
+                bus.publish_nowait(step)
+            await anyio.sleep(0.2)
+            gate.open.set()
+        tg.cancel_scope.cancel()
+    return meter.worst, n - gate.got, sub.statistics().shed
+
+
+async def _paced(n: int, rate: float, directory: Path, *, legacy: bool) -> int:
+    """publish_nowait at *rate* events/s (ticks of 10 ms) into the file sink: events lost."""
+    events = _events(n)
+    per_tick = max(1, int(rate / 100))
+    sink = RotatingFileSink(directory)
+    async with EventBus() as bus:
+        if legacy:
+            bus.subscribe(sink, capacity=1024, backpressure=False)
+        else:
+            bus.subscribe(sink)
+        start = time.perf_counter()
+        for k, i in enumerate(range(0, n, per_tick)):
+            for event in events[i : i + per_tick]:
+                bus.publish_nowait(event)
+            await anyio.sleep(max(0.0, start + (k + 1) * 0.01 - time.perf_counter()))
+    return n - sink.statistics().lines_written
+
+
 async def _close_time(directory: Path, *, stuck: bool) -> float:
     """Seconds from leaving ``async with EventBus(close_timeout=1)`` to its return."""
     release = threading.Event()
@@ -275,6 +328,21 @@ def _guarantees(args: argparse.Namespace) -> None:
         f"  burst: {args.burst:,} incidents then close: {found:,} in the log; longest loop stall "
         f"{stall * 1000:.0f} ms (baseline, same burst to a bus without sinks: "
         f"{base_stall * 1000:.0f} ms)"
+    )
+    n = args.burst // 2
+    stall, delivered, shed = anyio.run(lambda: _blocked_burst(n, blocked=True))
+    free_stall, _, _ = anyio.run(lambda: _blocked_burst(n, blocked=False))
+    print(
+        f"  burst into a blocked 1,024-slot queue: {n:,} incidents + {n:,} telemetry in one "
+        f"round: longest loop stall {stall * 1000:.0f} ms (baseline, sink not blocked: "
+        f"{free_stall * 1000:.0f} ms); {delivered:,} incidents lost, {shed:,} telemetry shed"
+    )
+    paced_n = min(args.volume, 50_000)
+    lost = _in_temp(lambda d: _paced(paced_n, 55_000, d, legacy=False))
+    old_lost = _in_temp(lambda d: _paced(paced_n, 55_000, d, legacy=True))
+    print(
+        f"  {paced_n:,} events offered with publish_nowait at 55k events/s: {lost:,} lost "
+        f"(baseline, 1,024-event queue: {old_lost:,} lost)"
     )
     stuck = _in_temp(lambda d: _close_time(d, stuck=True))
     healthy = _in_temp(lambda d: _close_time(d, stuck=False))
