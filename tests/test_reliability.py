@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -34,6 +35,7 @@ from eventbus_debug.events import (
     SinkCloseFailed,
     SinkUnresponsive,
 )
+from eventbus_debug.logfile import ReadStatistics
 from eventbus_debug.testing import RecordingSink
 from sinks import RotatingFileSink, rotating_file as rf
 
@@ -440,3 +442,43 @@ class TestDaemonThreads:
         )
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.strip() == "done"
+
+
+_KILLED_WRITER = """
+import sys, anyio
+from eventbus_debug import EventBus, StepCompleted
+from sinks import RotatingFileSink
+
+async def main():
+    async with EventBus() as bus:
+        bus.subscribe(RotatingFileSink(sys.argv[1], max_bytes=100_000, backup_count=50))
+        print("ready", flush=True)
+        step = 0
+        while True:
+            await bus.publish(StepCompleted(step=step, source="x" * (step % 700)))
+            step += 1
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(5))
+def test_kill_9_then_restart_leaves_a_readable_log(tmp_path: Path, seed: int) -> None:
+    """SIGKILL at a random moment, twice (with a restart between): strict reading never fails."""
+    rng = random.Random(seed)
+    for _ in range(2):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_WRITER, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(rng.uniform(0.05, 0.5))
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    stats = ReadStatistics()
+    events = list(read_events(tmp_path, stats=stats))
+    assert events and stats.invalid_lines == 0
