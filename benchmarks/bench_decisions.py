@@ -597,7 +597,7 @@ class Incident:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Action:
-    """A recovery action the library applied (a ``RecoveryApplied``, or a skipped step)."""
+    """A recovery action the library applied (a ``RecoveryApplied`` event, ``continue`` aside)."""
 
     step: int | None
     action: str
@@ -806,11 +806,12 @@ def _lr(optimizer: torch.optim.Optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
-def _reference_lr(spec: RunSpec, steps: int, lr_scale: float) -> float:
-    """The LR a plain loop ends with: the same scheduler stepped *steps* times, no training."""
+def _reference_lr(spec: RunSpec, steps: int, stepped: int, lr_scale: float) -> float:
+    """The LR a plain loop of *steps* steps has after *stepped* of them: the same scheduler
+    (built for the whole run, as warm-up/decay depends on its length), no training."""
     wl = spec.build(steps, lr_scale)
     if wl.scheduler is not None:
-        for _ in range(steps):
+        for _ in range(stepped):
             wl.optimizer.step()  # no gradients: a no-op that keeps the scheduler's order check
             wl.scheduler.step()
     return _lr(wl.optimizer)
@@ -895,7 +896,7 @@ def _run_one(spec: RunSpec, n: int, fault: Fault | None) -> RunResult:
         if spec.recovery_claimed:
             plain = anyio.run(_plain, spec, n, fault, backend="asyncio")
             clean = anyio.run(_plain, spec, n, None, backend="asyncio")
-        lr_ref = _reference_lr(spec, trace.steps_run, fault.lr_scale if fault else 1.0)
+        lr_ref = _reference_lr(spec, n, trace.steps_run, fault.lr_scale if fault else 1.0)
     final = _final(trace, wl)
     planted = fault.at if fault is not None else None
     detected = None
