@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import subprocess
@@ -37,7 +38,7 @@ from eventbus_debug.events import (
 )
 from eventbus_debug.logfile import ReadStatistics
 from eventbus_debug.testing import RecordingSink
-from sinks import RotatingFileSink, rotating_file as rf
+from sinks import ConsoleSink, RotatingFileSink, rotating_file as rf
 
 
 def _incident(i: int) -> SinkFailed:
@@ -296,6 +297,32 @@ class TestSinkHealth:
         assert lost.sink == "rotating_file" and lost.undelivered == 10
         phases = {(e.phase, e.thread_abandoned) for e in recorder.of_type(SinkUnresponsive)}
         assert ("drain", True) in phases
+
+    async def test_console_on_a_full_pipe_does_not_hang_the_close(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A console whose stream blocks forever (a full pipe): the close is still bounded."""
+        monkeypatch.setattr(_bus, "CLOSE_GRACE", 0.05)
+        release = threading.Event()
+
+        class _FullPipe(io.StringIO):
+            def write(self, text: str) -> int:
+                release.wait(30)
+                return super().write(text)
+
+            def flush(self) -> None:
+                release.wait(30)
+
+        recorder = RecordingSink()
+        try:
+            with anyio.fail_after(10):
+                async with EventBus(close_timeout=0.2) as bus:
+                    bus.subscribe(recorder)
+                    bus.subscribe(ConsoleSink(_FullPipe()), name="console")
+                    bus.publish_nowait(_incident(1))
+        finally:
+            release.set()
+        assert [e.sink for e in recorder.of_type(SinkUnresponsive)][:1] == ["console"]
 
     async def test_hanging_close_is_bounded_and_reported(
         self, monkeypatch: pytest.MonkeyPatch
