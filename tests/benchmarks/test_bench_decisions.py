@@ -26,6 +26,7 @@ from benchmarks.bench_decisions import (
     judge,
     main,
     render,
+    row,
     run_battery,
 )
 
@@ -189,6 +190,17 @@ def test_faults_touch_only_their_step() -> None:
     assert torch.isfinite(model.weight).all()
     Fault(FaultKind.NAN_PARAM, 5).before_forward(5, model)
     assert torch.isnan(model.weight).sum() == 1
+
+
+def test_row_reports_crashes_and_stops_in_the_stopped_column() -> None:
+    """A library crash reads "crash: <error>", a stop names its step; pipes cannot break the row."""
+    ok = row(_result())
+    crashed = row(_result(crash="RuntimeError: a|b"))
+    stopped = row(_result(stopped_at=9, stop_reason="strategies exhausted"))
+    assert "| crash: RuntimeError: a/b |" in crashed
+    assert "| yes @ 9: strategies exhausted |" in stopped
+    assert "| no |" in ok
+    assert crashed.count("|") == stopped.count("|") == ok.count("|")
 
 
 def test_run_battery_rejects_unknown_runs_and_short_runs() -> None:
