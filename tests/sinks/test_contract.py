@@ -80,7 +80,17 @@ def _factories() -> dict[str, Factory]:
     add("AlertSink", _alert_sink)
     add("ReportWriter", lambda tmp, bus: classes["ReportWriter"](tmp / "report", interval=None))
     add("DebugServer", lambda tmp, bus: classes["DebugServer"]())
+    add("TensorBoardSink", lambda tmp, bus: classes["TensorBoardSink"](tmp / "tensorboard"))
+    add("WandbSink", _wandb_sink)
     return table
+
+
+def _wandb_sink(tmp: Path, bus: EventBus) -> object:
+    wandb = pytest.importorskip("wandb")
+    settings = wandb.Settings(console="off", silent=True)
+    return _sink_classes()["WandbSink"](
+        project="contract", mode="offline", dir=str(tmp), settings=settings
+    )
 
 
 def _alert_sink(tmp: Path, bus: EventBus) -> object:
