@@ -53,9 +53,9 @@ from eventbus_debug import (
     SystemSampled,
 )
 from eventbus_debug._logging import get_logger
-from eventbus_debug._threads import run_in_daemon_thread
 from eventbus_debug.encoding import encode_event
 from eventbus_debug.events import Event, Severity, event_type
+from eventbus_debug.threads import run_in_daemon_thread
 
 from ._terminal import resolve_stream, write_text
 from .lines import describe, format_event, use_colors

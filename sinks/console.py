@@ -23,8 +23,8 @@ from typing import Final, TextIO
 
 import anyio
 
-from eventbus_debug._threads import run_in_daemon_thread
 from eventbus_debug.events import Event, Severity
+from eventbus_debug.threads import run_in_daemon_thread
 
 from ._terminal import resolve_stream, write_text
 from .lines import format_event, use_colors

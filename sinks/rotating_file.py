@@ -46,14 +46,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TypeVar
 
-from eventbus_debug._logging import get_logger
-
 # The submodules, not the package: mypy cannot see the package's computed __all__.
-from eventbus_debug._threads import DaemonWorker
+from eventbus_debug._logging import get_logger
 from eventbus_debug.encoding import decode_event, encode_event, encode_events
 from eventbus_debug.events import Event, LogWriteResumed, current_rank
 from eventbus_debug.exceptions import EventBusError, EventDecodeError
 from eventbus_debug.logfile import log_file_name
+from eventbus_debug.threads import DaemonWorker
 
 __all__ = (
     "DEFAULT_BACKUP_COUNT",

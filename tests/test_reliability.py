@@ -28,7 +28,6 @@ from eventbus_debug import (
     _bus,
     read_events,
 )
-from eventbus_debug._threads import DaemonWorker, run_in_daemon_thread
 from eventbus_debug.events import (
     Event,
     LoopStalled,
@@ -38,6 +37,7 @@ from eventbus_debug.events import (
 )
 from eventbus_debug.logfile import ReadStatistics
 from eventbus_debug.testing import RecordingSink
+from eventbus_debug.threads import DaemonWorker, run_in_daemon_thread
 from sinks import ConsoleSink, RotatingFileSink, rotating_file as rf
 
 
