@@ -48,6 +48,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import aiofiles
 import anyio
@@ -302,7 +303,10 @@ def _kill_trials(trials: int, seed: int) -> tuple[int, int, int, int]:
     return trials, ok, torn, events
 
 
-def _in_temp(fn: Callable[[Path], Awaitable[object]]) -> object:
+T = TypeVar("T")
+
+
+def _in_temp(fn: Callable[[Path], Awaitable[T]]) -> T:
     directory = Path(tempfile.mkdtemp(prefix="bench_file_sink_"))
     try:
         return anyio.run(fn, directory)
@@ -312,8 +316,8 @@ def _in_temp(fn: Callable[[Path], Awaitable[object]]) -> object:
 
 def _guarantees(args: argparse.Namespace) -> None:
     print(f"\nguarantees (issue 12), Python {sys.version.split()[0]}")
-    rate, lost = _in_temp(lambda d: _volume(args.volume, d, legacy=False))  # type: ignore[misc]
-    old_rate, old_lost = _in_temp(lambda d: _volume(args.volume, d, legacy=True))  # type: ignore[misc]
+    rate, lost = _in_temp(lambda d: _volume(args.volume, d, legacy=False))
+    old_rate, old_lost = _in_temp(lambda d: _volume(args.volume, d, legacy=True))
     print(
         f"  zero loss: {args.volume:,} x `await bus.publish` into the default file sink: "
         f"{rate:,.0f} events/s, {lost:,} lost"
@@ -322,7 +326,7 @@ def _guarantees(args: argparse.Namespace) -> None:
         f"    baseline (1,024-event queue, no flow control): {old_rate:,.0f} events/s, "
         f"{old_lost:,} lost; rate ratio {rate / old_rate:.2f}x"
     )
-    stall, found = _in_temp(lambda d: _burst(args.burst, d))  # type: ignore[misc]
+    stall, found = _in_temp(lambda d: _burst(args.burst, d))
     base_stall, _ = anyio.run(_burst, args.burst, None)
     print(
         f"  burst: {args.burst:,} incidents then close: {found:,} in the log; longest loop stall "
