@@ -70,6 +70,7 @@ from .probes.memory import LeakDetector
 from .probes.profiler import StepProfiler
 from .probes.step import StepProbe, StepVerdict
 from .probes.system import SystemSampler
+from .recovery.agreement import AGREE_TIMEOUT, Agreement, RankAgreement, agreement_for
 from .recovery.amp import ScalerMonitor
 from .recovery.engine import RecoveryEngine, _policy as _policy
 from .recovery.events import StepSkipped
@@ -228,6 +229,7 @@ class _Core:
         policy: RecoveryPolicy | str = RecoveryPolicy.SAFE,
         scheduler: Any = None,
         scaler: torch.amp.GradScaler | None = None,
+        distributed: bool | Agreement | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             msg = f"model must be a torch.nn.Module, got {type(model).__qualname__}"
@@ -255,6 +257,12 @@ class _Core:
             raise TypeError(msg)
         self.scaler = scaler
         """The AMP ``GradScaler``: its overflow steps are StepSkipped events, not incidents."""
+        if distributed is not None and not isinstance(distributed, bool | Agreement):
+            msg = f"distributed must be None, a bool or an Agreement, got {distributed!r}"
+            raise TypeError(msg)
+        self._distributed = distributed
+        self.agreement: Agreement | None = None
+        """How this rank agrees with the others (None outside a process group)."""
         self.amp: ScalerMonitor | None = None
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._console = console
@@ -310,7 +318,9 @@ class _Core:
         out: list[tuple[object, str]] = []
         if self.log_dir is not None:
             out.append((s.RotatingFileSink(self.log_dir), "log"))
-        if self._report_opt is True and self.log_dir is not None:
+        # In a process group, rank 0 writes the live report; `eventbus-debug report LOGDIR`
+        # merges every rank's log afterwards.
+        if self._report_opt is True and self.log_dir is not None and _rank_zero():
             self.report = s.ReportWriter(self.log_dir, title=f"{self.name}: eventbus-debug report")
         elif self._report_opt not in (True, False, None):
             self.report = self._report_opt
@@ -349,6 +359,11 @@ class _Core:
             source=f"{self.name}.step_probe",
             scaler=self.scaler,
             optimizer=self.optimizer,
+            loss_reducer=(
+                self.agreement.all_reduce_mean
+                if isinstance(self.agreement, RankAgreement)
+                else None
+            ),
         )
 
     def _make_system(self, bus: EventBus) -> SystemSampler | None:
@@ -380,7 +395,11 @@ class _Core:
             raise TypeError(msg)
         if self.recovery is not None and self.optimizer is not None:
             self.safe_point = SafePoint(
-                self.recovery, self.model, self.optimizer, schedulers=self.schedulers
+                self.recovery,
+                self.model,
+                self.optimizer,
+                schedulers=self.schedulers,
+                agreement=self.agreement,
             )
             if self.probe is not None:
                 # After a restore the loss and norms are the restored state's: judged against
@@ -499,6 +518,11 @@ class _Core:
         )
 
 
+def _rank_zero() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 def _schedulers(scheduler: Any) -> tuple[Any, ...]:
     if scheduler is None:
         return ()
@@ -572,6 +596,10 @@ class Session(_Core):
         scheduler: the LR scheduler (or a sequence of them) stepping *optimizer*, so that
             recovery's LR changes survive schedulers that recompute the rate (warm-up/decay,
             cosine, OneCycle) and temporary changes are undone on the schedule's values.
+        distributed: agree on every recovery decision across the ranks of a torch.distributed
+            process group (one small collective per step; see ``docs/distributed.md``).
+            ``None`` (default): when a group of more than one rank is initialized; ``False``:
+            never; ``True``: always; or an ``Agreement`` to use.
         scaler: the AMP ``torch.amp.GradScaler``. Its overflow steps (inf gradients while it
             probes its scale) are reported as ``StepSkipped`` with the scales, never as
             incidents or recovery actions; call ``scaler.step(optimizer)`` when
@@ -607,6 +635,7 @@ class Session(_Core):
         policy: RecoveryPolicy | str = RecoveryPolicy.SAFE,
         scheduler: Any = None,
         scaler: torch.amp.GradScaler | None = None,
+        distributed: bool | Agreement | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -630,6 +659,7 @@ class Session(_Core):
             policy=policy,
             scheduler=scheduler,
             scaler=scaler,
+            distributed=distributed,
         )
         if bus is not None and not isinstance(bus, EventBus):
             msg = f"bus must be an EventBus or None, got {bus!r}; for plain loops use SyncSession"
@@ -667,6 +697,7 @@ class Session(_Core):
                 tg = await stack.enter_async_context(anyio.create_task_group())
                 await tg.start(self.alerts.run_flusher)
                 stack.callback(tg.cancel_scope.cancel)
+            self.agreement = agreement_for(self._distributed, AGREE_TIMEOUT)
             self.probe = self._make_probe(bus)
             stack.callback(self.probe.close)
             if self.leak_detector is not None:
@@ -958,6 +989,7 @@ class SyncSession(_Core):
         policy: RecoveryPolicy | str = RecoveryPolicy.SAFE,
         scheduler: Any = None,
         scaler: torch.amp.GradScaler | None = None,
+        distributed: bool | Agreement | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -981,6 +1013,7 @@ class SyncSession(_Core):
             policy=policy,
             scheduler=scheduler,
             scaler=scaler,
+            distributed=distributed,
         )
         self._bus: SyncEventBus | None = None
         self._system_task: Future[None] | None = None
@@ -1020,6 +1053,7 @@ class SyncSession(_Core):
                 self._subscriptions.append(bus.subscribe(sink, name=f"{self.name}.{name}"))
             if self.alerts is not None and hasattr(self.alerts, "run_flusher"):
                 bus.portal.start_task_soon(self.alerts.run_flusher)
+            self.agreement = agreement_for(self._distributed, AGREE_TIMEOUT)
             self.probe = self._make_probe(bus)
             if self.leak_detector is not None:
                 self.leak_detector.bind(bus)

@@ -177,6 +177,10 @@ class StepProbe:
             unless ``scaler.unscale_(optimizer)`` already ran), and non-finite gradients with a
             finite loss are the scaler's overflow steps (``verdict.overflow``), not incidents.
         optimizer: the optimizer *scaler* steps (tells whether the gradients are unscaled).
+        loss_reducer: reduces each checked loss over the ranks of a process group before it is
+            judged (the session passes its agreement's mean), so loss spikes are judged on the
+            global loss and a non-finite loss on any rank is seen by all. A collective: every
+            rank must pass a loss at the same steps.
 
     Raises:
         TypeError: if *model* is not an ``nn.Module``, *bus* is not a bus or ``None``, or
@@ -197,6 +201,7 @@ class StepProbe:
         source: str = "step_probe",
         scaler: torch.amp.GradScaler | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        loss_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             msg = f"model must be a torch.nn.Module, got {type(model).__qualname__}"
@@ -222,6 +227,7 @@ class StepProbe:
         self._publish = publisher_for(bus)
         self._scaler = scaler
         self._optimizer = optimizer
+        self._loss_reducer = loss_reducer
         self.cadence = cadence or Cadence()
         self.thresholds = thresholds or Thresholds()
         self.deferred = bool(deferred)
@@ -561,6 +567,11 @@ class StepProbe:
         has_loss = checks.loss and loss is not None
         host_loss: float | None = None
         wide = False
+        if has_loss and self._loss_reducer is not None:
+            local = (
+                loss if isinstance(loss, torch.Tensor) else torch.tensor([float(loss)], dtype=_F64)  # type: ignore[arg-type]
+            )
+            loss = self._loss_reducer(local.detach().reshape(1))
         if has_loss:
             if isinstance(loss, torch.Tensor):
                 lt = loss.detach().reshape(1)

@@ -12,6 +12,7 @@ from torch import nn
 from eventbus_debug._logging import get_logger
 
 from ...exceptions import TrainingStopped
+from ..agreement import Agreement
 from ..engine import DecidedAction, RecoveryEngine
 from ..events import RecoveryAction, RecoveryApplied, StepSkipped
 from ..lr import scale_learning_rate
@@ -83,7 +84,11 @@ class SafePoint:
         model: the model whose parameters and gradients are acted on.
         optimizer: its optimizer (learning rates, state).
         snapshots: where the last good state is kept; ``None`` keeps one every 50 good steps.
-        agree: the distributed agreement hook (see :data:`AgreeHook`).
+        agree: a hook turning the pending decisions into the applied ones (see
+            :data:`AgreeHook`); called only when some decision is pending.
+        agreement: the distributed :class:`~eventbus_debug.recovery.agreement.Agreement`,
+            called at EVERY safe point (it is a collective): decisions and whether the step had
+            an incident are agreed across ranks before anything is applied.
         schedulers: LR schedulers of *optimizer*. SCALE_LR also scales the base LRs they
             recompute from (``base_lrs``, ``initial_lr``, OneCycleLR's ``max_lr``/``min_lr``),
             so LambdaLR or OneCycleLR do not undo the decision at their next ``step()``.
@@ -101,6 +106,7 @@ class SafePoint:
         *,
         snapshots: StateSnapshots | None = None,
         agree: AgreeHook | None = None,
+        agreement: Agreement | None = None,
         schedulers: Sequence[Any] = (),
     ) -> None:
         if not isinstance(engine, RecoveryEngine):
@@ -124,6 +130,10 @@ class SafePoint:
         self.schedulers: tuple[Any, ...] = tuple(schedulers)
         self.snapshots = snapshots if snapshots is not None else StateSnapshots()
         self._agree = agree if agree is not None else _identity
+        if agreement is not None and not isinstance(agreement, Agreement):
+            msg = f"agreement must be an Agreement (with agree(step, decisions, noted)), got {agreement!r}"
+            raise TypeError(msg)
+        self.agreement = agreement
         self._skip_remaining = 0
         self._skip_reason = ""
         self._temporary: list[list[float]] = []  # [healthy steps left, factor] per LR change
@@ -172,7 +182,12 @@ class SafePoint:
         engine = self.engine
         pending = engine.take_pending()
         noted = engine.take_noted()
-        decided = list(self._agree(pending)) if pending or self._agree is not _identity else []
+        if self.agreement is not None:
+            agreed = self.agreement.agree(step, pending, bool(noted))
+            decided = list(agreed.decisions)
+            noted = int(agreed.noted)
+        else:
+            decided = list(self._agree(pending)) if pending or self._agree is not _identity else []
         if not decided:
             if self._skip_remaining > 0:
                 self._skip_remaining -= 1

@@ -1,0 +1,287 @@
+"""One decision per step for the whole process group, on torch.distributed.
+
+Every rank calls :meth:`RankAgreement.agree` at every safe point, whatever its level, cadence or
+incidents, before any local state changes. The ranks' pending decisions are encoded as one
+small float64 vector — one flag per action, factors as maxima of negatives (a MIN) — and
+reduced with a single ``all_reduce(MAX)`` on a dedicated gloo group whose timeout is far below
+torch's 30-minute default. Every rank then applies the same decisions: skip, restore, clip
+(the smallest max norm of any rank), LR factor (the smallest), free memory, stop. Whether any
+rank had an incident is agreed too, so "good steps" (consecutive counts, snapshots, temporary LR
+changes) advance in lockstep and a restore lands every rank on the state of the same step.
+
+Never a bit mask reduced with MAX: "skip" on one rank and "clip" on another are two flags, and
+both survive.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import IntEnum
+from typing import Any, Final, Protocol, final, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from .._logging import get_logger
+from ..exceptions import TrainingStopped
+from .engine import DecidedAction
+from .events import RecoveryAction
+from .strategies import Decision
+
+__all__ = ("AGREE_TIMEOUT", "AgreedStep", "Agreement", "RankAgreement", "distributed_active")
+
+_log = get_logger(__name__)
+
+AGREE_TIMEOUT: Final = 60.0
+"""Seconds a rank waits for the others at an agreement (torch's default is 30 minutes)."""
+
+
+class _F(IntEnum):
+    """The slots of the agreement vector (all reduced with MAX)."""
+
+    ANY = 0  # some rank has a decision
+    NOTED = 1  # some rank had an incident this step
+    SKIP = 2
+    SKIP_BATCHES = 3
+    RESTORE = 4
+    RESTORE_REQUIRED = 5
+    CLIP = 6
+    NEG_MAX_NORM = 7  # -max_norm: MAX gives the smallest max norm
+    TOTAL_NORM = 8
+    NEG_LR_FACTOR = 9  # -factor: MAX gives the smallest factor
+    LR_STEPS = 10
+    FREE_MEMORY = 11
+    STOP = 12
+    STOP_RANK = 13  # rank + 1 of the highest rank that decided to stop
+
+
+_SIZE: Final = len(_F)
+
+
+@dataclass(frozen=True, slots=True)
+class AgreedStep:
+    """What the group agreed at one safe point.
+
+    Attributes:
+        decisions: the decisions every rank applies (the same on every rank).
+        noted: True when some rank had an incident this step (no rank counts it as good).
+    """
+
+    decisions: tuple[DecidedAction, ...]
+    noted: bool
+
+
+@runtime_checkable
+class Agreement(Protocol):
+    """Turns this rank's pending decisions into the decisions every rank applies."""
+
+    def agree(self, step: int, decisions: Sequence[DecidedAction], noted: bool, /) -> AgreedStep:
+        """Agree with the other ranks; called at every safe point on every rank."""
+        ...
+
+
+def distributed_active() -> bool:
+    """True inside an initialized torch.distributed process group of more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _encode(decisions: Sequence[DecidedAction], noted: bool, rank: int) -> torch.Tensor:
+    v = torch.zeros(_SIZE, dtype=torch.float64)
+    v[_F.NEG_MAX_NORM] = -math.inf
+    v[_F.NEG_LR_FACTOR] = -1.0
+    v[_F.NOTED] = float(noted)
+    lr_factor = 1.0
+    for d in decisions:
+        params = d.decision.parameters
+        v[_F.ANY] = 1.0
+        action = d.action
+        if action is RecoveryAction.SKIP_STEP:
+            v[_F.SKIP] = 1.0
+            v[_F.SKIP_BATCHES] = max(float(v[_F.SKIP_BATCHES]), float(params.get("batches", 1)))
+        elif action is RecoveryAction.RESTORE_STATE:
+            v[_F.RESTORE] = 1.0
+            v[_F.RESTORE_REQUIRED] = max(
+                float(v[_F.RESTORE_REQUIRED]), float(params.get("required", 1.0))
+            )
+        elif action is RecoveryAction.CLIP_GRADIENTS:
+            v[_F.CLIP] = 1.0
+            v[_F.NEG_MAX_NORM] = max(float(v[_F.NEG_MAX_NORM]), -float(params["max_norm"]))
+            v[_F.TOTAL_NORM] = max(float(v[_F.TOTAL_NORM]), float(params["total_norm"]))
+        elif action is RecoveryAction.SCALE_LR:
+            lr_factor *= float(params.get("lr_factor", 1.0))
+            v[_F.LR_STEPS] = max(float(v[_F.LR_STEPS]), float(params.get("lr_steps", 0.0)))
+        elif action is RecoveryAction.FREE_MEMORY:
+            v[_F.FREE_MEMORY] = 1.0
+        elif action is RecoveryAction.STOP:
+            v[_F.STOP] = 1.0
+            v[_F.STOP_RANK] = float(rank + 1)
+    v[_F.NEG_LR_FACTOR] = -lr_factor
+    return v
+
+
+def _decode(
+    v: list[float], local: Sequence[DecidedAction], step: int, world: int
+) -> tuple[DecidedAction, ...]:
+    if not v[_F.ANY]:
+        return ()
+    mine = {d.action: d for d in local}
+
+    def make(action: RecoveryAction, params: dict[str, float], what: str) -> DecidedAction:
+        own = mine.get(action)
+        reason = (
+            own.decision.reason
+            if own is not None
+            else f"agreed across {world} ranks: another rank decided to {what}"
+        )
+        return DecidedAction(
+            decision=Decision(action=action, reason=reason, parameters=params),
+            strategy=own.strategy if own is not None else "agreed",
+            trigger_kind=own.trigger_kind if own is not None else "agreement",
+            trigger_seq=own.trigger_seq if own is not None else -1,
+            step=step,
+        )
+
+    out: list[DecidedAction] = []
+    if v[_F.STOP]:
+        stopper = int(v[_F.STOP_RANK]) - 1
+        out.append(make(RecoveryAction.STOP, {}, f"stop (rank {stopper})"))
+    if v[_F.RESTORE]:
+        out.append(
+            make(
+                RecoveryAction.RESTORE_STATE,
+                {"required": float(v[_F.RESTORE_REQUIRED])},
+                "restore the last good state",
+            )
+        )
+    factor = -v[_F.NEG_LR_FACTOR]
+    if factor != 1.0:
+        params = {"lr_factor": factor}
+        if v[_F.LR_STEPS]:
+            params["lr_steps"] = float(v[_F.LR_STEPS])
+        out.append(make(RecoveryAction.SCALE_LR, params, f"scale the LR by {factor:g}"))
+    if v[_F.FREE_MEMORY]:
+        out.append(make(RecoveryAction.FREE_MEMORY, {}, "free memory"))
+    if v[_F.CLIP]:
+        params = {"max_norm": -v[_F.NEG_MAX_NORM], "total_norm": v[_F.TOTAL_NORM]}
+        out.append(make(RecoveryAction.CLIP_GRADIENTS, params, "clip the gradients"))
+    if v[_F.SKIP]:
+        out.append(
+            make(RecoveryAction.SKIP_STEP, {"batches": float(v[_F.SKIP_BATCHES])}, "skip the step")
+        )
+    return tuple(out)
+
+
+@final
+class RankAgreement:
+    """The :class:`Agreement` of a torch.distributed process group (one collective per step).
+
+    Built by the session when it runs inside an initialized process group (opt out with
+    ``Session(..., distributed=False)``). It must be constructed on every rank (it creates a gloo
+    group collectively) and called at every safe point on every rank.
+
+    Args:
+        timeout: seconds a rank waits for the others before it stops, naming its own decision.
+        group: the ranks that agree (``None``: a new gloo group over the default group's ranks).
+
+    Raises:
+        RuntimeError: if torch.distributed is not initialized.
+        ValueError: if *timeout* is not a positive number.
+    """
+
+    def __init__(self, *, timeout: float = AGREE_TIMEOUT, group: Any = None) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            msg = "RankAgreement needs an initialized torch.distributed process group"
+            raise RuntimeError(msg)
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            msg = f"timeout must be a positive number of seconds, got {timeout!r}"
+            raise ValueError(msg)
+        self.timeout = float(timeout)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.group = (
+            group
+            if group is not None
+            else dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+        )
+        self.agreements = 0
+        """Agreements run (one per safe point)."""
+        self.disagreements = 0
+        """Agreements in which the ranks' pending decisions differed."""
+
+    def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of *value* (a one-element tensor) over the group, on *value*'s device.
+
+        The step probe reduces the loss with it, so loss spikes are judged on the global loss
+        and N ranks do not multiply false alarms by N; a NaN loss on any rank is NaN on all.
+
+        Raises:
+            TrainingStopped: if the other ranks do not answer within :attr:`timeout`.
+        """
+        host = value.detach().reshape(1).to(device="cpu", dtype=torch.float64)
+        self._reduce(host, dist.ReduceOp.SUM, "the loss")
+        return (host / self.world).to(device=value.device, dtype=value.dtype)
+
+    def agree(self, step: int, decisions: Sequence[DecidedAction], noted: bool, /) -> AgreedStep:
+        """Agree on *step*'s decisions with every rank (see the module docstring).
+
+        Raises:
+            TrainingStopped: if the other ranks do not answer within :attr:`timeout` (this
+                rank's own pending decisions are named).
+        """
+        local = _encode(decisions, noted, self.rank)
+        mine = local.clone()
+        what = ", ".join(d.action.value for d in decisions) or "nothing"
+        self._reduce(local, dist.ReduceOp.MAX, f"step {step} (this rank decided: {what})")
+        self.agreements += 1
+        agreed = local.tolist()
+        if not torch.equal(mine, local):
+            self.disagreements += 1
+            _log.info(
+                "ranks_agreed", step=step, rank=self.rank, local=what, agreed_any=agreed[_F.ANY]
+            )
+        return AgreedStep(
+            decisions=_decode(agreed, decisions, step, self.world), noted=bool(agreed[_F.NOTED])
+        )
+
+    def _reduce(self, tensor: torch.Tensor, op: Any, what: str) -> None:
+        try:
+            dist.all_reduce(tensor, op=op, group=self.group)
+        except RuntimeError as exc:  # gloo raises on a timeout or a peer that left
+            msg = (
+                f"rank {self.rank} of {self.world} could not agree on {what} within "
+                f"{self.timeout:g} s: another rank stopped, crashed or hangs ({exc})"
+            )
+            _log.error("agreement_failed", rank=self.rank, what=what)
+            raise TrainingStopped(msg) from exc
+
+
+def agreement_for(distributed: bool | Agreement | None, timeout: float) -> Agreement | None:
+    """The agreement a session uses: ``None`` alone, a :class:`RankAgreement` in a group.
+
+    Args:
+        distributed: ``None`` (default): agree when a process group of more than one rank is
+            initialized; ``False``: never; ``True``: always (raises outside a group); or an
+            :class:`Agreement` to use as it is.
+        timeout: the agreement timeout in seconds.
+
+    Raises:
+        RuntimeError: if *distributed* is True and no process group is initialized.
+        TypeError: if *distributed* is neither a bool, ``None`` nor an :class:`Agreement`.
+    """
+    if distributed is None:
+        return RankAgreement(timeout=timeout) if distributed_active() else None
+    if distributed is False:
+        return None
+    if distributed is True:
+        return RankAgreement(timeout=timeout)
+    if isinstance(distributed, Agreement):
+        return distributed
+    msg = f"distributed must be None, a bool or an Agreement, got {distributed!r}"
+    raise TypeError(msg)
+
+
+LossReducer = Callable[[torch.Tensor], torch.Tensor]
+"""Reduces a step's loss over the ranks before the probe judges it."""

@@ -1,0 +1,122 @@
+"""One rank of a DDP training run over gloo with a fault planted on some rank.
+
+Run as ``python -m tests.distributed._worker SCENARIOS RANK WORLD INIT_FILE OUT_DIR`` where
+SCENARIOS is a comma-separated list of ``name[:policy]`` run one after the other in the same
+process group (starting processes is the expensive part); writes
+``OUT_DIR/{name}-{policy}.rank{RANK}.json`` with what the rank saw, did and ended with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from eventbus_debug import (
+    Cadence,
+    RecoveryApplied,
+    Session,
+    StepSkipped,
+    TrainingStopped,
+)
+from eventbus_debug.recovery.agreement import RankAgreement
+from eventbus_debug.testing import RecordingSink
+
+STEPS = 40
+
+
+def _fault(scenario: str, rank: int, step: int, loss: torch.Tensor, model: nn.Module) -> Any:
+    """The planted fault of *scenario* at *step* on *rank* (returns the loss to use)."""
+    if scenario in ("nan_one_rank", "nan_one_rank_every5") and rank == 1 and step == 12:
+        return loss * math.nan
+    if scenario == "spike_one_rank" and rank == 0 and step == 20:
+        return loss * 1e4
+    if scenario == "sustained_one_rank" and rank == 0 and 20 <= step < 30:
+        return loss * 40
+    if scenario == "nan_param_one_rank" and rank == 1 and step == 0:
+        with torch.no_grad():
+            next(model.parameters())[0, 0] = math.nan
+    return loss
+
+
+async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    model = DistributedDataParallel(net)  # broadcasts rank 0's initial parameters
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + rank)
+    recorder = RecordingSink()
+    cadence = Cadence(grad_every=5) if scenario == "nan_one_rank_every5" else None
+    distributed: Any = RankAgreement(timeout=5.0) if scenario == "crash_one_rank" else None
+    result: dict[str, Any] = {"rank": rank, "stopped_at": None, "reason": ""}
+    step = -1
+    try:
+        async with Session(
+            model,
+            opt,
+            log_dir=out / f"logs-{scenario}-{policy}",
+            alerts=False,
+            system_interval=None,
+            sinks=[recorder],
+            cadence=cadence,
+            policy=policy,
+            distributed=distributed,
+        ) as session:
+            for step in range(STEPS):
+                x = torch.randn(16, 8, generator=gen)
+                y = x.sum(dim=1, keepdim=True)
+                opt.zero_grad(set_to_none=True)
+                loss = nn.functional.mse_loss(model(x), y)
+                loss = _fault(scenario, rank, step, loss, model)
+                loss.backward()  # type: ignore[no-untyped-call]
+                if scenario == "crash_one_rank" and rank == 1 and step == 10:
+                    os._exit(3)  # after DDP's all-reduce: the others meet it at the agreement
+                verdict = await session.check_step(step, loss=loss)
+                if verdict.should_step:
+                    opt.step()
+                await session.step_completed(step, loss=verdict.loss)
+    except TrainingStopped as exc:
+        result["stopped_at"] = step
+        result["reason"] = str(exc)
+    params = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    result["finite"] = bool(torch.isfinite(params).all())
+    result["params"] = hashlib.sha256(params.numpy().tobytes()).hexdigest()
+    result["skipped"] = sorted(
+        {e.step for e in recorder.of_type(StepSkipped) if e.step is not None}
+    )
+    result["applied"] = [
+        [e.step, e.action.value, e.outcome] for e in recorder.of_type(RecoveryApplied)
+    ]
+    result["lr"] = opt.param_groups[0]["lr"]
+    return result
+
+
+def main() -> None:
+    scenarios, rank, world, init, out_dir = sys.argv[1:6]
+    r, w = int(rank), int(world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init}", rank=r, world_size=w, timeout=timedelta(seconds=30)
+    )
+    out = Path(out_dir)
+    for item in scenarios.split(","):
+        name, _, policy = item.partition(":")
+        policy = policy or "safe"
+        result = anyio.run(_train, name, r, w, policy, out)
+        (out / f"{name}-{policy}.rank{r}.json").write_text(json.dumps(result))
+    if "crash_one_rank" not in scenarios:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
