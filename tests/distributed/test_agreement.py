@@ -51,7 +51,7 @@ def run_group(tmp: Path, scenarios: tuple[str, ...], world: int) -> dict[str, li
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        )
         for r in range(world)
     ]
     outputs = []
@@ -195,5 +195,5 @@ class TestEncoding:
 
     def test_needs_a_process_group(self) -> None:
         """RankAgreement outside a process group is a clear error."""
-        with pytest.raises(RuntimeError, match="initialized torch.distributed"):
+        with pytest.raises(RuntimeError, match=r"initialized torch\.distributed"):
             RankAgreement()
