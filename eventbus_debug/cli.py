@@ -2,25 +2,28 @@
 
 Commands::
 
+    eventbus-debug --version
     eventbus-debug demo [--log-dir DIR] [--steps N] [--quiet]
     eventbus-debug report LOGDIR [--out DIR] [--no-html] [--title T]
-    eventbus-debug tail LOGDIR [-n N | --all] [--follow] [--kind K ...] [--min-severity S]
+    eventbus-debug tail LOGDIR [-n N | --all] [--follow] [--json] [--kind K ...] [--min-severity S]
     eventbus-debug summary LOGDIR [--json]
 
 Every command reads the JSON-lines log of every rank, rotated (and gzipped) files included.
-Errors are one line on standard error and a non-zero exit status: 1 for a run-time error
-(missing directory, no log inside, unreadable or undecodable file), 2 for bad arguments.
+Errors are one line on standard error and a non-zero exit status, never a traceback: 1 for a
+run-time error (missing directory, no log inside, unreadable, undecodable or crafted file), 2
+for bad arguments (an unknown ``--kind`` included). On a terminal, ``tail`` and ``summary``
+use colours (``--color never`` or ``NO_COLOR`` turns them off).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as _dt
 import gzip
 import importlib
+import importlib.metadata
 import logging
-import math
+import os
 import sys
 import time
 from collections import deque
@@ -32,8 +35,8 @@ from typing import IO, TYPE_CHECKING, Any, Final, TextIO
 import orjson
 
 from ._logging import LOGGER_NAME
-from .encoding import decode_event
-from .events import Event, SessionEnded, Severity
+from .encoding import decode_event, encode_event
+from .events import Event, SessionEnded, Severity, event_types
 from .exceptions import EventBusError, EventDecodeError, LogReadError
 from .logfile import log_files, read_events
 
@@ -52,7 +55,20 @@ class CommandError(EventBusError):
     """A command failed in an expected way; its message is the one line shown to the user."""
 
 
+class UsageError(CommandError):
+    """The arguments are wrong (exit status 2, as argparse's own usage errors)."""
+
+
 # -- argument parsing ---------------------------------------------------------------------------
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("eventbus-debug")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        from . import __version__
+
+        return __version__
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -61,6 +77,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Debug PyTorch training without slowing it down: run the demo, rebuild "
         "reports from event logs, follow and summarize them.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser(
@@ -110,13 +127,27 @@ def _build_parser() -> argparse.ArgumentParser:
         help="how many past events to show first (default: %(default)s)",
     )
     tail.add_argument("--all", action="store_true", help="show every past event")
-    tail.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
+    tail.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing new events (waits for LOGDIR and its log to appear)",
+    )
+    tail.add_argument(
+        "--json", action="store_true", help="print each event as its JSON line, as in the log"
+    )
+    tail.add_argument(
+        "--color",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="colour the lines (default: on a terminal, unless NO_COLOR is set)",
+    )
     tail.add_argument(
         "--kind",
         action="append",
         default=[],
         metavar="K",
-        help="show only events of this kind (repeatable)",
+        help="show only events of this kind (repeatable; an unknown kind is an error)",
     )
     tail.add_argument(
         "--min-severity",
@@ -146,6 +177,12 @@ def _build_parser() -> argparse.ArgumentParser:
     summary.add_argument("logdir", type=Path, help="the log directory")
     summary.add_argument("--json", action="store_true", help="print the full summary as JSON")
     summary.add_argument(
+        "--color",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="colour the table (default: on a terminal, unless NO_COLOR is set)",
+    )
+    summary.add_argument(
         "--skip-bad-lines", action="store_true", help="skip undecodable lines instead of failing"
     )
     return parser
@@ -173,56 +210,31 @@ def _summarize(logdir: Path, *, strict: bool) -> RunSummary:
     return summarize(read_events(logdir, strict=strict))
 
 
-def _clock(time_ns: int) -> str:
-    return _dt.datetime.fromtimestamp(time_ns / 1e9).strftime("%H:%M:%S.%f")[:-3]
+def format_event(event: Event, /, *, colors: bool = False) -> str:
+    """One human-readable line for *event*: what ``tail`` prints, the console sink's line."""
+    from sinks.lines import format_event as _format
+
+    return _format(event, colors=colors)
 
 
-def _value(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}" if math.isfinite(value) else str(value)
-    if hasattr(value, "value") and not isinstance(value, (tuple, dict)):
-        return str(value.value)
-    text = str(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+def _colors(choice: str, out: IO[str]) -> bool:
+    if choice == "auto":
+        from sinks.lines import use_colors
+
+        return use_colors(out)
+    return choice == "always"
 
 
-_COMPACT: Final = {
-    "step_completed": ("loss", "learning_rate", "samples_per_s"),
-    "step_checked": ("loss", "grad_norm", "finite", "fired"),
-    "memory_sampled": ("rss_bytes", "cuda_allocated"),
-    "system_sampled": ("cpu_percent", "memory_percent", "disk_percent"),
-    "session_started": ("name",),
-    "session_ended": ("name", "reason", "steps", "duration_s"),
-}
+def _known_kinds(kinds: Sequence[str]) -> frozenset[str]:
+    """*kinds* checked against the registered event kinds."""
+    import sinks  # noqa: F401  (registers the sinks' own event kinds)
 
-
-def format_event(event: Event, /) -> str:
-    """One human-readable line for *event* (what ``tail`` prints)."""
-    from sinks.report import describe_incident
-
-    head = f"{_clock(event.time_ns)} {event.severity.value.upper():<8} {event.kind:<28}"
-    where = []
-    if event.step is not None:
-        where.append(f"step={event.step}")
-    if event.rank:
-        where.append(f"rank={event.rank}")
-    fields = _COMPACT.get(event.kind)
-    if fields is not None:
-        body = " ".join(
-            f"{name}={_value(getattr(event, name))}"
-            for name in fields
-            if getattr(event, name, None) not in (None, (), "")
-        )
-    elif event.is_incident:
-        body = describe_incident(event)
-    else:
-        body = " ".join(
-            f"{name}={_value(getattr(event, name))}"
-            for name in type(event).__dataclass_fields__
-            if name
-            not in {"seq", "time_ns", "step", "rank", "source", "severity", "kind", "delivery"}
-        )
-    return " ".join(part for part in (head, " ".join(where), body) if part).rstrip()
+    known = set(event_types())
+    unknown = sorted(set(kinds) - known)
+    if unknown:
+        msg = f"unknown --kind {', '.join(unknown)}; valid kinds: {', '.join(sorted(known))}"
+        raise UsageError(msg)
+    return frozenset(kinds)
 
 
 @dataclass
@@ -372,19 +384,45 @@ def _cmd_report(args: argparse.Namespace, out: IO[str]) -> int:
     return 0
 
 
+def _wait_for_log(logdir: Path, poll: float, deadline: float | None) -> bool:
+    """Wait until *logdir* holds a log (a run not started yet); False when *deadline* passed."""
+    while True:
+        if logdir.is_dir() and log_files(logdir):
+            return True
+        if logdir.exists() and not logdir.is_dir():
+            _check_logdir(logdir)  # raises: not a directory
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        time.sleep(poll)
+
+
 def _cmd_tail(args: argparse.Namespace, out: IO[str]) -> int:
-    _check_logdir(args.logdir)
     if args.lines < 0:
         msg = f"--lines must be >= 0, got {args.lines}"
-        raise CommandError(msg)
+        raise UsageError(msg)
     if args.poll_interval <= 0:
         msg = f"--poll-interval must be > 0, got {args.poll_interval}"
-        raise CommandError(msg)
-    kinds = frozenset(args.kind)
+        raise UsageError(msg)
+    kinds = _known_kinds(args.kind)
     floor = Severity(args.min_severity)
+    colors = _colors(args.color, out)
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    if args.follow:
+        try:
+            if not _wait_for_log(args.logdir, args.poll_interval, deadline):
+                return 0
+        except KeyboardInterrupt:
+            return 0
+    else:
+        _check_logdir(args.logdir)
 
     def wanted(event: Event) -> bool:
         return event.severity >= floor and (not kinds or event.kind in kinds)
+
+    def show(event: Event) -> str:
+        if args.json:
+            return encode_event(event).decode().rstrip("\n")
+        return format_event(event, colors=colors)
 
     follower = LogFollower(args.logdir, from_end=False)
     past = follower.poll()
@@ -392,13 +430,12 @@ def _cmd_tail(args: argparse.Namespace, out: IO[str]) -> int:
     if not args.all:
         shown = list(deque(shown, maxlen=args.lines)) if args.lines else []
     for event in shown:
-        out.write(format_event(event) + "\n")
+        out.write(show(event) + "\n")
     out.flush()
     if not args.follow:
         return 0
     if args.exit_on_end and any(isinstance(e, SessionEnded) for e in past):
         return 0
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout
     try:
         while deadline is None or time.monotonic() < deadline:
             time.sleep(args.poll_interval)
@@ -406,7 +443,7 @@ def _cmd_tail(args: argparse.Namespace, out: IO[str]) -> int:
             for event in follower.poll():
                 ended = ended or isinstance(event, SessionEnded)
                 if wanted(event):
-                    out.write(format_event(event) + "\n")
+                    out.write(show(event) + "\n")
             out.flush()
             if ended and args.exit_on_end:
                 break
@@ -461,8 +498,15 @@ def _cmd_summary(args: argparse.Namespace, out: IO[str]) -> int:
         ("incidents", f"{s.incidents_total}"),
     ]
     width = max(len(k) for k, _ in rows)
+    colors = _colors(args.color, out)
+    alarming = {"anomalies", "non-finite", "incidents", "steps skipped"}
     for key, value in rows:
-        out.write(f"{key:<{width}}  {value}\n")
+        label = f"{key:<{width}}"
+        if colors:
+            label = f"\x1b[1m{label}\x1b[0m"
+            if key in alarming and not value.startswith(("0", "-")):
+                value = f"\x1b[31m{value}\x1b[0m"
+        out.write(f"{label}  {value}\n")
     return 0
 
 
@@ -527,15 +571,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with _diagnostics_to(sys.stderr):
             return command(args, sys.stdout)
-    except (CommandError, LogReadError, EventDecodeError) as exc:
-        print(f"{PROG} {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+    except UsageError as exc:
+        _error(args.command, str(exc), limit=None)
+        return 2
+    except BrokenPipeError:  # `eventbus-debug tail ... | head`: the reader is gone
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except OSError as exc:
         where = f" {exc.filename!r}" if exc.filename else ""
-        print(f"{PROG} {args.command}: error:{where} {exc.strerror or exc}", file=sys.stderr)
+        _error(args.command, f"{where.strip()} {exc.strerror or exc}".strip())
+        return 1
+    except (CommandError, LogReadError, EventDecodeError) as exc:
+        _error(args.command, str(exc))
+        return 1
+    except (ValueError, TypeError, KeyError) as exc:  # a crafted log the readers let through
+        _error(args.command, f"cannot read the log: {type(exc).__name__}: {exc}")
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _error(command: str, message: str, *, limit: int | None = 500) -> None:
+    """One line on standard error, whatever the message holds (cut to *limit* characters)."""
+    line = " ".join(message.split())
+    if limit is not None and len(line) > limit:
+        line = line[: limit - 1] + "…"
+    print(f"{PROG} {command}: error: {line}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

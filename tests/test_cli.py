@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import anyio
@@ -264,3 +265,146 @@ def test_console_script_subprocess(logdir: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert orjson.loads(done.stdout)["steps"] == 20
+
+
+class TestVersionAndKinds:
+    def test_version(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """--version prints the program name and the package version, exit 0."""
+        from eventbus_debug import __version__
+
+        assert main(["--version"]) == 0
+        assert capsys.readouterr().out.strip() == f"eventbus-debug {__version__}"
+
+    def test_unknown_kind_is_an_error(
+        self, logdir: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """A typo in --kind exits 2 with one line listing the valid kinds."""
+        assert main(["tail", str(logdir), "--kind", "step_complted"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err.count("\n") == 1
+        assert "unknown --kind step_complted" in captured.err
+        assert "step_completed" in captured.err and "non_finite_detected" in captured.err
+
+    def test_tail_json_lines_decode(self, logdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """tail --json prints each event as its log line, decodable back to the same event."""
+        from eventbus_debug import decode_event, read_events
+
+        assert main(["tail", str(logdir), "--all", "--json"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        decoded = [decode_event(line.encode()) for line in lines]
+        assert [(e.kind, e.seq) for e in decoded] == [(e.kind, e.seq) for e in read_events(logdir)]
+
+
+class TestColors:
+    def test_tail_colors(self, logdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """--color always colours severities; auto on a non-terminal does not."""
+        assert main(["tail", str(logdir), "--all", "--color", "always"]) == 0
+        assert "\x1b[31m" in capsys.readouterr().out
+        assert main(["tail", str(logdir), "--all"]) == 0
+        assert "\x1b[" not in capsys.readouterr().out
+
+    def test_summary_colors(self, logdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """summary --color always makes the labels bold and non-zero anomalies red."""
+        assert main(["summary", str(logdir), "--color", "always"]) == 0
+        out = capsys.readouterr().out
+        assert "\x1b[1mevents" in out and "\x1b[31m" in out
+        assert main(["summary", str(logdir), "--color", "never"]) == 0
+        assert "\x1b[" not in capsys.readouterr().out
+
+
+class _Clock:
+    """The cli's view of `time`, telling the test when tail starts waiting."""
+
+    def __init__(self) -> None:
+        self.waiting = threading.Event()
+
+    def sleep(self, seconds: float) -> None:
+        self.waiting.set()
+        time.sleep(seconds)
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+class TestFollowWaits:
+    def test_follow_waits_for_the_directory(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """tail --follow on a run that has not created its directory yet waits for it."""
+        import eventbus_debug.cli as cli
+
+        clock = _Clock()
+        monkeypatch.setattr(cli, "time", clock)
+        d = tmp_path / "not-yet"
+        result: list[int] = []
+        args = ["tail", str(d), "--follow", "--exit-on-end", "--poll-interval", "0.01"]
+        thread = threading.Thread(target=lambda: result.append(main([*args, "--timeout", "30"])))
+        thread.start()
+        assert clock.waiting.wait(30)  # tail is polling for a directory that does not exist
+        assert not d.exists() and thread.is_alive()
+        write_log(d, [StepCompleted(step=0, loss=1.0), SessionEnded(name="late", steps=1)])
+        thread.join(30)
+        assert result == [0]
+        out = capsys.readouterr().out
+        assert "step_completed" in out and "session_ended" in out
+
+    def test_follow_gives_up_at_the_timeout(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """With --timeout, waiting for a directory that never appears ends with exit 0."""
+        assert main(["tail", str(tmp_path / "never"), "--follow", "--timeout", "0.05"]) == 0
+        assert capsys.readouterr().err == ""
+
+    def test_without_follow_a_missing_directory_is_an_error(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """Without --follow the missing directory is an error at once."""
+        assert main(["tail", str(tmp_path / "never")]) == 1
+        assert "does not exist" in capsys.readouterr().err
+
+
+CRAFTED = [
+    b'{"kind": "step_completed", "seq": 1, "time_ns": 1, "step": "abc", "rank": 0}\n',
+    b'{"kind": "step_completed", "seq": "x", "time_ns": [], "rank": {}}\n',
+    b"[1, 2, 3]\n",
+    b'{"kind": "no_such_kind", "seq": 1}\n',
+    b"\xff\xfe not json at all\n",
+]
+
+
+class TestBadLogs:
+    @pytest.mark.parametrize("line", CRAFTED, ids=range(len(CRAFTED)))
+    @pytest.mark.parametrize("command", ["summary", "report", "tail"])
+    def test_one_line_no_traceback(
+        self, tmp_path: Path, command: str, line: bytes, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """A crafted line makes summary, report and tail fail with one line, never a traceback."""
+        d = tmp_path / "bad"
+        good = encode_event(StepCompleted(step=0, loss=1.0))
+        d.mkdir()
+        (d / "events.jsonl").write_bytes(good + line + good)
+        extra = ["--all"] if command == "tail" else []
+        code = main([command, str(d), *extra])
+        err = capsys.readouterr().err
+        if command == "tail" and code == 0:  # tail skips undecodable lines, as `tail` would
+            assert err == ""
+            return
+        assert code == 1
+        assert err.count("\n") == 1 and err.startswith(f"eventbus-debug {command}: error:")
+        assert "Traceback" not in err
+
+    def test_tail_into_a_closed_pipe(self, logdir: Path) -> None:
+        """`eventbus-debug tail ... | head -0`: a quiet exit, no traceback."""
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eventbus_debug.cli", "tail", str(logdir), "--all"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.stderr.close()
+        assert proc.wait(timeout=60) in (0, 141)
+        assert "Traceback" not in err and "BrokenPipe" not in err

@@ -61,7 +61,9 @@ def test_importing_sinks_imports_no_exporter() -> None:
 class TestTensorBoard:
     async def test_session_scalars_and_incidents_read_back(self, tmp_path: Path) -> None:
         """Loss, gradient norm, LR, throughput, per-layer norms and the NaN incident are in TensorBoard."""
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+        from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped,unused-ignore]
+            EventAccumulator,
+        )
 
         from sinks import TensorBoardSink
 
@@ -136,7 +138,7 @@ def _wandb_records(run_dir: Path) -> list[Any]:
             out.append(pending + chunk)
     records = []
     for raw in out:
-        record = wandb_internal_pb2.Record()
+        record = wandb_internal_pb2.Record()  # type: ignore[attr-defined,unused-ignore]
         record.ParseFromString(raw)
         records.append(record)
     return records
