@@ -869,7 +869,8 @@ class Session(_Core):
             self.optimizer.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
-        if self._anomaly is not None and not verdict.finite:  # replay with the hooks armed
+        if self._anomaly is not None and not (verdict.finite or verdict.probe.overflow):
+            # replay the failed step with the hooks armed (an AMP overflow is not a fault)
             await self._anomaly.replay(
                 lambda: torch.autograd.backward(loss_fn(self.model(inputs), targets)),
                 step=step,
@@ -1184,7 +1185,8 @@ class SyncSession(_Core):
             self.optimizer.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
-        if self._anomaly is not None and not verdict.finite:  # replay with the hooks armed
+        if self._anomaly is not None and not (verdict.finite or verdict.probe.overflow):
+            # replay the failed step with the hooks armed (an AMP overflow is not a fault)
             self._anomaly.replay_sync(
                 lambda: torch.autograd.backward(loss_fn(self.model(inputs), targets)),
                 step=step,
