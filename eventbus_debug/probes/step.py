@@ -144,6 +144,17 @@ class _Pending:
         return values
 
 
+def _global(norms: torch.Tensor) -> torch.Tensor:
+    """The global values of norms computed over sharded tensors (FSDP2 / DTensor gradients).
+
+    A vector of per-shard reductions is a DTensor with a partial placement; ``full_tensor()``
+    reduces it over the mesh (one collective for the whole vector), so the norms are the ones
+    ``clip_grad_norm_`` computes, not a rank's shard. Plain tensors pass through.
+    """
+    full = getattr(norms, "full_tensor", None)
+    return full() if callable(full) else norms  # type: ignore[no-any-return]
+
+
 class StepProbe:
     """Checks loss, gradients, parameters and weight updates of *model* after ``backward()``.
 
@@ -488,7 +499,7 @@ class StepProbe:
             self._param_plan = NormPlan(self._state)
         plan = self._param_plan
         l2, _ = plan.reduce(self._state, l1=False)
-        return l2, plan.order
+        return _global(l2), plan.order
 
     def _inverse_scale(self) -> torch.Tensor | None:
         """``1 / scale`` of the AMP scaler while the gradients are still scaled (on device)."""
@@ -523,11 +534,13 @@ class StepProbe:
                 home = plan.home
                 on_cpu = home.type == "cpu"
                 l2, l1 = plan.reduce(present, l1=checks.vanishing and not on_cpu)  # type: ignore[arg-type]
+                l2, l1 = _global(l2), (_global(l1) if l1 is not None else None)
                 inverse = self._inverse_scale()
                 if inverse is not None:
                     l2 = l2 * inverse.to(device=l2.device, dtype=l2.dtype)
                 if on_cpu and self._l1_needed(l2, grad_numels, due=checks.vanishing):
                     _, l1 = plan.reduce(present, l1=True, l2=False)  # type: ignore[arg-type]
+                    l1 = _global(l1) if l1 is not None else None
                 if l1 is not None and inverse is not None:
                     l1 = l1 * inverse.to(device=l1.device, dtype=l1.dtype)
                 parts.append(l2)
@@ -544,8 +557,8 @@ class StepProbe:
             # ‖Δw‖ and ‖w‖ between the step that took the snapshot and this one.
             current: list[torch.Tensor] = [self._params[i] for i in self._update_idx]
             diffs = torch._foreach_sub(current, self._snapshot)
-            d2 = torch.stack(torch._foreach_norm(diffs, 2, dtype=_F32))
-            w2 = torch.stack(torch._foreach_norm(self._snapshot, 2, dtype=_F32))
+            d2 = _global(torch.stack(torch._foreach_norm(diffs, 2, dtype=_F32)))
+            w2 = _global(torch.stack(torch._foreach_norm(self._snapshot, 2, dtype=_F32)))
             home = home or d2.device
             parts += [d2.to(home), w2.to(home)]
             update_slots = self._update_idx
@@ -875,7 +888,7 @@ class StepProbe:
             g = grads[slots[j]]
             assert g is not None
             t = g.coalesce().values() if g.is_sparse else g
-            pairs.append(torch.stack([t.isnan().sum(), t.isinf().sum()]).to(home))
+            pairs.append(_global(torch.stack([t.isnan().sum(), t.isinf().sum()])).to(home))
         counts = torch.stack(pairs).tolist()
         return [(int(n), int(i)) for n, i in counts]
 

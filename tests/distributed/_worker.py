@@ -21,6 +21,7 @@ import anyio
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from eventbus_debug import (
@@ -38,7 +39,7 @@ STEPS = 40
 
 def _fault(scenario: str, rank: int, step: int, loss: torch.Tensor, model: nn.Module) -> Any:
     """The planted fault of *scenario* at *step* on *rank* (returns the loss to use)."""
-    if scenario in ("nan_one_rank", "nan_one_rank_every5") and rank == 1 and step == 12:
+    if scenario in ("nan_one_rank", "nan_one_rank_every5", "fsdp2") and rank == 1 and step == 12:
         return loss * math.nan
     if scenario == "spike_one_rank" and rank == 0 and step == 20:
         return loss * 1e4
@@ -53,7 +54,12 @@ def _fault(scenario: str, rank: int, step: int, loss: torch.Tensor, model: nn.Mo
 async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
-    model = DistributedDataParallel(net)  # broadcasts rank 0's initial parameters
+    model: nn.Module
+    if scenario == "fsdp2":
+        fully_shard(net)  # gradients become DTensor shards
+        model = net
+    else:
+        model = DistributedDataParallel(net)  # broadcasts rank 0's initial parameters
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(100 + rank)
     recorder = RecordingSink()
@@ -83,13 +89,21 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
                 if scenario == "crash_one_rank" and rank == 1 and step == 10:
                     os._exit(3)  # after DDP's all-reduce: the others meet it at the agreement
                 verdict = await session.check_step(step, loss=loss)
+                if step == 0 and scenario == "fsdp2":
+                    grads = [p.grad for p in net.parameters() if p.grad is not None]
+                    total = torch.nn.utils.get_total_norm(grads)
+                    full = getattr(total, "full_tensor", None)
+                    result["reference_norm"] = float(full() if callable(full) else total)
+                    result["probe_norm"] = verdict.grad_norm
                 if verdict.should_step:
                     opt.step()
                 await session.step_completed(step, loss=verdict.loss)
     except TrainingStopped as exc:
         result["stopped_at"] = step
         result["reason"] = str(exc)
-    params = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    full = [getattr(p, "full_tensor", None) for p in net.parameters()]
+    tensors = [f() if callable(f) else p for f, p in zip(full, net.parameters(), strict=True)]
+    params = torch.cat([t.detach().reshape(-1) for t in tensors])
     result["finite"] = bool(torch.isfinite(params).all())
     result["params"] = hashlib.sha256(params.numpy().tobytes()).hexdigest()
     result["skipped"] = sorted(

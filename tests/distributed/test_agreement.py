@@ -26,6 +26,7 @@ TWO_RANKS = (
     "spike_one_rank",
     "spike_one_rank:aggressive",
     "nan_param_one_rank",
+    "fsdp2",
     "crash_one_rank",  # last: rank 1 exits
 )
 THREE_RANKS = ("sustained_one_rank",)
@@ -132,6 +133,16 @@ def test_stop_on_one_rank_stops_every_rank_at_the_same_step(two: dict[str, list[
     """A NaN parameter on rank 1 before any good state: every rank stops at step 0."""
     results = ranks(two, "nan_param_one_rank")
     assert [r["stopped_at"] for r in results] == [0, 0]
+
+
+def test_fsdp2_norms_are_global_and_nan_is_skipped_everywhere(two: dict[str, list[Any]]) -> None:
+    """FSDP2 (fully_shard, DTensor gradient shards): the probe's norm is the global one that
+    get_total_norm computes, on every rank; a NaN on rank 1 is skipped by both."""
+    results = ranks(two, "fsdp2")
+    for r in results:
+        assert r["probe_norm"] == pytest.approx(r["reference_norm"], rel=1e-5)
+        assert r["skipped"] == [12] and r["finite"]
+    assert same_everywhere(results, "probe_norm") and same_everywhere(results, "params")
 
 
 def test_a_crashed_rank_stops_the_others_with_a_reason(two: dict[str, list[Any]]) -> None:

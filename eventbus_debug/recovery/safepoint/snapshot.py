@@ -38,7 +38,11 @@ def _all_finite(model: nn.Module) -> bool:
             groups.setdefault((p.device, p.dtype), []).append(p.detach())
     if not groups:
         return True
-    norms = [torch.stack(torch._foreach_norm(ts)).float().sum().cpu() for ts in groups.values()]
+    norms = []
+    for ts in groups.values():
+        v = torch.stack(torch._foreach_norm(ts))
+        full = getattr(v, "full_tensor", None)  # FSDP2 / DTensor: the norm over every shard
+        norms.append((full() if callable(full) else v).float().sum().cpu())
     return bool(torch.isfinite(torch.stack(norms)).all().item())
 
 
