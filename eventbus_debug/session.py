@@ -568,7 +568,8 @@ class Session(_Core):
         report: ``True`` (default) for a :class:`sinks.ReportWriter` in *log_dir*, an instance,
             or ``False``.
         alerts: ``True`` (default) for a :class:`sinks.AlertSink` with the seeds' threshold
-            rules logging through structlog, an instance, or ``False``.
+            rules logging through stdlib ``logging`` (no handler when a console view shows the
+            incidents already), an instance, or ``False``.
         recovery: ``True`` (default) for a :class:`~eventbus_debug.recovery.engine.RecoveryEngine`
             with the default strategies (applied at :meth:`check_step` when an optimizer is
             given), an engine already subscribed to *bus*, or ``False``.
