@@ -27,7 +27,7 @@ import anyio.lowlevel
 from anyio.abc import TaskGroup
 from typing_extensions import Self
 
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 
 from .events import (
     SELF_EXCLUDING,

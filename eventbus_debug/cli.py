@@ -34,7 +34,7 @@ from typing import IO, TYPE_CHECKING, Any, Final, TextIO
 
 import orjson
 
-from ._logging import LOGGER_NAME
+from .diagnostics import LOGGER_NAME
 from .encoding import decode_event, encode_event
 from .events import Event, SessionEnded, Severity, event_types
 from .exceptions import EventBusError, EventDecodeError, LogReadError
@@ -43,7 +43,7 @@ from .logfile import log_files, read_events
 if TYPE_CHECKING:
     from sinks.report import RunSummary
 
-__all__ = ("CommandError", "LogFollower", "format_event", "main")
+__all__ = ("CommandError", "LogFollower", "UsageError", "format_event", "main")
 
 PROG: Final = "eventbus-debug"
 DEFAULT_TAIL_LINES: Final = 20

@@ -20,7 +20,7 @@ from typing import IO, Final
 
 import orjson
 
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 
 from .encoding import decode_event
 from .events import Event

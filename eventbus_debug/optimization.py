@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 
 __all__ = (
     "OptimizationMode",

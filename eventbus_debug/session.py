@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 
 from ._bus import EventBus, Subscription
 from ._sync import SyncEventBus

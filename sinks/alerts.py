@@ -52,7 +52,7 @@ from eventbus_debug import (
     ResourceThresholdExceeded,
     SystemSampled,
 )
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 from eventbus_debug.encoding import encode_event
 from eventbus_debug.events import Event, Severity, event_type
 from eventbus_debug.threads import run_in_daemon_thread

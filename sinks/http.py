@@ -59,7 +59,7 @@ import orjson
 from typing_extensions import Self
 
 from eventbus_debug import DebugLevel
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 from eventbus_debug.encoding import encode_event
 from eventbus_debug.events import Event
 

@@ -38,7 +38,7 @@ from typing import Final
 import anyio.to_thread
 import orjson
 
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 from eventbus_debug.events import Event
 from eventbus_debug.logfile import read_events
 

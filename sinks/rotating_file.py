@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Final, TypeVar
 
 # The submodules, not the package: mypy cannot see the package's computed __all__.
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 from eventbus_debug.encoding import decode_event, encode_event, encode_events
 from eventbus_debug.events import Event, LogWriteResumed, current_rank
 from eventbus_debug.exceptions import EventBusError, EventDecodeError

@@ -16,7 +16,7 @@ import pytest
 import structlog
 
 from eventbus_debug import read_events
-from eventbus_debug._logging import LOGGER_NAME, get_logger
+from eventbus_debug.diagnostics import LOGGER_NAME, get_logger
 from eventbus_debug.events import SessionEnded, SinkFailed
 
 _TRAIN = """

@@ -30,8 +30,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._bus import EventBus, Subscription
-from .._logging import get_logger
 from .._sync import SyncEventBus
+from ..diagnostics import get_logger
 from .events import AnomalyLocalized, NonFiniteDetected
 from .localize import FirstNonFiniteLocator
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus

@@ -23,7 +23,7 @@ import anyio.abc
 import psutil
 from typing_extensions import Self
 
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus

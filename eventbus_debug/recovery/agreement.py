@@ -25,7 +25,7 @@ from typing import Any, Final, Protocol, final, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from .._logging import get_logger
+from ..diagnostics import get_logger
 from ..exceptions import TrainingStopped
 from .engine import DecidedAction
 from .events import RecoveryAction

@@ -21,7 +21,7 @@ from typing import Any, Final, Generic, TypeVar, final
 
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus

@@ -18,7 +18,7 @@ from typing import Final, TypeAlias, final
 
 import anyio.lowlevel
 
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus, Subscription
 from .._sync import SyncEventBus

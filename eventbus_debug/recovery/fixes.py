@@ -18,7 +18,7 @@ from typing import Any, Final
 import torch
 from torch import nn
 
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus

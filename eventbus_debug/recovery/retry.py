@@ -29,7 +29,7 @@ from typing import Any, Final, ParamSpec, TypeVar, final, overload
 import anyio
 import tenacity
 
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 
 from ..exceptions import TrainingStopped
 from ..step_context import StepSource, current_step

@@ -9,7 +9,7 @@ from typing import Any, Final, NoReturn, TypeAlias, final
 import torch
 from torch import nn
 
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 
 from ...exceptions import TrainingStopped
 from ..agreement import Agreement

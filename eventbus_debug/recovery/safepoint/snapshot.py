@@ -15,7 +15,7 @@ from typing import Any, Final, final
 import torch
 from torch import nn
 
-from eventbus_debug._logging import get_logger
+from eventbus_debug.diagnostics import get_logger
 
 from ..lr import GROUP_LR_KEYS
 
