@@ -757,12 +757,14 @@ class Session(_Core):
                 try:
                     if self.probe is not None:
                         await self.probe.flush()
-                    if self.profiler is not None:
-                        await self.profiler.__aexit__(None, None, None)  # a capture under way
                 except Exception as error:
                     _log.warning("session_exit_flush_failed", session=self.name, error=repr(error))
             if scope.cancelled_caught:
                 _log.warning("session_exit_flush_timed_out", session=self.name, s=exit_timeout)
+            if self.profiler is not None and not cancelled:
+                # Not shielded: it exits scopes of its own, entered outside this one (the stack
+                # exits it again, cancelled or not).
+                await self.profiler.__aexit__(None, None, None)  # writes a capture under way
             if self.system is not None:
                 self.system.stop()  # SessionEnded stays the session's last event
             ended = self._ended_event(None if cancelled else exc)
