@@ -74,6 +74,13 @@ RUN_JOIN_WINDOW_S: Final = 60.0
 id, are taken as one run (set ``EVENTBUS_DEBUG_RUN_ID`` to make it explicit)."""
 _MAX_LINKS: Final = 4096
 _MAX_PENDING: Final = 64
+_MAX_GROUPS: Final = 4096
+"""How many recent incidents are remembered for recognising the same incident on another rank
+(an incident at the same step, of the same kind, the same occurrence of it on each rank)."""
+RANK_SUM_WINDOW: Final = 64
+"""Throughput is summed over the ranks at each step; a step's values wait among this many most
+recent steps for the other ranks' (a merged log interleaves the ranks by time, so the ranks of a
+data-parallel job are at most a step or two apart in it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +132,10 @@ class IncidentRow:
     :class:`~eventbus_debug.RecoveryDecided` is caused by the incident of its ``trigger_seq``
     and leads to the :class:`~eventbus_debug.RecoveryApplied` that carried it out (the next one
     of the same action on the same rank); an incident leads to the decisions it triggered.
+
+    ``ranks`` names every rank that had this incident: the same kind at the same step (the
+    same occurrence of it on each rank) on several ranks is one row. ``rank``, ``seq`` and the
+    links are those of the first rank seen with it.
     """
 
     seq: int
@@ -137,6 +148,7 @@ class IncidentRow:
     message: str
     caused_by: int | None = None
     led_to: tuple[int, ...] = ()
+    ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +245,16 @@ class RunSummary:
 
     Rates are per step: ``anomaly_rate`` is the fraction of steps with at least one anomaly;
     the other rates are incident counts divided by ``steps``.
+
+    Several ranks (a merged log of a ``torch.distributed`` job) describe one run: ``steps`` is
+    the number of training steps, not ranks × steps (the ranks of a data-parallel job complete
+    the same steps: it is the count of the rank that completed the most; ``steps_by_rank``
+    has each rank's). An incident that several ranks had (same step, same kind) is one row
+    naming them (:attr:`IncidentRow.ranks`) and is counted once, in the anomaly and recovery
+    counts too; ``incidents_by_rank`` counts each rank's. ``samples_per_s`` is the global
+    throughput, summed over the ranks at each step; the other series (loss, step duration,
+    memory...) are the mean over the ranks at each step, their min–max the spread across
+    ranks. One rank's summary is what it was before any of this.
     """
 
     events: int
@@ -243,6 +265,7 @@ class RunSummary:
     ended_ns: int | None
     duration_s: float
     steps: int
+    steps_by_rank: Mapping[int, int]
     first_step: int | None
     last_step: int | None
     steps_per_s: float | None
@@ -282,6 +305,7 @@ class RunSummary:
     markers: tuple[Marker, ...]
     incidents_total: int
     incidents: tuple[IncidentRow, ...]
+    incidents_by_rank: Mapping[int, int]
     run_id: str | None = None
     runs: tuple[RunInfo, ...] = ()
 
@@ -349,6 +373,17 @@ class _RunningStat:
 
 
 _isfinite = math.isfinite
+_ALWAYS_LISTED: Final = (
+    Anomaly,
+    RecoveryDecided,
+    RecoveryApplied,
+    StepSkipped,
+    EventsDropped,
+    EventsUndelivered,
+    SinkFailed,
+    SinkDisabled,
+)
+"""Incidents listed whatever their severity (the others from WARNING up)."""
 
 
 class _Bucket:
@@ -447,6 +482,87 @@ class _Series:
 
     def freeze(self) -> tuple[SeriesPoint, ...]:
         return tuple(b.freeze() for b in self.buckets)
+
+    def clone(self) -> _Series:
+        copy = _Series(self.max_points)
+        copy.stride = self.stride
+        for b in self.buckets:
+            c = _Bucket(b.index, b.step)
+            c.count, c.nonfinite, c.total, c.min, c.max = (
+                b.count,
+                b.nonfinite,
+                b.total,
+                b.min,
+                b.max,
+            )
+            copy.buckets.append(c)
+        return copy
+
+
+class _RankSum:
+    """A per-rank quantity summed over the ranks at each step (the global throughput of a
+    data-parallel job), fed to a :class:`_Series` one value per step.
+
+    A step's sum waits among the :data:`RANK_SUM_WINDOW` most recent steps for the other ranks'
+    values; it goes to the series when it leaves that window, when the same rank gives a value
+    for the same step again (a replayed step: everything waiting goes first, so one rank's
+    values reach the series in the order they came), or, on a copy, when the summary is frozen.
+    One rank's values therefore build exactly the series they built without summing. O(1) per
+    value.
+    """
+
+    __slots__ = ("pending", "series", "window")
+
+    def __init__(self, series: _Series, window: int = RANK_SUM_WINDOW) -> None:
+        self.series = series
+        self.window = window
+        # step -> [sum over the ranks so far, the first rank, the other ranks (or None)]
+        self.pending: dict[int, list[Any]] = {}
+
+    def add(self, step: int, rank: int, value: float) -> float | None:
+        """Add *rank*'s *value* at *step*; the step's sum so far when it is the newest step
+        waiting (``None`` for a value that completes an older step)."""
+        pending = self.pending
+        entry = pending.get(step)
+        if entry is not None:
+            others: set[int] | None = entry[2]
+            if rank != entry[1] and (others is None or rank not in others):
+                entry[0] += value
+                if others is None:
+                    entry[2] = {rank}
+                else:
+                    others.add(rank)
+                return float(entry[0]) if next(reversed(pending)) == step else None
+            self.flush()
+        pending[step] = [value, rank, None]
+        if len(pending) > self.window:
+            oldest = next(iter(pending))
+            self.series.add(oldest, pending.pop(oldest)[0])
+        return value
+
+    def flush(self) -> None:
+        series = self.series
+        for step, entry in self.pending.items():
+            series.add(step, entry[0])
+        self.pending.clear()
+
+    def freeze(self) -> tuple[SeriesPoint, ...]:
+        if not self.pending:
+            return self.series.freeze()
+        copy = self.series.clone()
+        for step, entry in self.pending.items():
+            copy.add(step, entry[0])
+        return copy.freeze()
+
+
+class _RowState:
+    """An incident row being built: its first rank's row and every rank that had it."""
+
+    __slots__ = ("ranks", "row")
+
+    def __init__(self, row: IncidentRow) -> None:
+        self.row = row
+        self.ranks = [row.rank]
 
 
 class _Column:
@@ -702,12 +818,12 @@ class RunAggregator:
         self._ranks: set[int] = set()
         self._first_ns: int | None = None
         self._last_ns: int | None = None
-        self._completed = 0
-        self._checked = 0
+        self._completed: dict[int, int] = {}  # rank -> step completions
+        self._checked: dict[int, int] = {}  # rank -> step checks
         self._first_step: int | None = None
         self._last_step: int | None = None
         self._anomalies = 0
-        self._anomaly_steps: set[tuple[int, int]] = set()
+        self._anomaly_steps: set[int] = set()
         self._anomalies_by_kind: dict[str, int] = {}
         self._loss_anomalies = 0
         self._explosions = 0
@@ -747,7 +863,7 @@ class RunAggregator:
         self._cuda_reserved = _Series(self._max_points)
         self._host_mem = _Series(self._max_points)
         self._lr = _Series(self._max_points)
-        self._throughput = _Series(self._max_points)
+        self._throughput = _RankSum(_Series(self._max_points))
         self._duration = _Series(self._max_points)
         self._layer_grad = _LayerGrid(self._layer_points, self._max_layers)
         self._layer_update = _LayerGrid(self._layer_points, self._max_layers)
@@ -755,7 +871,13 @@ class RunAggregator:
         self._latest_step: int | None = None
         self._markers: list[Marker] = []
         self._incidents_total = 0
-        self._incidents: deque[IncidentRow] = deque(maxlen=self._max_incidents)
+        self._incidents: deque[_RowState] = deque(maxlen=self._max_incidents)
+        self._incidents_by_rank: dict[int, int] = {}
+        # the same incident on several ranks: (rank, step, kind) -> occurrences on that rank;
+        # (step, kind, occurrence) -> its row; (rank, seq) of a merged event -> its row's
+        self._occurrences: dict[tuple[int, int, str], int] = {}
+        self._groups: dict[tuple[int, str, int], _RowState] = {}
+        self._alias: dict[tuple[int, int], tuple[int, int]] = {}
         # recovery chain: (rank, seq) -> seqs it led to; (rank, action) -> undone decisions
         self._led_to: dict[tuple[int, int], list[int]] = {}
         self._pending: dict[tuple[int, str], deque[int]] = {}
@@ -793,7 +915,8 @@ class RunAggregator:
                 run.events += 1
 
         if isinstance(event, StepChecked):
-            self._checked += 1
+            checked = self._checked
+            checked[event.rank] = checked.get(event.rank, 0) + 1
             if step is not None:
                 latest = self._latest
                 self._latest_step = step
@@ -809,7 +932,8 @@ class RunAggregator:
                     self._layer_update.add(step, event.update_ratios)
             return
         if isinstance(event, StepCompleted):
-            self._completed += 1
+            completed = self._completed
+            completed[event.rank] = completed.get(event.rank, 0) + 1
             if step is not None:
                 latest = self._latest
                 self._latest_step = step
@@ -820,8 +944,9 @@ class RunAggregator:
                     self._lr.add(step, event.learning_rate)
                     latest["learning_rate"] = event.learning_rate
                 if event.samples_per_s is not None:
-                    self._throughput.add(step, event.samples_per_s)
-                    latest["samples_per_s"] = event.samples_per_s
+                    total = self._throughput.add(step, event.rank, event.samples_per_s)
+                    if total is not None:
+                        latest["samples_per_s"] = total
                 if event.duration_s is not None:
                     self._duration.add(step, event.duration_s)
                     latest["step_duration_s"] = event.duration_s
@@ -834,24 +959,36 @@ class RunAggregator:
             return
         if not event.is_incident:
             return
-        caused_by: int | None = None
-        if isinstance(event, Anomaly):
-            self._add_anomaly(event)
-        elif isinstance(event, RecoveryDecided):
-            action = event.action.value
-            self._decisions[action] = self._decisions.get(action, 0) + 1
-            self._mark(event, action, recovery=True)
-            caused_by = self._link_decision(event, action)
-        elif isinstance(event, RecoveryApplied):
-            key = f"{event.action.value}:{event.outcome}"
-            self._outcomes[key] = self._outcomes.get(key, 0) + 1
-            caused_by = self._link_applied(event)
-        elif isinstance(event, SessionStarted):
+        if isinstance(event, SessionStarted):
             self._start_run(event)
             return
+        if event.severity < Severity.WARNING and not isinstance(event, _ALWAYS_LISTED):
+            return  # lifecycle notices (session started/ended, captures) are not incidents
+        rank = event.rank
+        self._incidents_by_rank[rank] = self._incidents_by_rank.get(rank, 0) + 1
+        # Another rank's copy of an incident already listed joins that row; it is counted once.
+        key = None if step is None else (step, kind, self._occurrence(rank, step, kind))
+        new = key is None or not self._join_group(event, key)
+        caused_by: int | None = None
+        if isinstance(event, Anomaly):
+            if new:
+                self._add_anomaly(event)
+        elif isinstance(event, RecoveryDecided):
+            action = event.action.value
+            if new:
+                self._decisions[action] = self._decisions.get(action, 0) + 1
+                self._mark(event, action, recovery=True)
+            caused_by = self._link_decision(event, action)
+        elif isinstance(event, RecoveryApplied):
+            if new:
+                outcome = f"{event.action.value}:{event.outcome}"
+                self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
+            caused_by = self._link_applied(event)
         elif isinstance(event, StepSkipped):
-            self._skipped += 1
-            self._mark(event, "skip", recovery=True)
+            if new:
+                self._skipped += 1
+                self._mark(event, "skip", recovery=True)
+        # what each rank's sinks shed, lost or failed on adds up over the ranks
         elif isinstance(event, EventsDropped):
             self._dropped[event.sink] = self._dropped.get(event.sink, 0) + event.dropped
         elif isinstance(event, EventsUndelivered):
@@ -861,15 +998,15 @@ class RunAggregator:
         elif isinstance(event, SinkDisabled):
             if event.sink not in self._disabled:
                 self._disabled.append(event.sink)
-        elif event.severity < Severity.WARNING:
-            return  # lifecycle notices (session started/ended, captures) are not incidents
+        if not new:
+            return
         self._incidents_total += 1
-        self._incidents.append(
+        state = _RowState(
             IncidentRow(
                 seq=event.seq,
                 time_ns=event.time_ns,
                 step=step,
-                rank=event.rank,
+                rank=rank,
                 kind=kind,
                 severity=sev,
                 source=event.source,
@@ -877,17 +1014,57 @@ class RunAggregator:
                 caused_by=caused_by,
             )
         )
+        self._incidents.append(state)
+        if key is not None:
+            groups = self._groups
+            if len(groups) >= _MAX_GROUPS and key not in groups:
+                del groups[next(iter(groups))]
+            groups[key] = state
 
-    def _link(self, rank: int, source_seq: int, target_seq: int) -> None:
+    def _occurrence(self, rank: int, step: int, kind: str) -> int:
+        """How many incidents of *kind* at *step* *rank* had before this one (bounded memory)."""
+        occurrences = self._occurrences
+        key = (rank, step, kind)
+        n = occurrences.get(key, 0)
+        if not n and len(occurrences) >= _MAX_GROUPS:
+            del occurrences[next(iter(occurrences))]
+        occurrences[key] = n + 1
+        return n
+
+    def _join_group(self, event: Event, key: tuple[int, str, int]) -> bool:
+        """Whether another rank already listed this incident (*key*: its step, kind and
+        occurrence on the rank); its row then names this rank too."""
+        group = self._groups.get(key)
+        rank = event.rank
+        if group is None or rank in group.ranks:
+            return False
+        group.ranks.append(rank)
+        if event.seq >= 0 and group.row.seq >= 0:
+            alias = self._alias
+            if len(alias) >= _MAX_LINKS:
+                del alias[next(iter(alias))]
+            alias[(rank, event.seq)] = (group.row.rank, group.row.seq)
+        return True
+
+    def _link(self, rank: int, source_seq: int, target_seq: int) -> int | None:
+        """Link *source_seq* to *target_seq* (both of *rank*) on the rows that list them (a
+        merged copy's row is its first rank's); the source's seq on that row, or ``None`` when
+        the two rows are not of the same rank."""
+        alias = self._alias
+        src_rank, src = alias.get((rank, source_seq), (rank, source_seq))
+        dst_rank, dst = alias.get((rank, target_seq), (rank, target_seq))
+        if src_rank != dst_rank:
+            return None
         links = self._led_to
-        key = (rank, source_seq)
+        key = (src_rank, src)
         targets = links.get(key)
         if targets is None:
             if len(links) >= _MAX_LINKS:
                 del links[next(iter(links))]  # the oldest chain: its rows left the table
             targets = links[key] = []
-        if len(targets) < _MAX_PENDING:
-            targets.append(target_seq)
+        if len(targets) < _MAX_PENDING and dst not in targets:
+            targets.append(dst)
+        return src
 
     def _link_decision(self, event: RecoveryDecided, action: str) -> int | None:
         if event.seq < 0:
@@ -898,16 +1075,14 @@ class RunAggregator:
         pending.append(event.seq)
         if event.trigger_seq < 0:
             return None
-        self._link(event.rank, event.trigger_seq, event.seq)
-        return event.trigger_seq
+        return self._link(event.rank, event.trigger_seq, event.seq)
 
     def _link_applied(self, event: RecoveryApplied) -> int | None:
         pending = self._pending.get((event.rank, event.action.value))
         if not pending or event.seq < 0:
             return None
         decision = pending.popleft()
-        self._link(event.rank, decision, event.seq)
-        return decision
+        return self._link(event.rank, decision, event.seq)
 
     def _start_run(self, event: SessionStarted) -> None:
         run_id = event.run_id if isinstance(event.run_id, str) else str(event.run_id)
@@ -931,7 +1106,7 @@ class RunAggregator:
         self._anomalies_by_kind[kind] = self._anomalies_by_kind.get(kind, 0) + 1
         step = event.step
         if step is not None:
-            self._anomaly_steps.add((event.rank, step))
+            self._anomaly_steps.add(step)
             if self._first_anomaly is None or step < self._first_anomaly:
                 self._first_anomaly = step
             if self._last_anomaly is None or step > self._last_anomaly:
@@ -1002,7 +1177,8 @@ class RunAggregator:
 
     def summary(self) -> RunSummary:
         """The typed summary of everything folded so far."""
-        steps = self._completed or self._checked
+        by_rank = self._completed or self._checked
+        steps = max(by_rank.values(), default=0)
         if not steps and self._first_step is not None and self._last_step is not None:
             steps = self._last_step - self._first_step + 1
         duration = (
@@ -1036,6 +1212,7 @@ class RunAggregator:
             ended_ns=self._last_ns,
             duration_s=duration,
             steps=steps,
+            steps_by_rank=dict(sorted(by_rank.items())),
             first_step=self._first_step,
             last_step=self._last_step,
             steps_per_s=steps / duration if duration > 0 and steps else None,
@@ -1104,6 +1281,7 @@ class RunAggregator:
             markers=tuple(self._markers),
             incidents_total=self._incidents_total,
             incidents=self._linked_incidents(),
+            incidents_by_rank=dict(sorted(self._incidents_by_rank.items())),
             run_id=run_ids[-1] if len(run_ids) == 1 else None,
             runs=runs,
         )
@@ -1129,12 +1307,17 @@ class RunAggregator:
 
     def _linked_incidents(self) -> tuple[IncidentRow, ...]:
         links = self._led_to
-        if not links:
-            return tuple(self._incidents)
         out = []
-        for row in self._incidents:
+        for state in self._incidents:
+            row = state.row
             led = links.get((row.rank, row.seq))
-            out.append(row if led is None else dataclasses.replace(row, led_to=tuple(led)))
+            out.append(
+                dataclasses.replace(
+                    row,
+                    led_to=row.led_to if led is None else tuple(led),
+                    ranks=tuple(sorted(state.ranks)),
+                )
+            )
         return tuple(out)
 
 

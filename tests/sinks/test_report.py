@@ -445,7 +445,8 @@ class TestRuns:
         latest = summarize_runs(events)
         assert latest.run_id == "later" and latest.ranks == (1,)
         job = summarize_runs(events, run="r0")
-        assert job.ranks == (0, 1) and job.steps == 10
+        assert job.ranks == (0, 1) and job.steps == 5  # two ranks of the same 5 steps
+        assert job.steps_by_rank == {0: 5, 1: 5}
         assert [r.run_id for r in job.runs] == ["r0", "later"]
 
     def test_live_writer_sees_its_session(self) -> None:
