@@ -124,7 +124,12 @@ class WandbSink:
             await anyio.to_thread.run_sync(self._write, points, alerts)
 
     async def aclose(self) -> None:
-        """Alert the held-back repeats, then finish the run if the sink started it. Idempotent."""
+        """Alert the held-back repeats, then finish the run if the sink started it. Idempotent.
+
+        ``run.finish()`` can take seconds (wandb syncs its files); if the bus's close bound
+        abandons it, it completes in its thread, and wandb's own exit hook finishes the run
+        at the latest when the process exits.
+        """
         if self._closed:
             return
         self._closed = True

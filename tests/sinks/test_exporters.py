@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from torch import nn
@@ -113,6 +114,16 @@ class TestTensorBoard:
             TensorBoardSink(tmp_path, flush_secs=0)
 
 
+async def _finished_records(run_dir: Path) -> list[Any]:
+    """The run's records once its exit record is written (finish may outlive the bus close)."""
+    with anyio.fail_after(60):
+        while True:
+            records = _wandb_records(run_dir)
+            if any(r.WhichOneof("record_type") == "exit" for r in records):
+                return records
+            await anyio.sleep(0.05)
+
+
 def _wandb_records(run_dir: Path) -> list[Any]:
     """The protobuf records of an offline run's .wandb file (LevelDB log format)."""
     from wandb.proto import wandb_internal_pb2
@@ -177,7 +188,7 @@ class TestWandb:
         run_dir = Path(sink.run.dir).parent
         await _train(sink)
         assert sink.alerts >= 1
-        records = _wandb_records(run_dir)
+        records = await _finished_records(run_dir)
         history = [
             {item.key or "/".join(item.nested_key): item.value_json for item in r.history.item}
             for r in records
@@ -214,7 +225,9 @@ class TestWandb:
         await sink.handle(explosion(9))
         await sink.aclose()
         alerts = [
-            r.alert for r in _wandb_records(run_dir) if r.WhichOneof("record_type") == "alert"
+            r.alert
+            for r in await _finished_records(run_dir)
+            if r.WhichOneof("record_type") == "alert"
         ]
         assert [a.title for a in alerts] == [
             "gradient_exploded",
