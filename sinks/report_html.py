@@ -171,10 +171,12 @@ def _chart(
     scale: float = 1.0,
     log: bool | None = None,
     empty: str = "no data for this chart in the run",
+    over_ranks: bool = False,
 ) -> str:
     """One SVG line chart: bucket means as a line (gaps where no finite value), the min–max
     band of each bucket, anomaly markers (red dashed lines), recovery markers (green
-    triangles), non-finite buckets (red crosses at the top)."""
+    triangles), non-finite buckets (red crosses at the top). *over_ranks*: the points hold
+    the values of several ranks (the legend says the line is their mean)."""
     finite = [p for p in points if p.mean is not None]
     if not points:
         return (
@@ -308,7 +310,12 @@ def _chart(
             )
     out.append("</svg>")
     stride = ""
-    if len(points) > 1 and any(p.count > 1 for p in points):
+    if over_ranks:
+        stride = (
+            " · each point is the mean over the ranks (and over a bucket of steps on a long "
+            "run); the bar shows their min–max"
+        )
+    elif len(points) > 1 and any(p.count > 1 for p in points):
         stride = " · each point is the mean of a bucket of steps; the bar shows its min–max"
     scale_note = " · log scale" if log else ""
     out.append(
@@ -360,6 +367,16 @@ def _ref(rank: int, seq: int, rows: Mapping[tuple[int, int], IncidentRow]) -> st
     return f"<a class='link' href='#{_anchor(rank, seq)}'>#{_int(seq)}{what}</a>"
 
 
+def _ranks(row: IncidentRow) -> str:
+    """The ranks that had the incident of *row*, e.g. ``0, 1``."""
+    ranks = row.ranks if isinstance(row.ranks, tuple) and row.ranks else (row.rank,)
+    return ", ".join(_int(k) for k in ranks)
+
+
+def _rank_header(rows: Sequence[IncidentRow]) -> str:
+    return "ranks" if any(len(r.ranks) > 1 for r in rows) else "rank"
+
+
 def _incident_table(rows: Sequence[IncidentRow], total: int) -> str:
     by_key = {(r.rank, r.seq): r for r in rows}
     body = []
@@ -369,7 +386,7 @@ def _incident_table(rows: Sequence[IncidentRow], total: int) -> str:
         body.append(
             f"<tr id='{_anchor(r.rank, r.seq)}'>"
             f"<td class='num'>{_int(r.step)}</td>"
-            f"<td class='num'>{_int(r.rank)}</td><td class='sev-{_slug(r.severity)}'>{_e(r.severity)}</td>"
+            f"<td class='num'>{_ranks(r)}</td><td class='sev-{_slug(r.severity)}'>{_e(r.severity)}</td>"
             f"<td>{_e(r.kind)}</td><td>{_e(r.message)}</td><td>{_e(r.source)}</td>"
             f"<td class='caused-by'>{caused}</td><td class='led-to'>{led}</td>"
             f"<td class='num'>{_int(r.seq)}</td></tr>"
@@ -383,7 +400,7 @@ def _incident_table(rows: Sequence[IncidentRow], total: int) -> str:
             "incidents</p>"
         )
     return (
-        f"{note}<table id='incidents'><thead><tr><th>step</th><th>rank</th><th>severity</th>"
+        f"{note}<table id='incidents'><thead><tr><th>step</th><th>{_rank_header(rows)}</th><th>severity</th>"
         "<th>kind</th><th>what happened</th><th>source</th><th>caused by</th><th>led to</th>"
         f"<th>seq</th></tr></thead><tbody>{''.join(body)}</tbody></table>"
     )
@@ -410,7 +427,7 @@ def _recovery_chain(rows: Sequence[IncidentRow]) -> str:
             or "<span class='note'>not applied (yet)</span>"
         )
         body.append(
-            f"<tr><td class='num'>{_int(r.step)}</td><td class='num'>{_int(r.rank)}</td>"
+            f"<tr><td class='num'>{_int(r.step)}</td><td class='num'>{_ranks(r)}</td>"
             f"<td class='trigger'>{trigger}</td>"
             f"<td class='decision'><a class='link' href='#{_anchor(r.rank, r.seq)}'>#{_int(r.seq)}</a> "
             f"{_e(r.message)}</td><td class='applied'>{done}</td></tr>"
@@ -418,7 +435,7 @@ def _recovery_chain(rows: Sequence[IncidentRow]) -> str:
     if not body:
         body.append("<tr><td colspan='5' class='note'>no recovery decision</td></tr>")
     return (
-        "<table id='recovery-chain'><thead><tr><th>step</th><th>rank</th><th>incident</th>"
+        f"<table id='recovery-chain'><thead><tr><th>step</th><th>{_rank_header(rows)}</th><th>incident</th>"
         "<th>decision</th><th>applied</th></tr></thead>"
         f"<tbody>{''.join(body)}</tbody></table>"
     )
@@ -555,6 +572,26 @@ def _runs_section(s: RunSummary) -> str:
     )
 
 
+def _ranks_section(s: RunSummary) -> str:
+    """The ranks of a merged log: each rank's steps and incidents (the cards count each step
+    and each incident once, whichever ranks had it)."""
+    steps = s.steps_by_rank if isinstance(s.steps_by_rank, Mapping) else {}
+    incidents = s.incidents_by_rank if isinstance(s.incidents_by_rank, Mapping) else {}
+    rows = "".join(
+        f"<tr><td class='num'>{_int(rank)}</td><td class='num'>{_int(steps.get(rank, 0))}</td>"
+        f"<td class='num'>{_int(incidents.get(rank, 0))}</td></tr>"
+        for rank in s.ranks
+    )
+    return (
+        f"<h2 id='ranks'>Ranks</h2><p class='note'>{_int(len(s.ranks))} ranks: a step that "
+        "every rank completed is one step, an incident that several ranks had (same step, same "
+        "kind) is one row naming them and is counted once; throughput is summed over the "
+        "ranks, the other curves are the mean over the ranks.</p>"
+        "<table id='ranks-table'><thead><tr><th>rank</th><th>steps</th><th>incidents</th>"
+        f"</tr></thead><tbody>{rows}</tbody></table>"
+    )
+
+
 def render_html(
     summary: RunSummary, /, *, title: str = "eventbus-debug report", generated_ns: int | None = None
 ) -> str:
@@ -574,6 +611,7 @@ def render_html(
     recovery_total = sum(s.recovery_decisions.values())
     m = s.memory
     latest = s.latest
+    several = isinstance(s.ranks, tuple) and len(s.ranks) > 1
     cards = [
         _card("steps", f"{s.steps:,}" if _is_number(s.steps) else str(s.steps)),
         _card("run time", _duration(s.duration_s)),
@@ -602,7 +640,11 @@ def render_html(
             "bad" if s.errors_by_category else "ok",
         ),
         _card("last learning rate", _num(latest.learning_rate, 3), card_id="card-lr"),
-        _card("last samples / s", _num(latest.samples_per_s, 4), card_id="card-throughput"),
+        _card(
+            "last samples / s, all ranks" if several else "last samples / s",
+            _num(latest.samples_per_s, 4),
+            card_id="card-throughput",
+        ),
         _card("peak RSS", _bytes(m.peak_rss_bytes)),
         _card("peak CUDA allocated", _bytes(m.peak_cuda_allocated_bytes), card_id="card-cuda-peak"),
         _card(
@@ -619,22 +661,32 @@ def render_html(
         f"steps {_int(s.first_step)}–{_int(s.last_step)} · ranks {ranks} · "
         f"{_int(s.events)} events{run}{generated}</div>"
     )
+    mean = ", mean over the ranks" if several else ""
     training = [
-        _chart("chart-loss", "Loss", s.loss, all_markers),
-        _chart("chart-grad-norm", "Gradient norm", s.grad_norm, all_markers),
+        _chart("chart-loss", f"Loss{mean}", s.loss, all_markers, over_ranks=several),
+        _chart(
+            "chart-grad-norm",
+            f"Gradient norm{mean}",
+            s.grad_norm,
+            all_markers,
+            over_ranks=several,
+        ),
         _chart(
             "chart-lr",
-            "Learning rate",
+            f"Learning rate{mean}",
             s.learning_rate,
             all_markers,
             fmt=lambda v: _num(v, 3),
             empty="no learning rate in the run (StepCompleted.learning_rate)",
+            over_ranks=several,
         ),
     ]
     throughput = [
         _chart(
             "chart-throughput",
-            "Throughput (samples / s)",
+            "Throughput (samples / s, summed over the ranks)"
+            if several
+            else "Throughput (samples / s)",
             s.samples_per_s,
             anomaly_markers,
             log=False,
@@ -642,22 +694,24 @@ def render_html(
         ),
         _chart(
             "chart-step-time",
-            "Step duration (s)",
+            f"Step duration (s{mean})",
             s.step_duration_s,
             anomaly_markers,
             empty="no step durations in the run (StepCompleted.duration_s)",
+            over_ranks=several,
         ),
     ]
     memory = [
         _chart(
             "chart-memory",
-            "Process memory (RSS, MiB)",
+            f"Process memory (RSS, MiB{mean})",
             s.rss_bytes,
             anomaly_markers,
             scale=1 / (1024 * 1024),
             fmt=lambda v: _num(v, 4),
             log=False,
             empty="no memory samples (MemorySampled) in the run",
+            over_ranks=several,
         ),
     ]
     if s.cuda_allocated_bytes:
@@ -733,6 +787,7 @@ def render_html(
         header,
         _runs_section(s),
         f"<div class='cards' id='cards'>{''.join(cards)}</div>",
+        _ranks_section(s) if several else "",
         "<h2>Training curves</h2>",
         *training,
         "<h2 id='throughput'>Throughput</h2>",
