@@ -40,7 +40,7 @@ from .session import Session
 
 __all__ = ("DemoFaults", "DemoResult", "run_demo")
 
-DEFAULT_STEPS = 3000
+DEFAULT_STEPS = 1500
 _FEATURES = 16
 
 
