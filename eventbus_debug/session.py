@@ -393,6 +393,8 @@ class _Core:
         elif opt not in (False, None):
             msg = f"recovery must be True, False or a RecoveryEngine, got {opt!r}"
             raise TypeError(msg)
+        if self.recovery is not None and isinstance(self.agreement, RankAgreement):
+            self.recovery.agreement = self.agreement  # retried calls agree across ranks
         if self.recovery is not None and self.optimizer is not None:
             self.safe_point = SafePoint(
                 self.recovery,

@@ -31,7 +31,16 @@ from .engine import DecidedAction
 from .events import RecoveryAction
 from .strategies import Decision
 
-__all__ = ("AGREE_TIMEOUT", "AgreedStep", "Agreement", "RankAgreement", "distributed_active")
+__all__ = (
+    "AGREE_TIMEOUT",
+    "AgreedStep",
+    "Agreement",
+    "CallAgreed",
+    "LossReducer",
+    "RankAgreement",
+    "agreement_for",
+    "distributed_active",
+)
 
 _log = get_logger(__name__)
 
@@ -72,6 +81,22 @@ class AgreedStep:
 
     decisions: tuple[DecidedAction, ...]
     noted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class CallAgreed:
+    """What the group agreed after one attempt of a retried call.
+
+    Attributes:
+        failed: some rank's attempt failed and will be retried: every rank re-runs.
+        fatal: some rank's attempt failed for good (no strategy, or exhausted): every rank
+            stops.
+        batch_size: the smallest batch size any rank will use next (``None``: none set).
+    """
+
+    failed: bool
+    fatal: bool
+    batch_size: int | None
 
 
 @runtime_checkable
@@ -223,6 +248,28 @@ class RankAgreement:
         host = value.detach().reshape(1).to(device="cpu", dtype=torch.float64)
         self._reduce(host, dist.ReduceOp.SUM, "the loss")
         return (host / self.world).to(device=value.device, dtype=value.dtype)
+
+    def agree_call(self, *, failed: bool, fatal: bool, batch_size: int | None) -> CallAgreed:
+        """Agree on the outcome of one attempt of a retried call (one small collective).
+
+        Every rank calls it after every attempt of a :class:`~eventbus_debug.recovery.Retrying`
+        block (the retry does, when its engine has an agreement), so an OOM on one rank makes
+        every rank re-run with the same, smallest batch size and step counts stay equal.
+
+        Raises:
+            TrainingStopped: if the other ranks do not answer within :attr:`timeout`.
+        """
+        v = torch.tensor(
+            [float(failed), float(fatal), -float(batch_size) if batch_size else -math.inf],
+            dtype=torch.float64,
+        )
+        self._reduce(v, dist.ReduceOp.MAX, f"a retried call (this rank failed: {failed})")
+        any_failed, any_fatal, neg_batch = v.tolist()
+        return CallAgreed(
+            failed=bool(any_failed),
+            fatal=bool(any_fatal),
+            batch_size=int(-neg_batch) if math.isfinite(neg_batch) else None,
+        )
 
     def agree(self, step: int, decisions: Sequence[DecidedAction], noted: bool, /) -> AgreedStep:
         """Agree on *step*'s decisions with every rank (see the module docstring).

@@ -470,6 +470,9 @@ class RecoveryEngine:
         self._decisions: dict[RecoveryAction, int] = {}
         self._errors: dict[ErrorCategory, int] = {}
         self.subscription: Subscription = bus.subscribe(self, Anomaly, name=name, capacity=1 << 16)
+        self.agreement: object | None = None
+        """The session's cross-rank agreement (a ``RankAgreement``), used by retried calls so
+        every rank re-runs a failed call together; ``None`` outside a process group."""
         self.name = name
 
     # -- configuration ---------------------------------------------------------------------
@@ -563,7 +566,9 @@ class RecoveryEngine:
         matched = False
         strategy = ""
         decisions: tuple[Decision, ...] = ()
-        step = incident.step
+        # One answer per strategy and step covers the several incidents of one bad step; a
+        # retried call's errors are not step incidents: each attempt needs its own answer.
+        step = None if isinstance(incident, ErrorRaised) else incident.step
         for reg in regs:
             if not reg.matches(incident):
                 continue
@@ -581,7 +586,7 @@ class RecoveryEngine:
                 # then the gradients of one bad batch): one answer per step covers both.
                 return ()
             if decisions:
-                reg.record(incident.step, decisions)
+                reg.record(step, decisions)
                 self._counting = True
                 strategy = reg.name
                 break

@@ -126,6 +126,14 @@ class _RetryRequested(Exception):
     """Internal: tells tenacity to retry; carries the original failure as ``__cause__``."""
 
 
+class _PeerFailed(_RetryRequested):
+    """Internal: this rank's attempt succeeded but another rank's failed (retry or stop too)."""
+
+    def __init__(self, message: str, *, fatal: bool) -> None:
+        super().__init__(message)
+        self.fatal = fatal
+
+
 @final
 class Attempt:
     """One attempt of a retried block; use it as ``with attempt:`` / ``async with attempt:``."""
@@ -140,8 +148,15 @@ class Attempt:
         self.state.attempt = number
 
     def _retryable(self, exc: BaseException | None) -> bool:
-        """Whether the attempt's outcome goes to the engine; records a success on the way."""
+        """Whether the attempt's outcome goes to the engine; records a success on the way.
+
+        In a process group (the engine has an agreement) a success is agreed first: when
+        another rank's attempt failed, this rank re-runs too, with the agreed batch size.
+        """
         if exc is None:
+            peer = self._retrying._agree(failed=False, fatal=False)
+            if peer is not None:
+                raise peer
             self._retrying._succeeded(self.number)
             self._tenacity.__exit__(None, None, None)
             return False
@@ -156,7 +171,11 @@ class Attempt:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        if not self._retryable(exc):
+        try:
+            retryable = self._retryable(exc)
+        except _PeerFailed as peer:
+            return self._feed_peer(peer)
+        if not retryable:
             return False
         assert isinstance(exc, Exception)
         decided = self._retrying._report_sync(exc, self.number)
@@ -171,7 +190,11 @@ class Attempt:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        if not self._retryable(exc):
+        try:
+            retryable = self._retryable(exc)
+        except _PeerFailed as peer:
+            return self._feed_peer(peer)
+        if not retryable:
             return False
         assert isinstance(exc, Exception)
         decided = await self._retrying._report_async(exc, self.number)
@@ -179,8 +202,19 @@ class Attempt:
 
     def _feed(self, exc: Exception, decided: tuple[DecidedAction, ...]) -> bool:
         outcome = self._retrying._outcome(exc, decided)
+        retrying = isinstance(outcome, _RetryRequested)
+        last = self.number >= self._retrying.max_attempts
+        self._retrying._agree(failed=retrying, fatal=not retrying or last)
         self._tenacity.__exit__(type(outcome), outcome, outcome.__traceback__)
         return True  # tenacity re-raises what must propagate on the next iteration
+
+    def _feed_peer(self, peer: _PeerFailed) -> bool:
+        """Another rank's attempt failed: retry (or stop) here too, as agreed."""
+        outcome: BaseException = peer
+        if peer.fatal:
+            outcome = TrainingStopped(str(peer))
+        self._tenacity.__exit__(type(outcome), outcome, outcome.__traceback__)
+        return True
 
 
 @final
@@ -352,6 +386,30 @@ class Retrying:
         retry = _RetryRequested(f"retrying after {type(exc).__name__}")
         retry.__cause__ = exc
         return retry
+
+    def _agree(self, *, failed: bool, fatal: bool) -> _PeerFailed | None:
+        """Agree on this attempt's outcome with the other ranks (no-op outside a group).
+
+        Returns the reason to re-run (or stop) when this rank succeeded and another did not.
+        """
+        agreement = getattr(self.engine, "agreement", None)
+        agree_call = getattr(agreement, "agree_call", None)
+        if agree_call is None:
+            return None
+        agreed = agree_call(failed=failed, fatal=fatal, batch_size=self.state.batch_size)
+        if agreed.batch_size is not None and agreed.batch_size != self.state.batch_size:
+            detail = (
+                f"batch_size {self.state.batch_size} -> {agreed.batch_size} (agreed across ranks)"
+            )
+            self.state.batch_size = agreed.batch_size
+            self.state.changes.append(detail)
+            self._publish(RecoveryAction.SHRINK_BATCH, detail, "applied")
+        if failed or fatal or not (agreed.failed or agreed.fatal):
+            return None
+        what = "failed for good" if agreed.fatal else "failed"
+        return _PeerFailed(
+            f"another rank's attempt {what}; re-running as agreed", fatal=agreed.fatal
+        )
 
     def _exhausted(self) -> TrainingStopped:
         err = self._last_error

@@ -26,7 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from eventbus_debug import (
     Cadence,
+    CallState,
     RecoveryApplied,
+    Retrying,
     Session,
     StepSkipped,
     TrainingStopped,
@@ -79,11 +81,21 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
             policy=policy,
             distributed=distributed,
         ) as session:
+            assert session.recovery is not None
+            retry = Retrying(session.recovery, state=CallState(batch_size=32))
             for step in range(STEPS):
-                x = torch.randn(16, 8, generator=gen)
-                y = x.sum(dim=1, keepdim=True)
-                opt.zero_grad(set_to_none=True)
-                loss = nn.functional.mse_loss(model(x), y)
+                # The retried block holds no collective (DDP's backward all-reduces): an
+                # attempt that fails on one rank is agreed before any rank goes on.
+                async for attempt in retry:
+                    async with attempt:
+                        size = attempt.state.batch_size or 32
+                        x = torch.randn(size, 8, generator=gen)
+                        y = x.sum(dim=1, keepdim=True)
+                        opt.zero_grad(set_to_none=True)
+                        if scenario == "oom_one_rank" and rank == 1 and step >= 5 and size > 8:
+                            msg = "CUDA out of memory. Tried to allocate 2.00 GiB"
+                            raise torch.OutOfMemoryError(msg)
+                        loss = nn.functional.mse_loss(model(x), y)
                 loss = _fault(scenario, rank, step, loss, model)
                 loss.backward()  # type: ignore[no-untyped-call]
                 if scenario == "crash_one_rank" and rank == 1 and step == 10:
@@ -113,6 +125,8 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
         [e.step, e.action.value, e.outcome] for e in recorder.of_type(RecoveryApplied)
     ]
     result["lr"] = opt.param_groups[0]["lr"]
+    result["batch_size"] = retry.state.batch_size if step >= 0 else None
+    result["steps_completed"] = session.steps_completed
     return result
 
 

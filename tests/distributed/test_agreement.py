@@ -27,6 +27,7 @@ TWO_RANKS = (
     "spike_one_rank:aggressive",
     "nan_param_one_rank",
     "fsdp2",
+    "oom_one_rank",
     "crash_one_rank",  # last: rank 1 exits
 )
 THREE_RANKS = ("sustained_one_rank",)
@@ -143,6 +144,16 @@ def test_fsdp2_norms_are_global_and_nan_is_skipped_everywhere(two: dict[str, lis
         assert r["probe_norm"] == pytest.approx(r["reference_norm"], rel=1e-5)
         assert r["skipped"] == [12] and r["finite"]
     assert same_everywhere(results, "probe_norm") and same_everywhere(results, "params")
+
+
+def test_oom_on_one_rank_shrinks_every_rank_alike(two: dict[str, list[Any]]) -> None:
+    """An OOM on rank 1 (batch 32 too big there): the flag and the new batch size are agreed,
+    every rank re-runs with batch 8, step counts stay equal, parameters stay identical."""
+    results = ranks(two, "oom_one_rank")
+    assert [r["batch_size"] for r in results] == [8, 8]
+    assert [r["steps_completed"] for r in results] == [40, 40]
+    assert all(r["stopped_at"] is None for r in results)
+    assert same_everywhere(results, "params")
 
 
 def test_a_crashed_rank_stops_the_others_with_a_reason(two: dict[str, list[Any]]) -> None:
