@@ -503,26 +503,33 @@ class _RankSum:
     """A per-rank quantity summed over the ranks at each step (the global throughput of a
     data-parallel job), fed to a :class:`_Series` one value per step.
 
-    A step's sum waits among the :data:`RANK_SUM_WINDOW` most recent steps for the other ranks'
+    While the events name one rank (the live writer, a single-rank log), the aggregator holds
+    only the latest value back in ``held`` (it goes to the series when the next one comes), so
+    a second rank appearing within a step still adds to it; then :meth:`add` sums. A step's sum
+    waits among the :data:`RANK_SUM_WINDOW` most recent steps for the other ranks'
     values; it goes to the series when it leaves that window, when the same rank gives a value
     for the same step again (a replayed step: everything waiting goes first, so one rank's
     values reach the series in the order they came), or, on a copy, when the summary is frozen.
-    One rank's values therefore build exactly the series they built without summing. O(1) per
-    value.
+    O(1) per value.
     """
 
-    __slots__ = ("pending", "series", "window")
+    __slots__ = ("held", "pending", "series", "window")
 
     def __init__(self, series: _Series, window: int = RANK_SUM_WINDOW) -> None:
         self.series = series
         self.window = window
         # step -> [sum over the ranks so far, the first rank, the other ranks (or None)]
         self.pending: dict[int, list[Any]] = {}
+        self.held: tuple[int, int, float] | None = None  # (step, rank, value) of add_one
 
     def add(self, step: int, rank: int, value: float) -> float | None:
         """Add *rank*'s *value* at *step*; the step's sum so far when it is the newest step
         waiting (``None`` for a value that completes an older step)."""
         pending = self.pending
+        held = self.held
+        if held is not None:
+            self.held = None
+            pending[held[0]] = [held[2], held[1], None]
         entry = pending.get(step)
         if entry is not None:
             others: set[int] | None = entry[2]
@@ -547,9 +554,11 @@ class _RankSum:
         self.pending.clear()
 
     def freeze(self) -> tuple[SeriesPoint, ...]:
-        if not self.pending:
+        if not self.pending and self.held is None:
             return self.series.freeze()
         copy = self.series.clone()
+        if self.held is not None:
+            copy.add(self.held[0], self.held[2])
         for step, entry in self.pending.items():
             copy.add(step, entry[0])
         return copy.freeze()
@@ -818,8 +827,12 @@ class RunAggregator:
         self._ranks: set[int] = set()
         self._first_ns: int | None = None
         self._last_ns: int | None = None
-        self._completed: dict[int, int] = {}  # rank -> step completions
-        self._checked: dict[int, int] = {}  # rank -> step checks
+        # step completions and checks: counted plainly while one rank is seen, per rank after
+        self._several = False
+        self._completed = 0
+        self._checked = 0
+        self._completed_by_rank: dict[int, int] = {}
+        self._checked_by_rank: dict[int, int] = {}
         self._first_step: int | None = None
         self._last_step: int | None = None
         self._anomalies = 0
@@ -897,7 +910,8 @@ class RunAggregator:
         self._by_kind[kind] = self._by_kind.get(kind, 0) + 1
         sev = event.severity.value
         self._by_severity[sev] = self._by_severity.get(sev, 0) + 1
-        self._ranks.add(event.rank)
+        if event.rank not in self._ranks:
+            self._new_rank(event.rank)
         t = event.time_ns
         if self._first_ns is None or t < self._first_ns:
             self._first_ns = t
@@ -915,8 +929,11 @@ class RunAggregator:
                 run.events += 1
 
         if isinstance(event, StepChecked):
-            checked = self._checked
-            checked[event.rank] = checked.get(event.rank, 0) + 1
+            if self._several:
+                checked = self._checked_by_rank
+                checked[event.rank] = checked.get(event.rank, 0) + 1
+            else:
+                self._checked += 1
             if step is not None:
                 latest = self._latest
                 self._latest_step = step
@@ -932,8 +949,11 @@ class RunAggregator:
                     self._layer_update.add(step, event.update_ratios)
             return
         if isinstance(event, StepCompleted):
-            completed = self._completed
-            completed[event.rank] = completed.get(event.rank, 0) + 1
+            if self._several:
+                completed = self._completed_by_rank
+                completed[event.rank] = completed.get(event.rank, 0) + 1
+            else:
+                self._completed += 1
             if step is not None:
                 latest = self._latest
                 self._latest_step = step
@@ -943,10 +963,19 @@ class RunAggregator:
                 if event.learning_rate is not None:
                     self._lr.add(step, event.learning_rate)
                     latest["learning_rate"] = event.learning_rate
-                if event.samples_per_s is not None:
-                    total = self._throughput.add(step, event.rank, event.samples_per_s)
-                    if total is not None:
-                        latest["samples_per_s"] = total
+                value = event.samples_per_s
+                if value is not None:
+                    throughput = self._throughput
+                    if self._several:  # a merged log: summed over the ranks at each step
+                        total = throughput.add(step, event.rank, value)
+                        if total is not None:
+                            latest["samples_per_s"] = total
+                    else:  # one rank so far (the live writer): nothing to sum
+                        held = throughput.held
+                        if held is not None:
+                            throughput.series.add(held[0], held[2])
+                        throughput.held = (step, event.rank, value)
+                        latest["samples_per_s"] = value
                 if event.duration_s is not None:
                     self._duration.add(step, event.duration_s)
                     latest["step_duration_s"] = event.duration_s
@@ -1045,6 +1074,18 @@ class RunAggregator:
                 del alias[next(iter(alias))]
             alias[(rank, event.seq)] = (group.row.rank, group.row.seq)
         return True
+
+    def _new_rank(self, rank: int) -> None:
+        ranks = self._ranks
+        if len(ranks) == 1 and not self._several:
+            # a second rank: from now on count per rank, the first rank's counts so far its own
+            self._several = True
+            (first,) = ranks
+            if self._completed:
+                self._completed_by_rank[first] = self._completed
+            if self._checked:
+                self._checked_by_rank[first] = self._checked
+        ranks.add(rank)
 
     def _link(self, rank: int, source_seq: int, target_seq: int) -> int | None:
         """Link *source_seq* to *target_seq* (both of *rank*) on the rows that list them (a
@@ -1177,7 +1218,11 @@ class RunAggregator:
 
     def summary(self) -> RunSummary:
         """The typed summary of everything folded so far."""
-        by_rank = self._completed or self._checked
+        if self._several:
+            by_rank = self._completed_by_rank or self._checked_by_rank
+        else:
+            count = self._completed or self._checked
+            by_rank = {next(iter(self._ranks)): count} if count else {}
         steps = max(by_rank.values(), default=0)
         if not steps and self._first_step is not None and self._last_step is not None:
             steps = self._last_step - self._first_step + 1

@@ -325,12 +325,16 @@ class TestEdges:
         assert len(aggregator._alias) <= report_summary._MAX_LINKS
 
     def test_throughput_window_is_bounded(self) -> None:
-        """The per-step sums waiting for other ranks never exceed the window."""
+        """Two ranks' values wait for each other among a bounded window of recent steps, and
+        every step's sum reaches the series."""
         aggregator = RunAggregator()
         for step in range(1000):
-            aggregator.add(StepCompleted(step=step, samples_per_s=10.0, rank=0))
-        assert len(aggregator._throughput.pending) <= report_summary.RANK_SUM_WINDOW
-        assert len(aggregator.summary().samples_per_s) == 1000
+            for rank in (0, 1):
+                aggregator.add(StepCompleted(step=step, samples_per_s=10.0, rank=rank))
+            assert len(aggregator._throughput.pending) <= report_summary.RANK_SUM_WINDOW
+        points = aggregator.summary().samples_per_s
+        assert len(points) == 1000 and all(p.mean == 20.0 and p.count == 1 for p in points)
+        assert aggregator.summary().latest.samples_per_s == 20.0
 
     def test_live_report_of_rank_zero_agrees_with_the_merged_one(self, tmp_path: Path) -> None:
         """Rank 0's own (live) summary and the merged log's agree on steps and incidents."""
