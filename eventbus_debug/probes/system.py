@@ -28,7 +28,8 @@ from eventbus_debug.diagnostics import get_logger
 from .._bus import EventBus
 from .._sync import SyncEventBus
 from ._publish import Publish, publisher_for
-from .events import ResourceThresholdExceeded, SystemSampled
+from .events import MemorySampled, ResourceThresholdExceeded, SystemSampled
+from .memory import MemorySnapshot, memory_snapshot
 
 __all__ = (
     "CpuMeter",
@@ -307,11 +308,35 @@ class SystemSampler:
         return read_system(self._disk_path, nvml=self._nvml, cpu=self._cpu)
 
     async def sample_once(self) -> SystemReading:
-        """Take one reading now (in a worker thread), publish it and check the thresholds."""
+        """Take one reading now (in a worker thread), publish it and check the thresholds.
+
+        With the sampler's default reader it also publishes a :class:`MemorySampled` (RSS and,
+        on CUDA, allocated / reserved / peak bytes), so every session's report shows memory,
+        the CUDA peak included, without a memory-tracking mode.
+        """
         # Abandoned on cancel: a session's exit never waits for a reading.
-        reading = await anyio.to_thread.run_sync(self._read, abandon_on_cancel=True)
+        reading, memory = await anyio.to_thread.run_sync(self._read_all, abandon_on_cancel=True)
         self._record(reading)
+        if memory is not None and not self._stopped:
+            self._publish(
+                MemorySampled(
+                    step=self._step() if self._step is not None else None,
+                    source=self.source,
+                    rss_bytes=memory.rss_bytes,
+                    cuda_allocated=memory.cuda_allocated,
+                    cuda_reserved=memory.cuda_reserved,
+                    cuda_peak=memory.cuda_peak,
+                    cuda_alloc_retries=memory.cuda_alloc_retries,
+                    cuda_ooms=memory.cuda_ooms,
+                    label="system_sampler",
+                )
+            )
         return reading
+
+    def _read_all(self) -> tuple[SystemReading, MemorySnapshot | None]:
+        reading = self._read()
+        # A custom reader (tests, replays) speaks for itself; the real one samples memory too.
+        return reading, (memory_snapshot() if self._sample is None else None)
 
     def stop(self) -> None:
         """Publish nothing more: a reading still in its worker thread is discarded.

@@ -164,3 +164,27 @@ def test_cpu_meter_sees_a_busy_thread() -> None:
     while time.perf_counter() < end:
         pass
     assert 0.0 < meter.percent() <= 100.0
+
+
+async def test_default_reader_also_samples_memory(bus: EventBus, recorder: RecordingSink) -> None:
+    """The real reader publishes a MemorySampled beside each SystemSampled (report memory)."""
+    from eventbus_debug import MemorySampled
+
+    bus.subscribe(recorder)
+    sampler = SystemSampler(bus, step=lambda: 3)
+    await sampler.sample_once()
+    await bus.drain()
+    (memory,) = recorder.of_type(MemorySampled)
+    assert memory.rss_bytes > 0 and memory.step == 3 and memory.label == "system_sampler"
+    assert len(recorder.of_type(SystemSampled)) == 1
+
+
+async def test_custom_reader_publishes_no_memory(bus: EventBus, recorder: RecordingSink) -> None:
+    """A custom reading function speaks for itself: no memory sample is invented."""
+    from eventbus_debug import MemorySampled
+
+    bus.subscribe(recorder)
+    sampler = SystemSampler(bus, sample=_fake([1.0]))
+    await sampler.sample_once()
+    await bus.drain()
+    assert recorder.of_type(MemorySampled) == []
