@@ -174,7 +174,9 @@ def build_report(
 
     A log that several runs appended to is split by run id (see
     :func:`~sinks.report_summary.summarize_runs`): the report shows the latest run and says
-    which others the log holds.
+    which others the log holds. The logs of several ranks make one report of the job: each
+    step counted once, throughput summed over the ranks, one incident row naming the ranks
+    that had it (see :class:`~sinks.report_summary.RunSummary`).
 
     Args:
         log: a log directory (or one log file).
