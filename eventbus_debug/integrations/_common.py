@@ -75,6 +75,35 @@ class LossAccumulator:
         return total / count if mean and count > 1 else total
 
 
+class FitViews:
+    """What a user (or a test) can look at on an integration: its session and its counts.
+
+    Mixed into each framework's callback or handler, which sets ``self._fit``.
+    """
+
+    _fit: FitSession
+
+    @property
+    def session(self) -> SyncSession | None:
+        """The running session (None outside a run)."""
+        return self._fit.session
+
+    @property
+    def last_verdict(self) -> SessionVerdict | None:
+        """The verdict of the last checked step."""
+        return self._fit.last_verdict
+
+    @property
+    def steps_checked(self) -> int:
+        """Optimizer steps checked in the current (or last) run."""
+        return self._fit.steps_checked
+
+    @property
+    def steps_skipped(self) -> int:
+        """Optimizer steps skipped in the current (or last) run."""
+        return self._fit.steps_skipped
+
+
 @final
 class FitSession:
     """A :class:`SyncSession` whose life follows a framework's fit (open at start, close at end).

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, final
 
-from ._common import DEFAULT_LOG_DIR, FitSession, LossAccumulator, learning_rate, require
+from ._common import DEFAULT_LOG_DIR, FitSession, FitViews, LossAccumulator, learning_rate, require
 
 require("ignite", "ignite")
 
@@ -45,7 +45,7 @@ from torch import nn  # noqa: E402
 from torch.utils.hooks import RemovableHandle  # noqa: E402
 
 from ..probes import NonFiniteDetected, TensorRole  # noqa: E402
-from ..session import SessionVerdict, SyncSession  # noqa: E402
+from ..session import SessionVerdict  # noqa: E402
 
 __all__ = ("EventBusDebugHandler",)
 
@@ -57,7 +57,7 @@ def _identity(output: Any) -> Any:
 
 
 @final
-class EventBusDebugHandler:
+class EventBusDebugHandler(FitViews):
     """Runs the eventbus-debug checks and recovery inside an Ignite training ``Engine``.
 
     Example::
@@ -105,28 +105,6 @@ class EventBusDebugHandler:
         self._engine: Engine | None = None
         self._hook: RemovableHandle | None = None
         self._pending: tuple[int, SessionVerdict, float | None] | None = None
-
-    # -- what a user (or a test) can look at ------------------------------------------------------
-
-    @property
-    def session(self) -> SyncSession | None:
-        """The running session (None outside ``engine.run``)."""
-        return self._fit.session
-
-    @property
-    def last_verdict(self) -> SessionVerdict | None:
-        """The verdict of the last checked step."""
-        return self._fit.last_verdict
-
-    @property
-    def steps_checked(self) -> int:
-        """Optimizer steps checked in the current (or last) run."""
-        return self._fit.steps_checked
-
-    @property
-    def steps_skipped(self) -> int:
-        """Optimizer steps skipped in the current (or last) run."""
-        return self._fit.steps_skipped
 
     # -- wiring -----------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from typing import Any
 from ._common import (
     DEFAULT_LOG_DIR,
     FitSession,
+    FitViews,
     LossAccumulator,
     batch_size,
     learning_rate,
@@ -42,12 +43,12 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
-from ..session import SessionVerdict, SyncSession  # noqa: E402
+from ..session import SessionVerdict  # noqa: E402
 
 __all__ = ("EventBusDebugCallback",)
 
 
-class EventBusDebugCallback(Callback):
+class EventBusDebugCallback(Callback, FitViews):
     """Runs the eventbus-debug checks and recovery inside ``Trainer.fit``.
 
     Example::
@@ -72,28 +73,6 @@ class EventBusDebugCallback(Callback):
         self._loss = LossAccumulator()
         self._scaler: torch.amp.GradScaler | None = None
         self._pending: tuple[int, SessionVerdict, float | None] | None = None
-
-    # -- what a user (or a test) can look at ------------------------------------------------------
-
-    @property
-    def session(self) -> SyncSession | None:
-        """The running session (None outside ``fit``)."""
-        return self._fit.session
-
-    @property
-    def last_verdict(self) -> SessionVerdict | None:
-        """The verdict of the last checked step."""
-        return self._fit.last_verdict
-
-    @property
-    def steps_checked(self) -> int:
-        """Optimizer steps checked in the current (or last) fit."""
-        return self._fit.steps_checked
-
-    @property
-    def steps_skipped(self) -> int:
-        """Optimizer steps skipped in the current (or last) fit."""
-        return self._fit.steps_skipped
 
     # -- Lightning hooks --------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ._common import DEFAULT_LOG_DIR, FitSession, LossAccumulator, learning_rate, require
+from ._common import DEFAULT_LOG_DIR, FitSession, FitViews, LossAccumulator, learning_rate, require
 
 require("transformers", "transformers")
 
@@ -47,12 +47,12 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from ..session import SessionVerdict, SyncSession  # noqa: E402
+from ..session import SessionVerdict  # noqa: E402
 
 __all__ = ("EventBusDebugCallback",)
 
 
-class EventBusDebugCallback(TrainerCallback):
+class EventBusDebugCallback(TrainerCallback, FitViews):
     """Runs the eventbus-debug checks and recovery inside ``Trainer.train``.
 
     Example::
@@ -79,28 +79,6 @@ class EventBusDebugCallback(TrainerCallback):
         self._max_grad_norm = 0.0
         self._model: nn.Module | None = None
         self._pending: tuple[int, SessionVerdict, float | None] | None = None
-
-    # -- what a user (or a test) can look at ------------------------------------------------------
-
-    @property
-    def session(self) -> SyncSession | None:
-        """The running session (None outside ``train``)."""
-        return self._fit.session
-
-    @property
-    def last_verdict(self) -> SessionVerdict | None:
-        """The verdict of the last checked step."""
-        return self._fit.last_verdict
-
-    @property
-    def steps_checked(self) -> int:
-        """Optimizer steps checked in the current (or last) run."""
-        return self._fit.steps_checked
-
-    @property
-    def steps_skipped(self) -> int:
-        """Optimizer steps skipped in the current (or last) run."""
-        return self._fit.steps_skipped
 
     @property
     def max_grad_norm(self) -> float:

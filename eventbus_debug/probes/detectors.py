@@ -256,14 +256,19 @@ class ExplosionDetector:
         window: how many accepted norms the median covers.
         factor: the growth factor over the median.
         cap: the absolute cap (``None``: none).
+        floor: a norm below this fraction of the largest the run accepted is never an
+            explosion (a converged model's tiny norms wobble by 10x).
     """
 
-    __slots__ = ("_largest", "_window", "cap", "factor")
+    __slots__ = ("_largest", "_window", "cap", "factor", "floor")
 
-    def __init__(self, *, window: int, factor: float, cap: float | None) -> None:
+    def __init__(
+        self, *, window: int, factor: float, cap: float | None, floor: float = 0.1
+    ) -> None:
         self._window = _RunningMedian(window)
         self.factor = factor
         self.cap = cap
+        self.floor = floor
         self._largest = 0.0
 
     @property
@@ -282,6 +287,9 @@ class ExplosionDetector:
         growth = self.factor * baseline if len(window) else math.inf
         if norm == 0.0:
             return None  # a zero gradient (a converged or satisfied loss) says nothing of scale
+        # A converged model's norms shrink by orders of magnitude; a batch at 10x that tiny
+        # median is noise, not an explosion, while it stays far below what the run has seen.
+        growth = max(growth, self.floor * self._largest)
         cap = self.cap if self.cap is not None else math.inf
         if norm > cap or norm > growth:
             rule = "cap" if norm > cap and (norm <= growth or cap <= growth) else "growth"
