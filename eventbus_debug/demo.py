@@ -252,99 +252,106 @@ async def run_demo(
             raise ValueError(msg)
     import sinks  # sinks imports eventbus_debug: import it once the package is initialized
 
-    log_dir = Path(log_dir)
-    faults = faults if faults is not None else DemoFaults.for_steps(steps)
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    model = _model(width)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    true_w = torch.randn(_FEATURES, 1, generator=gen)
-    device = _Device(batch_size)
-    # The console shows incidents only (each once, one line); progress is the bar's job, and
-    # steps, memory and system samples are plotted in the report.
-    console_sink: object = sinks.ConsoleSink(stream) if console else False
-    extra_sinks = [_ProgressBar(stream, steps)] if console else []
-    first_loss = math.nan
-    loss_value = math.nan
-    skipped: list[int] = []
-    leak: list[torch.Tensor] = []
-    # A heap scan costs milliseconds: about 100 samples over the run, fitted 6 at a time.
-    detector = LeakDetector(
-        every=max(2, steps // 100),
-        thresholds=LeakThresholds(window=6, warmup=2),
-        source="demo.memory",
-    )
-    async with Session(
-        model,
-        optimizer,
-        log_dir=log_dir,
-        name="demo",
-        console=console_sink,
-        sinks=extra_sinks,
-        leak_detector=detector,
-    ) as session:
-        engine = session.recovery
-        if engine is None:  # pragma: no cover - the session always builds one here
-            msg = "the demo needs the session's recovery engine"
-            raise RuntimeError(msg)
-        retry = Retrying(engine, state=CallState(batch_size=batch_size), operation="train_step")
-        for step in range(steps):
-            if step == faults.oom_step:
-                # The data pipeline starts yielding batches twice too large for the device.
-                retry.state.batch_size = batch_size * 2
-            async for attempt in retry:
-                async with attempt:
-                    size = attempt.state.batch_size or batch_size
-                    x = torch.randn(size, _FEATURES, generator=gen)
-                    # Clean targets: the loss converges towards zero and keeps wobbling; the
-                    # default detectors judge that against the run's own noise (no false alarm).
-                    y = torch.sin(x @ true_w)
-                    if step == faults.nan_step:
-                        x[0, 0] = math.nan
-                    if step == faults.explode_step:
-                        x = x * 1e4
-                    device.check(x)
-                    optimizer.zero_grad(set_to_none=True)
-                    loss = nn.functional.mse_loss(model(x), y)
-                    torch.autograd.backward(loss)
-            if (
-                faults.leak_start is not None
-                and faults.leak_stop is not None
-                and faults.leak_start <= step < faults.leak_stop
-            ):
-                leak.append(loss)  # the bug: keeps every step's graph alive
-            elif leak and step == faults.leak_stop:
-                leak.clear()
-            verdict = await session.check_step(step, loss=loss)
-            if verdict.should_step:
-                optimizer.step()
-            else:
-                skipped.append(step)
-            loss_value = float(loss.detach())
-            if step == 0:
-                first_loss = loss_value
-            await session.step_completed(step, loss=loss_value, samples=int(x.shape[0]))
-        final_batch = retry.state.batch_size or batch_size
-        published = session.bus.statistics().published
-    html = log_dir / "report.html"
-    js = log_dir / "report.json"
-    if console:
-        out = stream or sys.stderr
-        out.write(
-            f"\ndemo finished: {session.steps_completed} steps, optimizer step skipped at "
-            f"{list(skipped) or 'no step'}, final batch size {final_batch}\n"
+    # A 128-wide MLP gains nothing from intra-op threads, and on a shared machine they
+    # oversubscribe the cores (measured 8x slower under load): one thread for the run.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        log_dir = Path(log_dir)
+        faults = faults if faults is not None else DemoFaults.for_steps(steps)
+        gen = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        model = _model(width)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        true_w = torch.randn(_FEATURES, 1, generator=gen)
+        device = _Device(batch_size)
+        # The console shows incidents only (each once, one line); progress is the bar's job, and
+        # steps, memory and system samples are plotted in the report.
+        console_sink: object = sinks.ConsoleSink(stream) if console else False
+        extra_sinks = [_ProgressBar(stream, steps)] if console else []
+        first_loss = math.nan
+        loss_value = math.nan
+        skipped: list[int] = []
+        leak: list[torch.Tensor] = []
+        # A heap scan costs milliseconds: about 100 samples over the run, fitted 6 at a time.
+        detector = LeakDetector(
+            every=max(2, steps // 100),
+            thresholds=LeakThresholds(window=6, warmup=2),
+            source="demo.memory",
         )
-        out.flush()
-    return DemoResult(
-        log_dir=log_dir,
-        log_files=tuple(p for ps in log_files(log_dir).values() for p in ps),
-        report_html=html if html.exists() else None,
-        report_json=js if js.exists() else None,
-        steps=session.steps_completed,
-        first_loss=first_loss,
-        final_loss=loss_value,
-        skipped_steps=tuple(skipped),
-        batch_size=final_batch,
-        published=published,
-        faults=faults,
-    )
+        async with Session(
+            model,
+            optimizer,
+            log_dir=log_dir,
+            name="demo",
+            console=console_sink,
+            sinks=extra_sinks,
+            leak_detector=detector,
+        ) as session:
+            engine = session.recovery
+            if engine is None:  # pragma: no cover - the session always builds one here
+                msg = "the demo needs the session's recovery engine"
+                raise RuntimeError(msg)
+            retry = Retrying(engine, state=CallState(batch_size=batch_size), operation="train_step")
+            for step in range(steps):
+                if step == faults.oom_step:
+                    # The data pipeline starts yielding batches twice too large for the device.
+                    retry.state.batch_size = batch_size * 2
+                async for attempt in retry:
+                    async with attempt:
+                        size = attempt.state.batch_size or batch_size
+                        x = torch.randn(size, _FEATURES, generator=gen)
+                        # Clean targets: the loss converges towards zero and keeps wobbling; the
+                        # default detectors judge that against the run's own noise (no false alarm).
+                        y = torch.sin(x @ true_w)
+                        if step == faults.nan_step:
+                            x[0, 0] = math.nan
+                        if step == faults.explode_step:
+                            x = x * 1e4
+                        device.check(x)
+                        optimizer.zero_grad(set_to_none=True)
+                        loss = nn.functional.mse_loss(model(x), y)
+                        torch.autograd.backward(loss)
+                if (
+                    faults.leak_start is not None
+                    and faults.leak_stop is not None
+                    and faults.leak_start <= step < faults.leak_stop
+                ):
+                    leak.append(loss)  # the bug: keeps every step's graph alive
+                elif leak and step == faults.leak_stop:
+                    leak.clear()
+                verdict = await session.check_step(step, loss=loss)
+                if verdict.should_step:
+                    optimizer.step()
+                else:
+                    skipped.append(step)
+                loss_value = float(loss.detach())
+                if step == 0:
+                    first_loss = loss_value
+                await session.step_completed(step, loss=loss_value, samples=int(x.shape[0]))
+            final_batch = retry.state.batch_size or batch_size
+            published = session.bus.statistics().published
+        html = log_dir / "report.html"
+        js = log_dir / "report.json"
+        if console:
+            out = stream or sys.stderr
+            out.write(
+                f"\ndemo finished: {session.steps_completed} steps, optimizer step skipped at "
+                f"{list(skipped) or 'no step'}, final batch size {final_batch}\n"
+            )
+            out.flush()
+        return DemoResult(
+            log_dir=log_dir,
+            log_files=tuple(p for ps in log_files(log_dir).values() for p in ps),
+            report_html=html if html.exists() else None,
+            report_json=js if js.exists() else None,
+            steps=session.steps_completed,
+            first_loss=first_loss,
+            final_loss=loss_value,
+            skipped_steps=tuple(skipped),
+            batch_size=final_batch,
+            published=published,
+            faults=faults,
+        )
+    finally:
+        torch.set_num_threads(threads)
