@@ -249,7 +249,7 @@ class ExplosionDetector:
     """Flags a total gradient norm far above the run's running median, from the first step.
 
     From the second gradient check a norm above ``factor x median`` of the last *window*
-    accepted norms is an explosion; an absolute *cap* applies from the first check. Non-finite
+    accepted norms, and above the largest norm the run has accepted, is an explosion; an absolute *cap* applies from the first check. Non-finite
     and exploded norms never enter the window (an explosion cannot raise its own bar).
 
     Args:
@@ -257,13 +257,14 @@ class ExplosionDetector:
         factor: the growth factor over the median.
         cap: the absolute cap (``None``: none).
         floor: a norm below this fraction of the largest the run accepted is never an
-            explosion (a converged model's tiny norms wobble by 10x).
+            explosion (a converged BERT-like model's median norm falls 100x while hard batches
+            keep early-training norms: 207 false incidents over 20k steps with 0.1).
     """
 
     __slots__ = ("_largest", "_window", "cap", "factor", "floor")
 
     def __init__(
-        self, *, window: int, factor: float, cap: float | None, floor: float = 0.1
+        self, *, window: int, factor: float, cap: float | None, floor: float = 1.0
     ) -> None:
         self._window = _RunningMedian(window)
         self.factor = factor
@@ -287,8 +288,9 @@ class ExplosionDetector:
         growth = self.factor * baseline if len(window) else math.inf
         if norm == 0.0:
             return None  # a zero gradient (a converged or satisfied loss) says nothing of scale
-        # A converged model's norms shrink by orders of magnitude; a batch at 10x that tiny
-        # median is noise, not an explosion, while it stays far below what the run has seen.
+        # A converged model's norms shrink by orders of magnitude while a hard batch still has
+        # the norms of early training: 10x that tiny median is noise, not an explosion, as long
+        # as it stays within what the run has already seen (and accepted).
         growth = max(growth, self.floor * self._largest)
         cap = self.cap if self.cap is not None else math.inf
         if norm > cap or norm > growth:
