@@ -157,7 +157,7 @@ class LossSpikeDetector:
         patience: int,
         sustained_rtol: float = 0.5,
         sustained_mad: float = 4.0,
-        tail_decay: float = 0.9995,
+        tail_decay: float = 0.9999,
     ) -> None:
         self._window = _RunningMedian(window)
         self.warmup = warmup
