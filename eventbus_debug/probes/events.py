@@ -7,7 +7,6 @@ contract between them. Events carry host-side numbers and strings only, never te
 from __future__ import annotations
 
 import math
-
 from collections.abc import Mapping
 from dataclasses import field
 from enum import Enum
