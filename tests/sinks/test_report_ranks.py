@@ -350,7 +350,8 @@ class TestEdges:
 
 @pytest.mark.timeout(300)
 def test_ddp_example_report_counts_its_300_steps(tmp_path: Path) -> None:
-    """torchrun --nproc-per-node 2 examples/ddp_training.py: the merged report says 300 steps,
+    """torchrun --nproc-per-node 2 examples/ddp_training.py (the example's own test): the ranks
+    skip and roll back together with equal parameters; the merged report says 300 steps and
     the agreed skip at step 100 is one row per kind naming ranks 0 and 1."""
     torchrun = Path(sys.executable).with_name("torchrun")
     log = tmp_path / "ddp"
@@ -373,6 +374,9 @@ def test_ddp_example_report_counts_its_300_steps(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    # the example itself: both ranks skipped and rolled back together, parameters equal
+    assert "parameters identical on every rank: True" in done.stdout
+    assert "'skipped': [100, 204]" in done.stdout
     assert sorted(p.name for p in log.glob("events*.jsonl")) == [
         "events.jsonl",
         "events.rank1.jsonl",
