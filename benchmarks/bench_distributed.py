@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from eventbus_debug import Session
 from eventbus_debug.recovery.agreement import AgreedStep, RankAgreement
 
-WIDTH = 1024
+WIDTH = 768
 BATCH = 128
 
 
