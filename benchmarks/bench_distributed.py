@@ -41,12 +41,11 @@ class TimedAgreement:
         self.inner = RankAgreement()
         self.times: list[float] = []
 
-    def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        return self.inner.all_reduce_mean(value)
-
-    def agree(self, step: int, decisions: Any, noted: bool, /) -> AgreedStep:
+    def agree(
+        self, step: int, decisions: Any, noted: bool, /, *, loss: float | None = None
+    ) -> AgreedStep:
         t0 = time.perf_counter()
-        out = self.inner.agree(step, decisions, noted)
+        out = self.inner.agree(step, decisions, noted, loss=loss)
         self.times.append(time.perf_counter() - t0)
         return out
 

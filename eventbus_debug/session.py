@@ -359,11 +359,11 @@ class _Core:
             source=f"{self.name}.step_probe",
             scaler=self.scaler,
             optimizer=self.optimizer,
-            loss_reducer=(
-                self.agreement.all_reduce_mean
-                if isinstance(self.agreement, RankAgreement)
-                else None
-            ),
+            # With an agreement the loss spikes are judged on the ranks' mean loss, which
+            # rides in the agreement's one collective (see _global_loss).
+            global_spikes=self.agreement is not None
+            and self._recovery_opt not in (False, None)
+            and self.optimizer is not None,
         )
 
     def _make_system(self, bus: EventBus) -> SystemSampler | None:
@@ -376,6 +376,12 @@ class _Core:
             source=f"{self.name}.system",
         )
         return self.system
+
+    def _global_loss(self, verdict: StepVerdict) -> None:
+        """Judge the ranks' mean loss for spikes (distributed sessions, after agreeing)."""
+        agreed = self.safe_point.agreed if self.safe_point is not None else None
+        if agreed is not None and agreed.loss is not None and self.probe is not None:
+            self.probe.observe_global_loss(verdict.step, agreed.loss)
 
     def _observe_memory(self, step: int) -> None:
         if self.leak_detector is not None:
@@ -812,10 +818,11 @@ class Session(_Core):
             self.amp.overflowed(verdict.step)
         self._observe_memory(step)
         decision = (
-            await self.safe_point.before_optimizer_step(step)
+            await self.safe_point.before_optimizer_step(step, loss=verdict.loss)
             if self.safe_point is not None
             else None
         )
+        self._global_loss(verdict)
         return self._verdict(step, verdict, decision)
 
     async def step_completed(
@@ -1132,10 +1139,11 @@ class SyncSession(_Core):
             self.amp.overflowed(verdict.step)
         self._observe_memory(step)
         decision = (
-            self.safe_point.before_optimizer_step_sync(step)
+            self.safe_point.before_optimizer_step_sync(step, loss=verdict.loss)
             if self.safe_point is not None
             else None
         )
+        self._global_loss(verdict)
         return self._verdict(step, verdict, decision)
 
     def step_completed(

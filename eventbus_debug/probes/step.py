@@ -188,10 +188,10 @@ class StepProbe:
             unless ``scaler.unscale_(optimizer)`` already ran), and non-finite gradients with a
             finite loss are the scaler's overflow steps (``verdict.overflow``), not incidents.
         optimizer: the optimizer *scaler* steps (tells whether the gradients are unscaled).
-        loss_reducer: reduces each checked loss over the ranks of a process group before it is
-            judged (the session passes its agreement's mean), so loss spikes are judged on the
-            global loss and a non-finite loss on any rank is seen by all. A collective: every
-            rank must pass a loss at the same steps.
+        global_spikes: judge loss spikes only on the loss averaged over the ranks, handed to
+            :meth:`observe_global_loss` (a distributed session does, after its agreement), so N
+            ranks do not multiply false alarms by N. The local loss is still checked for
+            non-finite values at once.
 
     Raises:
         TypeError: if *model* is not an ``nn.Module``, *bus* is not a bus or ``None``, or
@@ -212,7 +212,7 @@ class StepProbe:
         source: str = "step_probe",
         scaler: torch.amp.GradScaler | None = None,
         optimizer: torch.optim.Optimizer | None = None,
-        loss_reducer: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        global_spikes: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             msg = f"model must be a torch.nn.Module, got {type(model).__qualname__}"
@@ -238,7 +238,7 @@ class StepProbe:
         self._publish = publisher_for(bus)
         self._scaler = scaler
         self._optimizer = optimizer
-        self._loss_reducer = loss_reducer
+        self._global_spikes = bool(global_spikes)
         self.cadence = cadence or Cadence()
         self.thresholds = thresholds or Thresholds()
         self.deferred = bool(deferred)
@@ -580,11 +580,6 @@ class StepProbe:
         has_loss = checks.loss and loss is not None
         host_loss: float | None = None
         wide = False
-        if has_loss and self._loss_reducer is not None:
-            local = (
-                loss if isinstance(loss, torch.Tensor) else torch.tensor([float(loss)], dtype=_F64)  # type: ignore[arg-type]
-            )
-            loss = self._loss_reducer(local.detach().reshape(1))
         if has_loss:
             if isinstance(loss, torch.Tensor):
                 lt = loss.detach().reshape(1)
@@ -667,22 +662,10 @@ class StepProbe:
             incidents += found
             if lay.checks.layers:
                 layer_norms = {self._names[s]: v for s, v in zip(lay.grad_slots, l2, strict=True)}
-        if loss_value is not None and loss_finite and not overflow:
-            spike = self._spikes.observe(loss_value)
+        if loss_value is not None and loss_finite and not overflow and not self._global_spikes:
+            spike = self._spike(step, loss_value)
             if spike is not None:
-                base = spike.baseline
-                incidents.append(
-                    LossSpiked(
-                        step=step,
-                        source=self.source,
-                        loss=loss_value,
-                        running_mean=base,
-                        ratio=loss_value / base if base else math.inf,
-                        rule=spike.rule.value,
-                        tolerance=spike.tolerance,
-                        streak=spike.streak,
-                    )
-                )
+                incidents.append(spike)
         param_norm: float | None = None
         m = len(lay.param_slots)
         n_params = len(self._params)
@@ -752,6 +735,37 @@ class StepProbe:
             deferred=deferred,
             overflow=overflow,
         )
+
+    def _spike(self, step: int, loss: float) -> LossSpiked | None:
+        verdict = self._spikes.observe(loss)
+        if verdict is None:
+            return None
+        base = verdict.baseline
+        return LossSpiked(
+            step=step,
+            source=self.source,
+            loss=loss,
+            running_mean=base,
+            ratio=loss / base if base else math.inf,
+            rule=verdict.rule.value,
+            tolerance=verdict.tolerance,
+            streak=verdict.streak,
+        )
+
+    def observe_global_loss(self, step: int, loss: float) -> LossSpiked | None:
+        """Judge *step*'s loss averaged over the ranks for spikes; publish and return a spike.
+
+        A distributed session calls it after the ranks agreed (the mean rides in the agreement's
+        one collective), with ``global_spikes=True``: every rank judges the same number, so the
+        ranks' detectors stay identical and decide together, one safe point later.
+        """
+        if not math.isfinite(loss):
+            return None  # the local non-finite checks act on it, at once
+        with self._lock:
+            spike = self._spike(step, loss)
+        if spike is not None:
+            self._publish(spike)
+        return spike
 
     def _judge_grads(
         self,

@@ -2,12 +2,15 @@
 
 Every rank calls :meth:`RankAgreement.agree` at every safe point, whatever its level, cadence or
 incidents, before any local state changes. The ranks' pending decisions are encoded as one
-small float64 vector — one flag per action, factors as maxima of negatives (a MIN) — and
-reduced with a single ``all_reduce(MAX)`` on a dedicated gloo group whose timeout is far below
-torch's 30-minute default. Every rank then applies the same decisions: skip, restore, clip
-(the smallest max norm of any rank), LR factor (the smallest), free memory, stop. Whether any
-rank had an incident is agreed too, so "good steps" (consecutive counts, snapshots, temporary LR
-changes) advance in lockstep and a restore lands every rank on the state of the same step.
+small float64 vector — one flag per action, factors as maxima of negatives (a MIN), and the
+rank's loss — and exchanged with a single ``all_gather`` on a dedicated gloo group whose timeout
+is far below torch's 30-minute default; every rank takes the maximum of the flags and the mean of
+the losses. Every rank then applies the same decisions: skip, restore, clip (the smallest max
+norm of any rank), LR factor (the smallest), free memory, stop; and judges loss spikes on the
+same mean loss, so spike decisions follow at the next safe point on every rank alike. Whether
+any rank had an incident is agreed too, so "good steps" (consecutive counts, snapshots,
+temporary LR changes) advance in lockstep and a restore lands every rank on the state of the
+same step.
 
 Never a bit mask reduced with MAX: "skip" on one rank and "clip" on another are two flags, and
 both survive.
@@ -16,11 +19,11 @@ both survive.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import IntEnum
-from typing import Any, Final, Protocol, final, runtime_checkable
+from typing import Any, Final, NoReturn, Protocol, final, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -36,7 +39,6 @@ __all__ = (
     "AgreedStep",
     "Agreement",
     "CallAgreed",
-    "LossReducer",
     "RankAgreement",
     "agreement_for",
     "distributed_active",
@@ -65,6 +67,7 @@ class _F(IntEnum):
     FREE_MEMORY = 11
     STOP = 12
     STOP_RANK = 13  # rank + 1 of the highest rank that decided to stop
+    LOSS = 14  # this rank's loss (NaN: none): averaged, not maximized
 
 
 _SIZE: Final = len(_F)
@@ -77,10 +80,13 @@ class AgreedStep:
     Attributes:
         decisions: the decisions every rank applies (the same on every rank).
         noted: True when some rank had an incident this step (no rank counts it as good).
+        loss: the step's loss averaged over the ranks (``None`` when no rank gave one); the
+            probe judges loss spikes on it.
     """
 
     decisions: tuple[DecidedAction, ...]
     noted: bool
+    loss: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +109,15 @@ class CallAgreed:
 class Agreement(Protocol):
     """Turns this rank's pending decisions into the decisions every rank applies."""
 
-    def agree(self, step: int, decisions: Sequence[DecidedAction], noted: bool, /) -> AgreedStep:
+    def agree(
+        self,
+        step: int,
+        decisions: Sequence[DecidedAction],
+        noted: bool,
+        /,
+        *,
+        loss: float | None = None,
+    ) -> AgreedStep:
         """Agree with the other ranks; called at every safe point on every rank."""
         ...
 
@@ -113,7 +127,9 @@ def distributed_active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _encode(decisions: Sequence[DecidedAction], noted: bool, rank: int) -> torch.Tensor:
+def _encode(
+    decisions: Sequence[DecidedAction], noted: bool, rank: int, loss: float | None = None
+) -> torch.Tensor:
     v = torch.zeros(_SIZE, dtype=torch.float64)
     v[_F.NEG_MAX_NORM] = -math.inf
     v[_F.NEG_LR_FACTOR] = -1.0
@@ -144,6 +160,7 @@ def _encode(decisions: Sequence[DecidedAction], noted: bool, rank: int) -> torch
             v[_F.STOP] = 1.0
             v[_F.STOP_RANK] = float(rank + 1)
     v[_F.NEG_LR_FACTOR] = -lr_factor
+    v[_F.LOSS] = math.nan if loss is None else float(loss)
     return v
 
 
@@ -236,19 +253,6 @@ class RankAgreement:
         self.disagreements = 0
         """Agreements in which the ranks' pending decisions differed."""
 
-    def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        """The mean of *value* (a one-element tensor) over the group, on *value*'s device.
-
-        The step probe reduces the loss with it, so loss spikes are judged on the global loss
-        and N ranks do not multiply false alarms by N; a NaN loss on any rank is NaN on all.
-
-        Raises:
-            TrainingStopped: if the other ranks do not answer within :attr:`timeout`.
-        """
-        host = value.detach().reshape(1).to(device="cpu", dtype=torch.float64)
-        self._reduce(host, dist.ReduceOp.SUM, "the loss")
-        return (host / self.world).to(device=value.device, dtype=value.dtype)
-
     def agree_call(self, *, failed: bool, fatal: bool, batch_size: int | None) -> CallAgreed:
         """Agree on the outcome of one attempt of a retried call (one small collective).
 
@@ -271,38 +275,60 @@ class RankAgreement:
             batch_size=int(-neg_batch) if math.isfinite(neg_batch) else None,
         )
 
-    def agree(self, step: int, decisions: Sequence[DecidedAction], noted: bool, /) -> AgreedStep:
-        """Agree on *step*'s decisions with every rank (see the module docstring).
+    def agree(
+        self,
+        step: int,
+        decisions: Sequence[DecidedAction],
+        noted: bool,
+        /,
+        *,
+        loss: float | None = None,
+    ) -> AgreedStep:
+        """Agree on *step*'s decisions, and average its loss, with every rank: one collective.
 
         Raises:
             TrainingStopped: if the other ranks do not answer within :attr:`timeout` (this
                 rank's own pending decisions are named).
         """
-        local = _encode(decisions, noted, self.rank)
-        mine = local.clone()
+        mine = _encode(decisions, noted, self.rank, loss)
         what = ", ".join(d.action.value for d in decisions) or "nothing"
-        self._reduce(local, dist.ReduceOp.MAX, f"step {step} (this rank decided: {what})")
+        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        try:
+            dist.all_gather(everyone, mine, group=self.group)
+        except RuntimeError as exc:  # gloo raises on a timeout or a peer that left
+            self._failed(f"step {step} (this rank decided: {what})", exc)
         self.agreements += 1
-        agreed = local.tolist()
-        if not torch.equal(mine, local):
+        stacked = torch.stack(everyone)
+        losses = stacked[:, _F.LOSS].clone()
+        stacked[:, _F.LOSS] = 0.0
+        merged = stacked.max(dim=0).values
+        agreed = merged.tolist()
+        mean = None if bool(torch.isnan(losses).all()) else float(losses.nanmean())
+        mine[_F.LOSS] = 0.0
+        if not torch.equal(mine, merged):
             self.disagreements += 1
             _log.info(
                 "ranks_agreed", step=step, rank=self.rank, local=what, agreed_any=agreed[_F.ANY]
             )
         return AgreedStep(
-            decisions=_decode(agreed, decisions, step, self.world), noted=bool(agreed[_F.NOTED])
+            decisions=_decode(agreed, decisions, step, self.world),
+            noted=bool(agreed[_F.NOTED]),
+            loss=mean,
         )
 
     def _reduce(self, tensor: torch.Tensor, op: Any, what: str) -> None:
         try:
             dist.all_reduce(tensor, op=op, group=self.group)
         except RuntimeError as exc:  # gloo raises on a timeout or a peer that left
-            msg = (
-                f"rank {self.rank} of {self.world} could not agree on {what} within "
-                f"{self.timeout:g} s: another rank stopped, crashed or hangs ({exc})"
-            )
-            _log.error("agreement_failed", rank=self.rank, what=what)
-            raise TrainingStopped(msg) from exc
+            self._failed(what, exc)
+
+    def _failed(self, what: str, exc: RuntimeError) -> NoReturn:
+        msg = (
+            f"rank {self.rank} of {self.world} could not agree on {what} within "
+            f"{self.timeout:g} s: another rank stopped, crashed or hangs ({exc})"
+        )
+        _log.error("agreement_failed", rank=self.rank, what=what)
+        raise TrainingStopped(msg) from exc
 
 
 def agreement_for(distributed: bool | Agreement | None, timeout: float) -> Agreement | None:
@@ -328,7 +354,3 @@ def agreement_for(distributed: bool | Agreement | None, timeout: float) -> Agree
         return distributed
     msg = f"distributed must be None, a bool or an Agreement, got {distributed!r}"
     raise TypeError(msg)
-
-
-LossReducer = Callable[[torch.Tensor], torch.Tensor]
-"""Reduces a step's loss over the ranks before the probe judges it."""

@@ -12,7 +12,7 @@ from torch import nn
 from eventbus_debug.diagnostics import get_logger
 
 from ...exceptions import TrainingStopped
-from ..agreement import Agreement
+from ..agreement import AgreedStep, Agreement
 from ..engine import DecidedAction, RecoveryEngine
 from ..events import RecoveryAction, RecoveryApplied, StepSkipped
 from ..lr import scale_learning_rate
@@ -134,6 +134,8 @@ class SafePoint:
             msg = f"agreement must be an Agreement (with agree(step, decisions, noted)), got {agreement!r}"
             raise TypeError(msg)
         self.agreement = agreement
+        self.agreed: AgreedStep | None = None
+        """What the ranks agreed at the last safe point (None without an agreement)."""
         self._skip_remaining = 0
         self._skip_reason = ""
         self._temporary: list[list[float]] = []  # [healthy steps left, factor] per LR change
@@ -155,7 +157,7 @@ class SafePoint:
         """The temporary LR changes in force: ``(factor, healthy steps before it is undone)``."""
         return tuple((f, int(n)) for n, f in self._temporary)
 
-    async def before_optimizer_step(self, step: int) -> StepDecision:
+    async def before_optimizer_step(self, step: int, *, loss: float | None = None) -> StepDecision:
         """Wait for the engine, apply its pending decisions for *step*, say whether to step.
 
         Raises:
@@ -164,9 +166,9 @@ class SafePoint:
             TimeoutError: if the engine does not catch up within its ``drain_timeout``.
         """
         await self.engine.drain()
-        return self._apply(step)
+        return self._apply(step, loss)
 
-    def before_optimizer_step_sync(self, step: int) -> StepDecision:
+    def before_optimizer_step_sync(self, step: int, *, loss: float | None = None) -> StepDecision:
         """:meth:`before_optimizer_step` for a loop using a :class:`~eventbus_debug.SyncEventBus`.
 
         Raises:
@@ -174,16 +176,17 @@ class SafePoint:
             TimeoutError: as :meth:`before_optimizer_step`.
         """
         self.engine.drain_sync()
-        return self._apply(step)
+        return self._apply(step, loss)
 
     # -- applying ----------------------------------------------------------------------------
 
-    def _apply(self, step: int) -> StepDecision:
+    def _apply(self, step: int, loss: float | None = None) -> StepDecision:
         engine = self.engine
         pending = engine.take_pending()
         noted = engine.take_noted()
         if self.agreement is not None:
-            agreed = self.agreement.agree(step, pending, bool(noted))
+            agreed = self.agreement.agree(step, pending, bool(noted), loss=loss)
+            self.agreed = agreed
             decided = list(agreed.decisions)
             noted = int(agreed.noted)
         else:
