@@ -72,10 +72,11 @@ from .probes.step import StepProbe, StepVerdict
 from .probes.system import SystemSampler
 from .recovery.agreement import AGREE_TIMEOUT, Agreement, RankAgreement, agreement_for
 from .recovery.amp import ScalerMonitor
-from .recovery.engine import RecoveryEngine, _policy as _policy
+from .recovery.engine import RecoveryEngine
 from .recovery.events import StepSkipped
+from .recovery.lr import lr_schedulers
 from .recovery.safepoint import SafePoint, StepDecision
-from .recovery.strategies import RecoveryPolicy
+from .recovery.strategies import RecoveryPolicy, recovery_policy
 from .step_context import bind_step_source
 from .validation import (
     InputSpec,
@@ -248,9 +249,9 @@ class _Core:
         self.model = model
         self.optimizer = optimizer
         self.name = name
-        self.policy = _policy(policy)
+        self.policy = recovery_policy(policy)
         """The :class:`~eventbus_debug.recovery.RecoveryPolicy` of the default engine."""
-        self.schedulers = _schedulers(scheduler)
+        self.schedulers = lr_schedulers(scheduler)
         """The LR schedulers recovery keeps in step with its LR decisions."""
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             msg = f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__qualname__}"
@@ -529,20 +530,6 @@ class _Core:
 def _rank_zero() -> bool:
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def _schedulers(scheduler: Any) -> tuple[Any, ...]:
-    if scheduler is None:
-        return ()
-    items = tuple(scheduler) if isinstance(scheduler, list | tuple) else (scheduler,)
-    for item in items:
-        if not callable(getattr(item, "step", None)):
-            msg = (
-                "scheduler must be an LR scheduler (with a step() method) or a sequence of "
-                f"them, got {item!r}"
-            )
-            raise TypeError(msg)
-    return items
 
 
 def _level(value: DebugLevel | str) -> DebugLevel:

@@ -63,16 +63,17 @@ class _RunningMedian:
         self._sorted.clear()
 
     def median(self) -> float:
-        s = self._sorted
-        n = len(s)
-        mid = n // 2
-        return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+        return _middle(self._sorted)
 
     def mad(self, median: float) -> float:
-        deviations = sorted(abs(v - median) for v in self._sorted)
-        n = len(deviations)
-        mid = n // 2
-        return deviations[mid] if n % 2 else 0.5 * (deviations[mid - 1] + deviations[mid])
+        return _middle(sorted(abs(v - median) for v in self._sorted))
+
+
+def _middle(ordered: list[float]) -> float:
+    """The median of an already sorted, non-empty list."""
+    n = len(ordered)
+    mid = n // 2
+    return ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
 class SpikeRule(Enum):
@@ -110,8 +111,8 @@ class LossSpikeDetector:
     run has had (so a loss converging to 1e-17 may wobble by 1e-15 without alarm). Spikes stay
     out of the window. An envelope keeps heavy-tailed minibatch noise (an overfitting
     classifier's rare batch at 25x the median) quiet: the excess must also exceed *rtol* times
-    the largest robust z-score the run has had (decaying by *tail_decay* per step, so early
-    turbulence is forgotten over a few thousand steps). *patience* spiking or elevated losses in a row are reported as
+    the largest robust z-score the run has had (decaying by *tail_decay* per step: a half-life
+    of about 7,000 steps). *patience* spiking or elevated losses in a row are reported as
     :attr:`SpikeRule.SUSTAINED` and the window restarts at the new level (the loss moved; the
     detector does not go blind).
 
@@ -249,8 +250,9 @@ class ExplosionDetector:
     """Flags a total gradient norm far above the run's running median, from the first step.
 
     From the second gradient check a norm above ``factor x median`` of the last *window*
-    accepted norms, and above the largest norm the run has accepted, is an explosion; an absolute *cap* applies from the first check. Non-finite
-    and exploded norms never enter the window (an explosion cannot raise its own bar).
+    accepted norms, and above the largest norm the run has accepted, is an explosion; an
+    absolute *cap* applies from the first check. Zero, non-finite and exploded norms never enter
+    the window (an explosion cannot raise its own bar).
 
     Args:
         window: how many accepted norms the median covers.
@@ -283,19 +285,21 @@ class ExplosionDetector:
 
     def observe(self, norm: float) -> ExplosionVerdict | None:
         """Judge one finite total norm; returns the verdict when it exploded, else ``None``."""
-        window = self._window
-        baseline = window.median() if len(window) else math.nan
-        growth = self.factor * baseline if len(window) else math.inf
         if norm == 0.0:
             return None  # a zero gradient (a converged or satisfied loss) says nothing of scale
+        window = self._window
+        baseline = window.median() if len(window) else math.nan
         # A converged model's norms shrink by orders of magnitude while a hard batch still has
         # the norms of early training: 10x that tiny median is noise, not an explosion, as long
         # as it stays within what the run has already seen (and accepted).
-        growth = max(growth, self.floor * self._largest)
+        growth = (
+            max(self.factor * baseline, self.floor * self._largest) if len(window) else math.inf
+        )
         cap = self.cap if self.cap is not None else math.inf
-        if norm > cap or norm > growth:
-            rule = "cap" if norm > cap and (norm <= growth or cap <= growth) else "growth"
-            return ExplosionVerdict(min(cap, growth), baseline, self._largest, rule)
+        threshold = min(cap, growth)
+        if norm > threshold:
+            rule = "cap" if cap <= growth else "growth"
+            return ExplosionVerdict(threshold, baseline, self._largest, rule)
         window.add(norm)
         self._largest = max(self._largest, norm)
         return None

@@ -50,6 +50,7 @@ from .strategies import (
     Strategy,
     StrategyFunction,
     StrategyHistory,
+    recovery_policy,
 )
 
 __all__ = (
@@ -124,7 +125,7 @@ def default_strategies(policy: RecoveryPolicy | str = RecoveryPolicy.SAFE) -> li
     Raises:
         ValueError: if *policy* is not a policy name.
     """
-    policy = _policy(policy)
+    policy = recovery_policy(policy)
     if policy is RecoveryPolicy.OBSERVE:
         return []
     if policy is RecoveryPolicy.SAFE:
@@ -196,17 +197,6 @@ def default_strategies(policy: RecoveryPolicy | str = RecoveryPolicy.SAFE) -> li
         ),
         *_call_strategies(),
     ]
-
-
-def _policy(value: RecoveryPolicy | str) -> RecoveryPolicy:
-    if isinstance(value, RecoveryPolicy):
-        return value
-    try:
-        return RecoveryPolicy(str(value).lower())
-    except ValueError:
-        valid = ", ".join(repr(p.value) for p in RecoveryPolicy)
-        msg = f"policy must be one of {valid}, got {value!r}"
-        raise ValueError(msg) from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -446,7 +436,7 @@ class RecoveryEngine:
         ):
             msg = f"drain_timeout must be a positive number of seconds, got {drain_timeout!r}"
             raise ValueError(msg)
-        self.policy = _policy(policy)
+        self.policy = recovery_policy(policy)
         specs = default_strategies(self.policy) if strategies is None else list(strategies)
         self._registrations: list[_Registration] = []
         for spec in specs:

@@ -16,13 +16,29 @@ from typing import Any, Final
 
 import torch
 
-__all__ = ("GROUP_LR_KEYS", "SCHEDULER_LR_ATTRIBUTES", "scale_learning_rate")
+__all__ = ("GROUP_LR_KEYS", "SCHEDULER_LR_ATTRIBUTES", "lr_schedulers", "scale_learning_rate")
 
 GROUP_LR_KEYS: Final = ("initial_lr", "max_lr", "min_lr")
 """Param-group keys holding a learning rate a scheduler recomputes from (scaled with ``lr``)."""
 
 SCHEDULER_LR_ATTRIBUTES: Final = ("base_lrs", "max_lrs")
 """Scheduler attributes holding one learning rate per param group (scaled with ``lr``)."""
+
+
+def lr_schedulers(scheduler: Any) -> tuple[Any, ...]:
+    """*scheduler* (one LR scheduler, a sequence of them, or ``None``) as a tuple.
+
+    Raises:
+        TypeError: if an item has no ``step()`` method (the message names it).
+    """
+    if scheduler is None:
+        return ()
+    items = tuple(scheduler) if isinstance(scheduler, list | tuple) else (scheduler,)
+    for item in items:
+        if not callable(getattr(item, "step", None)):
+            msg = f"LR schedulers must have a step() method, got {item!r}"
+            raise TypeError(msg)
+    return items
 
 
 def _schedulers(schedulers: Iterable[Any]) -> list[Any]:

@@ -44,6 +44,7 @@ __all__ = (
     "StrategyFunction",
     "StrategyHistory",
     "StrategyResult",
+    "recovery_policy",
 )
 
 
@@ -67,6 +68,22 @@ class RecoveryPolicy(Enum):
     OBSERVE = "observe"
     SAFE = "safe"
     AGGRESSIVE = "aggressive"
+
+
+def recovery_policy(value: RecoveryPolicy | str) -> RecoveryPolicy:
+    """*value* as a :class:`RecoveryPolicy` (names are case-insensitive).
+
+    Raises:
+        ValueError: if *value* names no policy (the message lists them).
+    """
+    if isinstance(value, RecoveryPolicy):
+        return value
+    try:
+        return RecoveryPolicy(str(value).lower())
+    except ValueError:
+        valid = ", ".join(repr(p.value) for p in RecoveryPolicy)
+        msg = f"policy must be one of {valid}, got {value!r}"
+        raise ValueError(msg) from None
 
 
 TEMPORARY_LR_STEPS: Final = 200

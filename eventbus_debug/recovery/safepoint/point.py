@@ -15,7 +15,7 @@ from ...exceptions import TrainingStopped
 from ..agreement import AgreedStep, Agreement
 from ..engine import DecidedAction, RecoveryEngine
 from ..events import RecoveryAction, RecoveryApplied, StepSkipped
-from ..lr import scale_learning_rate
+from ..lr import lr_schedulers, scale_learning_rate
 from ..memory import free_memory
 from .snapshot import NoGoodStateError, StateSnapshots
 
@@ -121,13 +121,7 @@ class SafePoint:
         self.engine = engine
         self.model = model
         self.optimizer = optimizer
-        for scheduler in schedulers:
-            if not callable(getattr(scheduler, "step", None)):
-                msg = (
-                    f"schedulers must hold LR schedulers (with a step() method), got {scheduler!r}"
-                )
-                raise TypeError(msg)
-        self.schedulers: tuple[Any, ...] = tuple(schedulers)
+        self.schedulers: tuple[Any, ...] = lr_schedulers(tuple(schedulers))
         self.snapshots = snapshots if snapshots is not None else StateSnapshots()
         self._agree = agree if agree is not None else _identity
         if agreement is not None and not isinstance(agreement, Agreement):
