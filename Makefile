@@ -39,8 +39,8 @@ test: $(STAMP) browser
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check eventbus_debug sinks tests examples benchmarks
-	$(BIN)/ruff format --check eventbus_debug sinks tests examples benchmarks
+	$(BIN)/ruff check eventbus_debug tests examples benchmarks
+	$(BIN)/ruff format --check eventbus_debug tests examples benchmarks
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

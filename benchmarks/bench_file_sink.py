@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eventbus_debug import Event, EventBus, SinkFailed, StepCompleted, encode_event, read_events
 from eventbus_debug.logfile import ReadStatistics
-from sinks import RotatingFileSink, rotating_file
+from eventbus_debug.sinks import RotatingFileSink, rotating_file
 
 BURST = 1000
 BATCH = 4096
@@ -257,7 +257,7 @@ _WRITER = textwrap.dedent(
     import sys, anyio
     sys.path.insert(0, {root!r})
     from eventbus_debug import EventBus, StepCompleted
-    from sinks import RotatingFileSink
+    from eventbus_debug.sinks import RotatingFileSink
 
     async def main():
         async with EventBus() as bus:

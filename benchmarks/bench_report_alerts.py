@@ -31,8 +31,8 @@ from eventbus_debug import (
     TensorRole,
 )
 from eventbus_debug.events import Event, StepCompleted
-from sinks import AlertSink, RunAggregator, rules, summarize
-from sinks.report_html import render_html
+from eventbus_debug.sinks import AlertSink, RunAggregator, rules, summarize
+from eventbus_debug.sinks.report_html import render_html
 
 
 def stream(steps: int) -> list[Event]:

@@ -41,7 +41,7 @@ from .exceptions import EventBusError, EventDecodeError, LogReadError
 from .logfile import log_files, read_events
 
 if TYPE_CHECKING:
-    from sinks.report import RunSummary
+    from .sinks.report import RunSummary
 
 __all__ = ("CommandError", "LogFollower", "UsageError", "format_event", "main")
 
@@ -204,7 +204,7 @@ def _check_logdir(path: Path) -> None:
 
 
 def _summarize(logdir: Path, *, strict: bool) -> RunSummary:
-    from sinks.report import summarize
+    from .sinks.report import summarize
 
     _check_logdir(logdir)
     return summarize(read_events(logdir, strict=strict))
@@ -212,14 +212,14 @@ def _summarize(logdir: Path, *, strict: bool) -> RunSummary:
 
 def format_event(event: Event, /, *, colors: bool = False) -> str:
     """One human-readable line for *event*: what ``tail`` prints, the console sink's line."""
-    from sinks.lines import format_event as _format
+    from .sinks.lines import format_event as _format
 
     return _format(event, colors=colors)
 
 
 def _colors(choice: str, out: IO[str]) -> bool:
     if choice == "auto":
-        from sinks.lines import use_colors
+        from .sinks.lines import use_colors
 
         return use_colors(out)
     return choice == "always"
@@ -227,7 +227,7 @@ def _colors(choice: str, out: IO[str]) -> bool:
 
 def _known_kinds(kinds: Sequence[str]) -> frozenset[str]:
     """*kinds* checked against the registered event kinds."""
-    import sinks  # noqa: F401  (registers the sinks' own event kinds)
+    from . import sinks  # noqa: F401  (registers the sinks' own event kinds)
 
     known = set(event_types())
     unknown = sorted(set(kinds) - known)
@@ -340,7 +340,7 @@ def _cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
         raise CommandError(msg) from None
     import anyio
 
-    from sinks.report import build_report
+    from .sinks.report import build_report
 
     options: dict[str, Any] = {"console": not args.quiet}
     if args.steps is not None:
@@ -364,7 +364,7 @@ def _cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
 
 
 def _cmd_report(args: argparse.Namespace, out: IO[str]) -> int:
-    from sinks.report import build_report
+    from .sinks.report import build_report
 
     _check_logdir(args.logdir)
     summary, paths = build_report(
@@ -457,7 +457,7 @@ def _fmt_opt(value: float | None, spec: str = ".4g") -> str:
 
 
 def _cmd_summary(args: argparse.Namespace, out: IO[str]) -> int:
-    from sinks.report import summary_to_dict
+    from .sinks.report import summary_to_dict
 
     summary = _summarize(args.logdir, strict=not args.skip_bad_lines)
     if args.json:

@@ -250,7 +250,7 @@ async def run_demo(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             msg = f"{name} must be an int >= 1, got {value!r}"
             raise ValueError(msg)
-    import sinks  # sinks imports eventbus_debug: import it once the package is initialized
+    from . import sinks
 
     # A 128-wide MLP gains nothing from intra-op threads, and on a shared machine they
     # oversubscribe the cores (measured 8x slower under load): one thread for the run.

@@ -49,7 +49,7 @@ from .diffusion import (
     PipelineAnalyzed,
     analyze_pipeline,
 )
-from .events import Anomaly, Event, SessionEnded, SessionStarted, StepCompleted
+from .events import Anomaly, Event, SessionEnded, SessionStarted, StepCompleted, StepSkipped
 from .modes import DebugMode, DebugPlan, plan_for
 from .ops import DebugContext, OperationCompleted, debug_context
 from .optimization import (
@@ -73,7 +73,6 @@ from .probes.system import SystemSampler
 from .recovery.agreement import AGREE_TIMEOUT, Agreement, RankAgreement, agreement_for
 from .recovery.amp import ScalerMonitor
 from .recovery.engine import RecoveryEngine
-from .recovery.events import StepSkipped
 from .recovery.lr import lr_schedulers
 from .recovery.safepoint import SafePoint, StepDecision
 from .recovery.strategies import RecoveryPolicy, recovery_policy
@@ -198,7 +197,7 @@ class TrainingStepResult:
 
 def _sink_module() -> Any:
     # sinks imports eventbus_debug: import it lazily, once eventbus_debug is fully initialized.
-    import sinks
+    from . import sinks
 
     return sinks
 

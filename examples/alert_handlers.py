@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from eventbus_debug import GradientExploded, NonFiniteDetected, Session, Severity
-from sinks import Alert, AlertSink, StderrAlert, rules
+from eventbus_debug.sinks import Alert, AlertSink, StderrAlert, rules
 
 
 async def main(steps: int = 120) -> list[str]:

@@ -26,8 +26,8 @@ from eventbus_debug import (
     OutputChecker,
     Session,
 )
+from eventbus_debug.sinks import rules
 from eventbus_debug.testing import RecordingSink
-from sinks import rules
 
 FEATURES = 10
 

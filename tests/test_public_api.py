@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 
 import eventbus_debug
-import sinks
+from eventbus_debug import sinks
 
 ROOT = Path(__file__).resolve().parent.parent
 

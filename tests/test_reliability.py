@@ -36,9 +36,9 @@ from eventbus_debug.events import (
     SinkUnresponsive,
 )
 from eventbus_debug.logfile import ReadStatistics
+from eventbus_debug.sinks import ConsoleSink, RotatingFileSink, rotating_file as rf
 from eventbus_debug.testing import RecordingSink
 from eventbus_debug.threads import DaemonWorker, run_in_daemon_thread
-from sinks import ConsoleSink, RotatingFileSink, rotating_file as rf
 
 
 def _incident(i: int) -> SinkFailed:
@@ -443,7 +443,7 @@ class TestDaemonThreads:
             import threading, anyio
             from eventbus_debug import EventBus
             from eventbus_debug.events import SinkFailed
-            from sinks import AlertRule, AlertSink
+            from eventbus_debug.sinks import AlertRule, AlertSink
 
             async def main():
                 async with EventBus(close_timeout=0.2) as bus:
@@ -474,7 +474,7 @@ class TestDaemonThreads:
 _KILLED_WRITER = """
 import sys, anyio
 from eventbus_debug import EventBus, StepCompleted
-from sinks import RotatingFileSink
+from eventbus_debug.sinks import RotatingFileSink
 
 async def main():
     async with EventBus() as bus:

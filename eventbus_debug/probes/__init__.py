@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from .anomaly_arming import AnomalyArming
-from .autograd import AnomalyCapture, capture_autograd_anomaly, replay_with_anomaly_detection
-from .events import (
+from ..events import (
     AnomalyLocalized,
     AutogradAnomalyDetected,
-    DebugLevel,
     GradientExploded,
     GradientVanished,
     LossSpiked,
@@ -20,6 +17,8 @@ from .events import (
     SystemSampled,
     TensorRole,
 )
+from .anomaly_arming import AnomalyArming
+from .autograd import AnomalyCapture, capture_autograd_anomaly, replay_with_anomaly_detection
 from .finite import NonFiniteCounts, non_finite_counts
 from .functions import (
     GradientReport,
@@ -32,7 +31,7 @@ from .functions import (
     check_model_parameters,
     monitor_training_step,
 )
-from .levels import Cadence, Checks, Thresholds
+from .levels import Cadence, Checks, DebugLevel, Thresholds
 from .localize import (
     BackwardReport,
     FirstNonFiniteLocator,

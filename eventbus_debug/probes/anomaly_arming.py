@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from .._bus import EventBus, Subscription
 from .._sync import SyncEventBus
 from ..diagnostics import get_logger
-from .events import AnomalyLocalized, NonFiniteDetected
+from ..events import AnomalyLocalized, NonFiniteDetected
 from .localize import FirstNonFiniteLocator
 
 __all__ = ("DEFAULT_COOLDOWN", "DEFAULT_PASSES", "AnomalyArming", "RngState", "arm_on_incidents")

@@ -14,8 +14,8 @@ from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
+from ..events import AutogradAnomalyDetected
 from ._publish import publisher_for
-from .events import AutogradAnomalyDetected
 
 __all__ = ("AnomalyCapture", "capture_autograd_anomaly", "replay_with_anomaly_detection")
 

@@ -1,13 +1,45 @@
-"""Which checks run at which debug level, how often, and with which thresholds."""
+"""The debug levels, and which checks run at which level, how often, and with which thresholds."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 
-from .events import DebugLevel
+__all__ = ("Cadence", "Checks", "DebugLevel", "Thresholds", "checks_due")
 
-__all__ = ("Cadence", "Checks", "Thresholds", "checks_due")
+
+class DebugLevel(Enum):
+    """How much the probes check, from nothing to everything.
+
+    Attributes:
+        OFF: no check runs; a probe call costs one comparison.
+        BASIC: loss, gradient norm and non-finite checks (one device transfer per step).
+        ADVANCED: BASIC plus parameter norms, per-layer norms and weight-update ratios.
+        EXTREME: ADVANCED on every step, plus activation statistics (dead/saturated units).
+    """
+
+    OFF = "off"
+    BASIC = "basic"
+    ADVANCED = "advanced"
+    EXTREME = "extreme"
+
+    @property
+    def rank(self) -> int:
+        """The order of the level: OFF=0 < BASIC=1 < ADVANCED=2 < EXTREME=3."""
+        return _LEVEL_RANKS[self]
+
+    def includes(self, other: DebugLevel) -> bool:
+        """True when this level runs everything *other* runs (``EXTREME.includes(BASIC)``)."""
+        return _LEVEL_RANKS[self] >= _LEVEL_RANKS[other]
+
+
+_LEVEL_RANKS: dict[DebugLevel, int] = {
+    DebugLevel.OFF: 0,
+    DebugLevel.BASIC: 1,
+    DebugLevel.ADVANCED: 2,
+    DebugLevel.EXTREME: 3,
+}
 
 
 def _positive_int(name: str, value: object) -> None:

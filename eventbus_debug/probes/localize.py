@@ -24,8 +24,8 @@ from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
+from ..events import AnomalyLocalized, TensorRole
 from ._publish import publisher_for
-from .events import AnomalyLocalized, TensorRole
 from .finite import stored_values
 
 __all__ = (

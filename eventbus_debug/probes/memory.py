@@ -32,8 +32,8 @@ from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
+from ..events import MemoryLeakSuspected, MemorySampled
 from ._publish import Publish, publisher_for
-from .events import MemoryLeakSuspected, MemorySampled
 
 __all__ = (
     "LeakDetector",

@@ -36,9 +36,8 @@ from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
-from ..events import Event
+from ..events import Event, ProfileCaptured
 from ._publish import Publish, publisher_for
-from .events import ProfileCaptured
 
 __all__ = ("ProfileSchedule", "StepProfiler", "TraceStore", "profiling")
 

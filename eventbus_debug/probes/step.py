@@ -23,12 +23,8 @@ from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
-from ..events import Event
-from ._publish import publisher_for
-from ._reduce import NormPlan
-from .detectors import ExplosionDetector, LossSpikeDetector
-from .events import (
-    DebugLevel,
+from ..events import (
+    Event,
     GradientExploded,
     GradientVanished,
     LossSpiked,
@@ -36,7 +32,10 @@ from .events import (
     StepChecked,
     TensorRole,
 )
-from .levels import Cadence, Checks, Thresholds, checks_due
+from ._publish import publisher_for
+from ._reduce import NormPlan
+from .detectors import ExplosionDetector, LossSpikeDetector
+from .levels import Cadence, Checks, DebugLevel, Thresholds, checks_due
 
 __all__ = ("StepProbe", "StepVerdict")
 

@@ -27,8 +27,8 @@ from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
+from ..events import MemorySampled, ResourceThresholdExceeded, SystemSampled
 from ._publish import Publish, publisher_for
-from .events import MemorySampled, ResourceThresholdExceeded, SystemSampled
 from .memory import MemorySnapshot, memory_snapshot
 
 __all__ = (

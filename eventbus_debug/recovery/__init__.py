@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+from ..events import (
+    ErrorCategory,
+    ErrorRaised,
+    RecoveryAction,
+    RecoveryApplied,
+    RecoveryDecided,
+    SampleSkipped,
+    ScalerInTrouble,
+    StepSkipped,
+)
 from .amp import ScalerMonitor, ScalerStepWatcher
 from .classify import ErrorClassification, ErrorClassifier, ErrorRule, is_out_of_memory
 from .compat import DebugDecorator, ErrorHandler, HandledError
@@ -20,16 +30,6 @@ from .engine import (
     RecoveryStatistics,
     StrategySpec,
     default_strategies,
-)
-from .events import (
-    ErrorCategory,
-    ErrorRaised,
-    RecoveryAction,
-    RecoveryApplied,
-    RecoveryDecided,
-    SampleSkipped,
-    ScalerInTrouble,
-    StepSkipped,
 )
 from .fixes import CommonFixes, apply_common_fixes
 from .lr import scale_learning_rate

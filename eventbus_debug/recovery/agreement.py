@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from ..diagnostics import get_logger
+from ..events import RecoveryAction
 from ..exceptions import TrainingStopped
 from .engine import DecidedAction
-from .events import RecoveryAction
 from .strategies import Decision
 
 __all__ = (

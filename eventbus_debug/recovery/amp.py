@@ -14,9 +14,8 @@ from typing import Any, Final, final
 
 import torch
 
-from ..events import Event
+from ..events import Event, ScalerInTrouble, StepSkipped
 from .engine import RecoveryEngine
-from .events import ScalerInTrouble, StepSkipped
 
 __all__ = ("ScalerMonitor", "ScalerStepWatcher")
 

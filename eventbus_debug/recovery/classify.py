@@ -17,8 +17,7 @@ from typing import Final, final
 
 import torch
 
-from ..events import Severity
-from .events import ErrorCategory
+from ..events import ErrorCategory, Severity
 
 __all__ = (
     "ErrorClassification",

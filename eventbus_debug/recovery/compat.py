@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar, final
 
+from ..events import RecoveryAction
 from .engine import RecoveryEngine, Trigger
-from .events import RecoveryAction
 from .retry import CallState, Retrying, _decorate, _RetryRequested
 from .strategies import Strategy, StrategyFunction
 

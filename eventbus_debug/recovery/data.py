@@ -25,9 +25,9 @@ from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
+from ..events import SampleSkipped
 from ..step_context import StepSource, current_step
 from .classify import exception_names
-from .events import SampleSkipped
 
 __all__ = (
     "CollatedBatch",

@@ -22,7 +22,16 @@ from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus, Subscription
 from .._sync import SyncEventBus
-from ..events import Anomaly, Event, Severity, event_types
+from ..events import (
+    Anomaly,
+    ErrorCategory,
+    ErrorRaised,
+    Event,
+    RecoveryAction,
+    RecoveryDecided,
+    Severity,
+    event_types,
+)
 from ..probes import (
     GradientExploded,
     GradientVanished,
@@ -32,7 +41,6 @@ from ..probes import (
     TensorRole,
 )
 from .classify import ErrorClassifier, exception_names
-from .events import ErrorCategory, ErrorRaised, RecoveryAction, RecoveryDecided
 from .strategies import (
     STEP_ACTIONS,
     ClipOnExplosion,

@@ -22,7 +22,7 @@ from eventbus_debug.diagnostics import get_logger
 
 from .._bus import EventBus
 from .._sync import SyncEventBus
-from .events import RecoveryAction, RecoveryApplied
+from ..events import RecoveryAction, RecoveryApplied
 from .lr import scale_learning_rate
 from .safepoint import StateSnapshots
 

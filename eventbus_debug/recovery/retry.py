@@ -31,10 +31,10 @@ import tenacity
 
 from eventbus_debug.diagnostics import get_logger
 
+from ..events import RecoveryAction, RecoveryApplied
 from ..exceptions import TrainingStopped
 from ..step_context import StepSource, current_step
 from .engine import DecidedAction, RecoveryEngine
-from .events import RecoveryAction, RecoveryApplied
 from .memory import free_memory
 from .strategies import CALL_ACTIONS, Decision
 

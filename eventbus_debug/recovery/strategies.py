@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, Protocol, TypeAlias, runtime_checkable
 
-from ..events import Anomaly
+from ..events import Anomaly, ErrorCategory, ErrorRaised, RecoveryAction
 from ..probes import (
     GradientExploded,
     GradientVanished,
@@ -23,7 +23,6 @@ from ..probes import (
     NonFiniteDetected,
     TensorRole,
 )
-from .events import ErrorCategory, ErrorRaised, RecoveryAction
 
 __all__ = (
     "CALL_ACTIONS",

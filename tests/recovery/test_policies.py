@@ -20,10 +20,9 @@ from eventbus_debug import (
     TensorRole,
     TrainingStopped,
 )
-from eventbus_debug.events import Event
+from eventbus_debug.events import Event, ScalerInTrouble
 from eventbus_debug.recovery import RecoveryPolicy, RollbackOnLossSpike, default_strategies
 from eventbus_debug.recovery.engine import StrategySpec
-from eventbus_debug.recovery.events import ScalerInTrouble
 from eventbus_debug.testing import RecordingSink
 
 from ._loop import all_finite

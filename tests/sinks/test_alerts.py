@@ -26,8 +26,7 @@ from eventbus_debug import (
     TensorRole,
 )
 from eventbus_debug.events import Event, Severity, StepCompleted
-from eventbus_debug.testing import capture_events
-from sinks import (
+from eventbus_debug.sinks import (
     Alert,
     AlertHandlerFailed,
     AlertRule,
@@ -39,7 +38,8 @@ from sinks import (
     alert_to_dict,
     rules,
 )
-from sinks.lines import format_event
+from eventbus_debug.sinks.lines import format_event
+from eventbus_debug.testing import capture_events
 
 
 class FakeClock:

@@ -25,9 +25,9 @@ from eventbus_debug import (
     TensorRole,
     event_type,
 )
+from eventbus_debug.sinks import ConsoleSink
+from eventbus_debug.sinks.lines import format_event, format_value
 from eventbus_debug.testing import RecordingSink
-from sinks import ConsoleSink
-from sinks.lines import format_event, format_value
 
 
 @event_type

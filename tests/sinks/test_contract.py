@@ -25,7 +25,6 @@ from pathlib import Path
 import anyio
 import pytest
 
-import sinks
 from eventbus_debug import (
     Event,
     EventBus,
@@ -33,9 +32,10 @@ from eventbus_debug import (
     SinkFailed,
     StepCompleted,
     event_types,
+    sinks,
 )
+from eventbus_debug.sinks import AlertSink
 from eventbus_debug.testing import RecordingSink, make_sample_event
-from sinks import AlertSink
 
 Factory = Callable[[Path, EventBus], object]
 
@@ -43,7 +43,7 @@ Factory = Callable[[Path, EventBus], object]
 def _sink_classes() -> dict[str, type]:
     """Every class exported by sinks (package or public submodule) that is a sink."""
     modules = [sinks]
-    for info in pkgutil.iter_modules(sinks.__path__, prefix="sinks."):
+    for info in pkgutil.iter_modules(sinks.__path__, prefix="eventbus_debug.sinks."):
         if not info.name.rsplit(".", 1)[-1].startswith("_"):
             modules.append(importlib.import_module(info.name))
     found: dict[str, type] = {}

@@ -50,7 +50,7 @@ def test_importing_sinks_imports_no_exporter() -> None:
     """`import sinks` loads neither tensorboard nor wandb (checked in a fresh interpreter)."""
     code = (
         "import sys, sinks; "
-        "bad = [m for m in ('tensorboard', 'wandb', 'torch.utils.tensorboard', 'sinks.wandb') "
+        "bad = [m for m in ('tensorboard', 'wandb', 'torch.utils.tensorboard', 'eventbus_debug.sinks.wandb') "
         "if m in sys.modules]; print(bad)"
     )
     out = subprocess.run(
@@ -66,7 +66,7 @@ class TestTensorBoard:
             EventAccumulator,
         )
 
-        from sinks import TensorBoardSink
+        from eventbus_debug.sinks import TensorBoardSink
 
         sink = TensorBoardSink(tmp_path / "tb")
         await _train(sink)
@@ -95,7 +95,7 @@ class TestTensorBoard:
 
     async def test_close_twice_and_refuse_after(self, tmp_path: Path) -> None:
         """aclose is idempotent; a closed sink refuses events."""
-        from sinks import TensorBoardSink
+        from eventbus_debug.sinks import TensorBoardSink
 
         sink = TensorBoardSink(tmp_path)
         await sink.handle(StepCompleted(step=1, loss=0.5))
@@ -106,7 +106,7 @@ class TestTensorBoard:
 
     def test_bad_arguments(self, tmp_path: Path) -> None:
         """Bad arguments are refused with a message naming them."""
-        from sinks import TensorBoardSink
+        from eventbus_debug.sinks import TensorBoardSink
 
         with pytest.raises(TypeError, match="log_dir must be a path"):
             TensorBoardSink(3)  # type: ignore[arg-type]
@@ -182,7 +182,7 @@ class TestWandb:
         self, tmp_path: Path, offline: dict[str, Any]
     ) -> None:
         """An offline run holds the loss history, per-layer norms and alerts for the NaN only."""
-        from sinks import WandbSink
+        from eventbus_debug.sinks import WandbSink
 
         sink = WandbSink(**offline)
         run_dir = Path(sink.run.dir).parent
@@ -206,7 +206,7 @@ class TestWandb:
 
     async def test_alert_cooldown_counts_repeats(self, offline: dict[str, Any]) -> None:
         """Repeats within the cooldown are held back, then reported with the next alert."""
-        from sinks import WandbSink
+        from eventbus_debug.sinks import WandbSink
 
         clock = FakeClock()
         sink = WandbSink(alert_cooldown=60.0, clock=clock, **offline)
@@ -239,7 +239,7 @@ class TestWandb:
 
     def test_bad_arguments(self, offline: dict[str, Any]) -> None:
         """Bad arguments are refused before any run starts."""
-        from sinks import WandbSink
+        from eventbus_debug.sinks import WandbSink
 
         with pytest.raises(ValueError, match="alert_cooldown must be a number"):
             WandbSink(alert_cooldown=-1, **offline)

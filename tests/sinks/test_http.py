@@ -8,8 +8,8 @@ import pytest
 
 from eventbus_debug import DebugLevel, EventBus
 from eventbus_debug.events import StepCompleted
-from sinks import ReportWriter
-from sinks.http import DebugServer
+from eventbus_debug.sinks import ReportWriter
+from eventbus_debug.sinks.http import DebugServer
 from tests.sinks.test_report import scripted_events
 
 
@@ -30,7 +30,7 @@ class Setter:
 
 def test_sinks_package_does_not_export_http() -> None:
     """`import sinks` works without the optional extra: sinks.http is imported on demand."""
-    import sinks
+    from eventbus_debug import sinks
 
     assert "DebugServer" not in sinks.__all__
     assert not hasattr(sinks, "DebugServer")

@@ -16,10 +16,9 @@ import anyio.to_thread
 import httpx
 import pytest
 
-import sinks.http as http_module
 from eventbus_debug import DebugLevel
-from sinks import ReportWriter
-from sinks.http import DebugServer
+from eventbus_debug.sinks import ReportWriter, http as http_module
+from eventbus_debug.sinks.http import DebugServer
 from tests.sinks._chromium import dump_dom, needs_chromium
 from tests.sinks.test_http import LevelHolder
 from tests.sinks.test_report import scripted_events

@@ -30,7 +30,7 @@ from eventbus_debug import (
     read_events,
 )
 from eventbus_debug.events import Event, EventsDropped, SessionStarted, StepCompleted
-from sinks import (
+from eventbus_debug.sinks import (
     ReportWriter,
     RunAggregator,
     build_report,

@@ -41,7 +41,7 @@ from eventbus_debug.events import (
     SinkFailed,
     StepCompleted,
 )
-from sinks import build_report, render_html, summarize
+from eventbus_debug.sinks import build_report, render_html, summarize
 from tests.sinks._chromium import dump_dom, needs_chromium
 
 PAYLOADS: tuple[str, ...] = (
@@ -212,7 +212,7 @@ def _serve_pages(directory: Path, pages: Sequence[tuple[str, str]]) -> list[Path
 def test_detector_sees_a_payload_that_runs(tmp_path: Path) -> None:
     """Control for the browser tests: unescaped, a payload does change the title in Chromium;
     under the report's Content-Security-Policy the same markup does not."""
-    from sinks.report_html import CONTENT_SECURITY_POLICY
+    from eventbus_debug.sinks.report_html import CONTENT_SECURITY_POLICY
 
     markup = PAYLOADS[1]
     bare, fenced = _serve_pages(

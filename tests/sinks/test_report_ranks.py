@@ -34,7 +34,14 @@ from eventbus_debug import (
     read_events,
 )
 from eventbus_debug.events import Event, SessionStarted, SinkFailed, StepCompleted
-from sinks import IncidentRow, RunAggregator, build_report, render_html, report_summary, summarize
+from eventbus_debug.sinks import (
+    IncidentRow,
+    RunAggregator,
+    build_report,
+    render_html,
+    report_summary,
+    summarize,
+)
 
 T0 = 1_700_000_000_000_000_000
 STEP_NS = 20_000_000

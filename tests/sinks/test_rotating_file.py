@@ -24,14 +24,14 @@ from eventbus_debug import (
     read_events,
 )
 from eventbus_debug.events import LogWriteResumed
-from eventbus_debug.testing import RecordingSink
-from sinks import (
+from eventbus_debug.sinks import (
     FileSinkStatistics,
     LogDirectoryError,
     LogWriteError,
     RotatingFileSink,
     rotating_file as rf,
 )
+from eventbus_debug.testing import RecordingSink
 
 
 @event_type

@@ -11,10 +11,10 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
+from ...events import RecoveryAction, RecoveryApplied, StepSkipped
 from ...exceptions import TrainingStopped
 from ..agreement import AgreedStep, Agreement
 from ..engine import DecidedAction, RecoveryEngine
-from ..events import RecoveryAction, RecoveryApplied, StepSkipped
 from ..lr import lr_schedulers, scale_learning_rate
 from ..memory import free_memory
 from .snapshot import NoGoodStateError, StateSnapshots

@@ -1,7 +1,6 @@
-"""The probes' event vocabulary: debug levels, tensor roles, step telemetry and incidents.
+"""Training telemetry and incidents: what a step probe sees in the loss, gradients and parameters.
 
-Every class here is shared with the recovery engine and the sinks; the names and fields are a
-contract between them. Events carry host-side numbers and strings only, never tensors.
+Events carry host-side numbers and strings only, never tensors.
 """
 
 from __future__ import annotations
@@ -12,57 +11,18 @@ from dataclasses import field
 from enum import Enum
 from typing import ClassVar
 
-from ..events import Anomaly, Delivery, Event, Severity, event_type
+from ._base import Anomaly, Delivery, Event, Severity, event_type
 
 __all__ = (
     "AnomalyLocalized",
     "AutogradAnomalyDetected",
-    "DebugLevel",
     "GradientExploded",
     "GradientVanished",
     "LossSpiked",
-    "MemoryLeakSuspected",
-    "MemorySampled",
     "NonFiniteDetected",
-    "ProfileCaptured",
-    "ResourceThresholdExceeded",
     "StepChecked",
-    "SystemSampled",
     "TensorRole",
 )
-
-
-class DebugLevel(Enum):
-    """How much the probes check, from nothing to everything.
-
-    Attributes:
-        OFF: no check runs; a probe call costs one comparison.
-        BASIC: loss, gradient norm and non-finite checks (one device transfer per step).
-        ADVANCED: BASIC plus parameter norms, per-layer norms and weight-update ratios.
-        EXTREME: ADVANCED on every step, plus activation statistics (dead/saturated units).
-    """
-
-    OFF = "off"
-    BASIC = "basic"
-    ADVANCED = "advanced"
-    EXTREME = "extreme"
-
-    @property
-    def rank(self) -> int:
-        """The order of the level: OFF=0 < BASIC=1 < ADVANCED=2 < EXTREME=3."""
-        return _LEVEL_RANKS[self]
-
-    def includes(self, other: DebugLevel) -> bool:
-        """True when this level runs everything *other* runs (``EXTREME.includes(BASIC)``)."""
-        return _LEVEL_RANKS[self] >= _LEVEL_RANKS[other]
-
-
-_LEVEL_RANKS: dict[DebugLevel, int] = {
-    DebugLevel.OFF: 0,
-    DebugLevel.BASIC: 1,
-    DebugLevel.ADVANCED: 2,
-    DebugLevel.EXTREME: 3,
-}
 
 
 class TensorRole(Enum):
@@ -76,9 +36,6 @@ class TensorRole(Enum):
     OUTPUT = "output"
     INPUT = "input"
     UPDATE = "update"
-
-
-# -- telemetry ----------------------------------------------------------------------------------
 
 
 @event_type
@@ -111,60 +68,6 @@ class StepChecked(Event):
     dead_fractions: Mapping[str, float] = field(default_factory=dict)
     saturated_fractions: Mapping[str, float] = field(default_factory=dict)
     deferred: bool = False
-
-
-@event_type
-class MemorySampled(Event):
-    """Process and device memory at one point in time (bytes, integers)."""
-
-    kind: ClassVar[str] = "memory_sampled"
-    delivery: ClassVar[Delivery] = Delivery.TELEMETRY
-    severity: Severity = Severity.DEBUG
-    rss_bytes: int
-    cuda_allocated: int | None = None
-    cuda_reserved: int | None = None
-    cuda_peak: int | None = None
-    cuda_alloc_retries: int | None = None
-    cuda_ooms: int | None = None
-    live_tensors: int | None = None
-    label: str = ""
-
-
-@event_type
-class SystemSampled(Event):
-    """Host (and optionally GPU) utilisation, sampled by the system sampler's timer."""
-
-    kind: ClassVar[str] = "system_sampled"
-    delivery: ClassVar[Delivery] = Delivery.TELEMETRY
-    severity: Severity = Severity.DEBUG
-    cpu_percent: float
-    memory_percent: float
-    disk_percent: float
-    gpu_utilization: float | None = None
-    gpu_memory_percent: float | None = None
-
-
-@event_type
-class ProfileCaptured(Event):
-    """A torch.profiler capture finished and its Chrome trace was written.
-
-    Attributes:
-        path: the gzipped Chrome trace file (``""`` when writing was disabled).
-        steps: how many profiled steps the trace covers.
-        size_bytes: the size of the written file.
-        top_ops: the operators with the largest self time, ``(name, self_time_us)``, largest first.
-        trigger: why the capture ran (``"manual"``, or the kind of the incident that armed it).
-    """
-
-    kind: ClassVar[str] = "profile_captured"
-    path: str
-    steps: int
-    size_bytes: int = 0
-    top_ops: tuple[tuple[str, float], ...] = ()
-    trigger: str = "manual"
-
-
-# -- incidents ----------------------------------------------------------------------------------
 
 
 @event_type
@@ -305,40 +208,3 @@ class AutogradAnomalyDetected(Anomaly):
     backward_fn: str
     forward_stack: str = ""
     message: str = ""
-
-
-@event_type
-class MemoryLeakSuspected(Anomaly):
-    """A resource grew steadily over a window of samples.
-
-    Attributes:
-        resource: ``"rss"``, ``"cuda_allocated"``, ``"live_tensors"`` or ``"graph"``.
-        slope: growth per sample (bytes, tensors or graphs per sample).
-        window: how many samples the trend covers.
-        retained: what is being retained, in words.
-    """
-
-    kind: ClassVar[str] = "memory_leak_suspected"
-    severity: Severity = Severity.WARNING
-    resource: str
-    slope: float
-    window: int
-    retained: str = ""
-
-
-@event_type
-class ResourceThresholdExceeded(Anomaly):
-    """A system metric crossed its threshold.
-
-    Attributes:
-        metric: ``"cpu_percent"``, ``"memory_percent"``, ``"disk_percent"``,
-            ``"gpu_memory_percent"`` or ``"gpu_utilization"``.
-        value: the sampled value.
-        threshold: the threshold it exceeded.
-    """
-
-    kind: ClassVar[str] = "resource_threshold_exceeded"
-    severity: Severity = Severity.WARNING
-    metric: str
-    value: float
-    threshold: float

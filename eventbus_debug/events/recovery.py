@@ -11,7 +11,7 @@ from dataclasses import field
 from enum import Enum
 from typing import ClassVar
 
-from ..events import Anomaly, Event, Severity, event_type
+from ._base import Anomaly, Event, Severity, event_type
 
 __all__ = (
     "ErrorCategory",

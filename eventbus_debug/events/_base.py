@@ -25,34 +25,26 @@ import dataclasses
 import functools
 import inspect
 import os
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Final, TypeVar
 
-from typing_extensions import dataclass_transform
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # pragma: no cover - Python 3.10
+    from typing_extensions import dataclass_transform
 
 __all__ = (
     "Anomaly",
     "Delivery",
     "Event",
-    "EventsDropped",
-    "EventsUndelivered",
-    "LogWriteResumed",
-    "LoopStalled",
-    "SessionEnded",
-    "SessionStarted",
     "Severity",
-    "SinkDisabled",
-    "SinkCloseFailed",
-    "SinkFailed",
-    "SinkUnresponsive",
-    "StepCompleted",
     "current_rank",
     "event_type",
     "event_types",
-    "new_run_id",
     "refresh_rank",
 )
 
@@ -116,13 +108,10 @@ def refresh_rank() -> int:
     """
     global _rank
     rank: int | None = None
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            rank = int(dist.get_rank())
-    except ImportError:  # pragma: no cover - torch is a dependency
-        rank = None
+    # No process group can exist before torch is imported: reading a log never imports torch.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        rank = int(dist.get_rank())
     if rank is None:
         raw = os.environ.get("RANK", "0")
         try:
@@ -301,188 +290,3 @@ class Anomaly(Event):
 def event_types() -> Mapping[str, type[Event]]:
     """Every registered event class, keyed by its ``kind`` (a read-only snapshot)."""
     return dict(_REGISTRY)
-
-
-# -- the foundation's events ------------------------------------------------------------------
-
-
-RUN_ID_ENV: Final = "EVENTBUS_DEBUG_RUN_ID"
-"""Environment variable that fixes the run id (set it to one value on every rank of a job)."""
-
-
-def new_run_id() -> str:
-    """A fresh run id: ``$EVENTBUS_DEBUG_RUN_ID``, else torchrun's ``$TORCHELASTIC_RUN_ID``
-    (shared by the ranks of one job), else ``YYYYmmddTHHMMSS-<8 hex>`` (UTC time, random)."""
-    for name in (RUN_ID_ENV, "TORCHELASTIC_RUN_ID"):
-        value = os.environ.get(name, "").strip()
-        if value and value.lower() != "none":
-            return value
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    return f"{stamp}-{os.urandom(4).hex()}"
-
-
-@event_type
-class SessionStarted(Event):
-    """A debugging session (or a plain bus used as one) began.
-
-    Attributes:
-        name: the session's name.
-        config: the session's settings, as text.
-        run_id: identifies this run among others written to the same log directory (a rerun
-            appends to the same files; reports separate runs by this id). See :func:`new_run_id`.
-    """
-
-    kind: ClassVar[str] = "session_started"
-    name: str = ""
-    config: Mapping[str, str] = field(default_factory=dict)
-    run_id: str = field(default_factory=new_run_id)
-
-
-@event_type
-class SessionEnded(Event):
-    """A debugging session ended; ``reason`` is ``"completed"``, ``"stopped"`` or an error."""
-
-    kind: ClassVar[str] = "session_ended"
-    name: str = ""
-    reason: str = "completed"
-    steps: int = 0
-    duration_s: float = 0.0
-
-
-@event_type
-class StepCompleted(Event):
-    """One training step finished (telemetry: may be shed under sustained overload)."""
-
-    kind: ClassVar[str] = "step_completed"
-    delivery: ClassVar[Delivery] = Delivery.TELEMETRY
-    severity: Severity = Severity.DEBUG
-    loss: float | None = None
-    learning_rate: float | None = None
-    samples_per_s: float | None = None
-    duration_s: float | None = None
-
-
-@event_type
-class SinkFailed(Event):
-    """A subscriber raised while handling an event (or starting); it keeps receiving."""
-
-    kind: ClassVar[str] = "sink_failed"
-    severity: Severity = Severity.ERROR
-    sink: str
-    error_type: str
-    message: str
-    traceback: str = ""
-    event_kind: str = ""
-    event_seq: int = -1
-    consecutive_failures: int = 1
-
-
-@event_type
-class SinkDisabled(Event):
-    """A subscriber failed too many times in a row and receives nothing more."""
-
-    kind: ClassVar[str] = "sink_disabled"
-    severity: Severity = Severity.CRITICAL
-    sink: str
-    reason: str
-    consecutive_failures: int
-    discarded: int = 0
-
-
-@event_type
-class EventsDropped(Event):
-    """Telemetry was shed from a subscriber's full queue (coalesced: one report per interval)."""
-
-    kind: ClassVar[str] = "events_dropped"
-    severity: Severity = Severity.WARNING
-    sink: str
-    dropped: int
-    total_dropped: int
-    by_kind: Mapping[str, int] = field(default_factory=dict)
-
-
-@event_type
-class EventsUndelivered(Event):
-    """At close, a subscriber did not finish within the timeout; its queued events were lost."""
-
-    kind: ClassVar[str] = "events_undelivered"
-    severity: Severity = Severity.ERROR
-    sink: str
-    undelivered: int
-    timeout_s: float
-    phase: str = "drain"
-
-
-@event_type
-class SinkCloseFailed(Event):
-    """A subscriber's ``aclose`` raised while the bus was closing (what it held may be lost)."""
-
-    kind: ClassVar[str] = "sink_close_failed"
-    severity: Severity = Severity.ERROR
-    sink: str
-    error_type: str
-    message: str
-
-
-@event_type
-class SinkUnresponsive(Event):
-    """A subscriber did not finish within its bound at close and was abandoned.
-
-    ``phase`` is ``"drain"`` (still handling events when the close timeout fired; the events
-    it lost are in an :class:`EventsUndelivered`) or ``"close"`` (its ``aclose`` did not
-    return). ``thread_abandoned`` is true when a worker thread of the sink was still inside a
-    call (a hung write): the thread is left behind as a daemon, it never blocks the exit.
-    """
-
-    kind: ClassVar[str] = "sink_unresponsive"
-    severity: Severity = Severity.ERROR
-    sink: str
-    phase: str
-    waited_s: float
-    thread_abandoned: bool = False
-
-
-@event_type
-class LoopStalled(Event):
-    """A subscriber held the event loop (synchronous work inside an async handler).
-
-    Reported at most once per window per sink: ``stall_s`` is its longest single hold of the
-    loop, ``blocked_s`` the total over ``window_s`` seconds, ``threshold_s`` the bus's
-    ``stall_threshold``. While the loop is held, training (and every other sink) waits.
-    """
-
-    kind: ClassVar[str] = "loop_stalled"
-    severity: Severity = Severity.WARNING
-    sink: str
-    stall_s: float
-    blocked_s: float
-    window_s: float
-    threshold_s: float
-
-
-@event_type
-class LogWriteResumed(Event):
-    """The file sink could write again after an outage (disk full, directory gone).
-
-    Written by the sink itself into the log, where the gap is: ``outage_s`` seconds without a
-    successful write, ``write_errors`` failed attempts (retried with backoff), ``lines_lost``
-    lines given up meanwhile (its pending buffer is bounded).
-    """
-
-    kind: ClassVar[str] = "log_write_resumed"
-    severity: Severity = Severity.WARNING
-    path: str
-    outage_s: float
-    write_errors: int
-    lines_lost: int
-    error: str = ""
-
-
-SELF_EXCLUDING: Final[tuple[type[Event], ...]] = (
-    SinkFailed,
-    SinkDisabled,
-    SinkCloseFailed,
-    SinkUnresponsive,
-    LoopStalled,
-)
-"""Events about a sink that are never delivered to that sink itself (it could fail on them)."""

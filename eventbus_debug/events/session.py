@@ -1,0 +1,69 @@
+"""The session's own events: a session began, ended, a step completed; and the run id."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import field
+from typing import ClassVar, Final
+
+from ._base import Delivery, Event, Severity, event_type
+
+__all__ = ("RUN_ID_ENV", "SessionEnded", "SessionStarted", "StepCompleted", "new_run_id")
+
+
+RUN_ID_ENV: Final = "EVENTBUS_DEBUG_RUN_ID"
+"""Environment variable that fixes the run id (set it to one value on every rank of a job)."""
+
+
+def new_run_id() -> str:
+    """A fresh run id: ``$EVENTBUS_DEBUG_RUN_ID``, else torchrun's ``$TORCHELASTIC_RUN_ID``
+    (shared by the ranks of one job), else ``YYYYmmddTHHMMSS-<8 hex>`` (UTC time, random)."""
+    for name in (RUN_ID_ENV, "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(name, "").strip()
+        if value and value.lower() != "none":
+            return value
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    return f"{stamp}-{os.urandom(4).hex()}"
+
+
+@event_type
+class SessionStarted(Event):
+    """A debugging session (or a plain bus used as one) began.
+
+    Attributes:
+        name: the session's name.
+        config: the session's settings, as text.
+        run_id: identifies this run among others written to the same log directory (a rerun
+            appends to the same files; reports separate runs by this id). See :func:`new_run_id`.
+    """
+
+    kind: ClassVar[str] = "session_started"
+    name: str = ""
+    config: Mapping[str, str] = field(default_factory=dict)
+    run_id: str = field(default_factory=new_run_id)
+
+
+@event_type
+class SessionEnded(Event):
+    """A debugging session ended; ``reason`` is ``"completed"``, ``"stopped"`` or an error."""
+
+    kind: ClassVar[str] = "session_ended"
+    name: str = ""
+    reason: str = "completed"
+    steps: int = 0
+    duration_s: float = 0.0
+
+
+@event_type
+class StepCompleted(Event):
+    """One training step finished (telemetry: may be shed under sustained overload)."""
+
+    kind: ClassVar[str] = "step_completed"
+    delivery: ClassVar[Delivery] = Delivery.TELEMETRY
+    severity: Severity = Severity.DEBUG
+    loss: float | None = None
+    learning_rate: float | None = None
+    samples_per_s: float | None = None
+    duration_s: float | None = None
