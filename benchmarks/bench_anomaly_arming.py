@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from eventbus_debug import FirstNonFiniteLocator
+from eventbus_debug.probes import FirstNonFiniteLocator
 from eventbus_debug.probes.anomaly_arming import AnomalyArming, RngState
 
 STEPS = 200

@@ -76,15 +76,8 @@ from torch.optim.lr_scheduler import CyclicLR, LambdaLR, LRScheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eventbus_debug import (
-    Anomaly,
-    Event,
-    RecoveryAction,
-    RecoveryApplied,
-    Session,
-    StepSkipped,
-    TrainingStopped,
-)
+from eventbus_debug import Anomaly, Event, Session, TrainingStopped
+from eventbus_debug.events import RecoveryAction, RecoveryApplied, StepSkipped
 
 DEFAULT_STEPS: Final = 20_000
 QUICK_STEPS: Final = 1_500

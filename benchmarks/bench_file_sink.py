@@ -55,8 +55,9 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eventbus_debug import Event, EventBus, SinkFailed, StepCompleted, encode_event, read_events
-from eventbus_debug.logfile import ReadStatistics
+from eventbus_debug import Event, EventBus, encode_event, read_events
+from eventbus_debug.events import SinkFailed, StepCompleted
+from eventbus_debug.log.files import ReadStatistics
 from eventbus_debug.sinks import RotatingFileSink, rotating_file
 
 BURST = 1000

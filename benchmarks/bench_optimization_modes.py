@@ -18,7 +18,7 @@ import psutil
 import torch
 from torch import nn
 
-from eventbus_debug import OptimizationMode, OptimizedStep, optimize_model
+from eventbus_debug.extras import OptimizationMode, OptimizedStep, optimize_model
 
 
 def _run(mode: OptimizationMode, steps: int, width: int) -> tuple[float, float, float]:

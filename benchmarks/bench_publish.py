@@ -34,8 +34,9 @@ import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eventbus_debug import Event, EventBus, StepCompleted
-from eventbus_debug.encoding import encode_events
+from eventbus_debug import Event, EventBus
+from eventbus_debug.events import StepCompleted
+from eventbus_debug.log.encoding import encode_events
 
 BURST = 100
 

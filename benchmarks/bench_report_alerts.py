@@ -22,15 +22,16 @@ from collections.abc import Callable
 
 import anyio
 
-from eventbus_debug import (
+from eventbus_debug.events import (
+    Event,
     GradientExploded,
     MemorySampled,
     NonFiniteDetected,
     StepChecked,
+    StepCompleted,
     SystemSampled,
     TensorRole,
 )
-from eventbus_debug.events import Event, StepCompleted
 from eventbus_debug.sinks import AlertSink, RunAggregator, rules, summarize
 from eventbus_debug.sinks.report_html import render_html
 

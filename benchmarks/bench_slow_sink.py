@@ -29,7 +29,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eventbus_debug import Event, EventBus, EventsDropped, StepCompleted
+from eventbus_debug import Event, EventBus
+from eventbus_debug.events import EventsDropped, StepCompleted
 
 BURST = 100
 

@@ -3,112 +3,134 @@
 Probes publish typed events onto an async :class:`EventBus`; independent sinks (a rotating
 JSON-lines log, recovery, alerts, reports, your own) consume them without ever blocking the
 training loop.
+
+The names below are the front door; everything else is one dot away, in
+:mod:`eventbus_debug.events`, :mod:`~eventbus_debug.probes`, :mod:`~eventbus_debug.recovery`,
+:mod:`~eventbus_debug.sinks`, :mod:`~eventbus_debug.log`, :mod:`~eventbus_debug.testing`,
+:mod:`~eventbus_debug.extras` and :mod:`~eventbus_debug.compat`. Names are imported on first
+use (PEP 562), so ``import eventbus_debug`` and reading a log never import torch.
 """
 
 from __future__ import annotations
 
-# Feature packages re-export their public names here; each owns its own __all__, so adding a
-# feature never means editing this file.
-from . import probes as probes, recovery as recovery, session as _session_mod
-from ._bus import (
-    BusStatistics as BusStatistics,
-    EventBus as EventBus,
-    Subscription as Subscription,
-    SubscriptionStatistics as SubscriptionStatistics,
-)
-from ._sync import (
-    SyncEventBus as SyncEventBus,
-)
-from .encoding import (
-    decode_event as decode_event,
-    encode_event as encode_event,
-    encode_events as encode_events,
-)
-from .events import (
-    Anomaly as Anomaly,
-    Delivery as Delivery,
-    Event as Event,
-    EventsDropped as EventsDropped,
-    EventsUndelivered as EventsUndelivered,
-    SessionEnded as SessionEnded,
-    SessionStarted as SessionStarted,
-    Severity as Severity,
-    SinkDisabled as SinkDisabled,
-    SinkFailed as SinkFailed,
-    StepCompleted as StepCompleted,
-    current_rank as current_rank,
-    event_type as event_type,
-    event_types as event_types,
-    refresh_rank as refresh_rank,
-)
-from .exceptions import (
-    BusClosedError as BusClosedError,
-    EventBusError as EventBusError,
-    EventDecodeError as EventDecodeError,
-    LogReadError as LogReadError,
-    SubscriptionError as SubscriptionError,
-    TrainingStopped as TrainingStopped,
-)
-from .logfile import (
-    LOG_SUFFIX as LOG_SUFFIX,
-    log_file_name as log_file_name,
-    log_files as log_files,
-    read_events as read_events,
-)
-from .probes import *  # noqa: F403
-from .recovery import *  # noqa: F403
-from .session import *  # noqa: F403
-from .step_context import (
-    current_step as current_step,
-    step_source as step_source,
-)
-from .typing import (
-    BatchSink as BatchSink,
-    Handler as Handler,
-    Sink as Sink,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_CORE = (
-    "LOG_SUFFIX",
-    "Anomaly",
-    "BatchSink",
-    "BusClosedError",
-    "BusStatistics",
-    "Delivery",
-    "Event",
-    "EventBus",
-    "EventBusError",
-    "EventDecodeError",
-    "EventsDropped",
-    "EventsUndelivered",
-    "Handler",
-    "LogReadError",
-    "SessionEnded",
-    "SessionStarted",
-    "Severity",
-    "Sink",
-    "SinkDisabled",
-    "SinkFailed",
-    "StepCompleted",
-    "Subscription",
-    "SubscriptionError",
-    "SubscriptionStatistics",
-    "SyncEventBus",
-    "TrainingStopped",
-    "current_rank",
-    "decode_event",
-    "encode_event",
-    "encode_events",
-    "event_type",
-    "event_types",
-    "log_file_name",
-    "log_files",
-    "read_events",
-    "refresh_rank",
-    "current_step",
-    "step_source",
-)
+if TYPE_CHECKING:
+    from ._bus import (
+        BusStatistics as BusStatistics,
+        EventBus as EventBus,
+        Subscription as Subscription,
+        SubscriptionStatistics as SubscriptionStatistics,
+    )
+    from ._sync import SyncEventBus as SyncEventBus
+    from .events import (
+        Anomaly as Anomaly,
+        Delivery as Delivery,
+        Event as Event,
+        Severity as Severity,
+        event_type as event_type,
+    )
+    from .exceptions import (
+        BusClosedError as BusClosedError,
+        EventBusError as EventBusError,
+        SubscriptionError as SubscriptionError,
+        TrainingStopped as TrainingStopped,
+    )
+    from .log import (
+        decode_event as decode_event,
+        encode_event as encode_event,
+        read_events as read_events,
+    )
+    from .modes import DebugMode as DebugMode
+    from .probes import (
+        Cadence as Cadence,
+        DebugLevel as DebugLevel,
+        StepProbe as StepProbe,
+        StepVerdict as StepVerdict,
+        Thresholds as Thresholds,
+    )
+    from .recovery import (
+        CallState as CallState,
+        RecoveryEngine as RecoveryEngine,
+        RecoveryPolicy as RecoveryPolicy,
+        Retrying as Retrying,
+        SafePoint as SafePoint,
+        retrying as retrying,
+    )
+    from .session import (
+        Session as Session,
+        SessionVerdict as SessionVerdict,
+        SyncSession as SyncSession,
+    )
+    from .typing import (
+        BatchSink as BatchSink,
+        Handler as Handler,
+        Publisher as Publisher,
+        Sink as Sink,
+    )
 
-__all__ = (*_CORE, *probes.__all__, *recovery.__all__, *_session_mod.__all__)
+# name -> the module that defines it (a package front, so moves inside a package stay local)
+_HOMES: dict[str, str] = {
+    # the bus
+    "EventBus": "._bus",
+    "SyncEventBus": "._sync",
+    "Subscription": "._bus",
+    "BusStatistics": "._bus",
+    "SubscriptionStatistics": "._bus",
+    # events
+    "Event": ".events",
+    "Anomaly": ".events",
+    "Severity": ".events",
+    "Delivery": ".events",
+    "event_type": ".events",
+    # extension points
+    "Sink": ".typing",
+    "BatchSink": ".typing",
+    "Handler": ".typing",
+    "Publisher": ".typing",
+    # the session
+    "Session": ".session",
+    "SyncSession": ".session",
+    "SessionVerdict": ".session",
+    "DebugMode": ".modes",
+    "DebugLevel": ".probes",
+    "Thresholds": ".probes",
+    "Cadence": ".probes",
+    # probes and recovery
+    "StepProbe": ".probes",
+    "StepVerdict": ".probes",
+    "RecoveryEngine": ".recovery",
+    "RecoveryPolicy": ".recovery",
+    "SafePoint": ".recovery",
+    "Retrying": ".recovery",
+    "retrying": ".recovery",
+    "CallState": ".recovery",
+    # errors
+    "EventBusError": ".exceptions",
+    "BusClosedError": ".exceptions",
+    "SubscriptionError": ".exceptions",
+    "TrainingStopped": ".exceptions",
+    # the log
+    "read_events": ".log",
+    "encode_event": ".log",
+    "decode_event": ".log",
+}
+
+__all__ = ("__version__", *_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        msg = f"module {__name__!r} has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

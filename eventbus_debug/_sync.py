@@ -108,6 +108,9 @@ class SyncEventBus:
     def publish(self, event: Event, /) -> None:
         """Buffer *event* for the bus; incidents, and every ``max_pending``-th event, flush.
 
+        Flushing may wait for a flow-controlled sink that is behind (see :meth:`flush`); use
+        :meth:`publish_nowait` where nothing may wait.
+
         Raises:
             BusClosedError: if the bus is not running.
             TypeError: if *event* is not an :class:`Event`.
@@ -122,6 +125,28 @@ class SyncEventBus:
         for event in events:
             self._bus.publish_threadsafe(event, wake=False)
         self.flush()
+
+    def publish_nowait(self, event: Event, /) -> None:
+        """Buffer *event* for the bus and never wait (the :class:`~eventbus_debug.Publisher`
+        method): incidents wake the bus's thread at once, telemetry rides the next flush.
+
+        Raises:
+            BusClosedError: if the bus is not running.
+            TypeError: if *event* is not an :class:`Event`.
+        """
+        incident = type(event).delivery is Delivery.INCIDENT
+        self._bus.publish_threadsafe(event, wake=incident)
+        self._pending += 1
+        if not incident and self._pending >= self._max_pending:
+            self._pending = 0
+            self._bus.wake_threadsafe()
+
+    def publish_many_nowait(self, events: Iterable[Event], /) -> None:
+        """Buffer several events and wake the bus's thread once; never waits."""
+        for event in events:
+            self._bus.publish_threadsafe(event, wake=False)
+        self._pending = 0
+        self._bus.wake_threadsafe()
 
     def flush(self) -> None:
         """Hand everything published so far to the bus's thread: one cross-thread wake-up.

@@ -35,10 +35,10 @@ from typing import IO, TYPE_CHECKING, Any, Final, TextIO
 import orjson
 
 from .diagnostics import LOGGER_NAME
-from .encoding import decode_event, encode_event
 from .events import Event, SessionEnded, Severity, event_types
 from .exceptions import EventBusError, EventDecodeError, LogReadError
-from .logfile import log_files, read_events
+from .log.encoding import decode_event, encode_event
+from .log.files import log_files, read_events
 
 if TYPE_CHECKING:
     from .sinks.report import RunSummary

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .events import Event, StepCompleted
-from .logfile import log_files
+from .log.files import log_files
 from .probes.memory import LeakDetector, LeakThresholds
 from .recovery.retry import CallState, Retrying
 from .session import Session

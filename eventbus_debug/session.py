@@ -41,31 +41,28 @@ from eventbus_debug.diagnostics import get_logger
 
 from ._bus import EventBus, Subscription
 from ._sync import SyncEventBus
-from .diffusion import (
-    ComponentInfo,
-    LatentAnomalyDetected,
-    LatentChecked,
-    LatentMonitor,
-    PipelineAnalyzed,
-    analyze_pipeline,
+from .events import (
+    Anomaly,
+    Event,
+    NonFiniteDetected,
+    SessionEnded,
+    SessionStarted,
+    StepCompleted,
+    StepSkipped,
+    TensorRole,
 )
-from .events import Anomaly, Event, SessionEnded, SessionStarted, StepCompleted, StepSkipped
+from .extras.debug_context import DebugContext, debug_context
+from .extras.validation import (
+    InputSpec,
+    InputValidator,
+    OutputChecker,
+    ValidationPolicy,
+    Violation,
+)
 from .modes import DebugMode, DebugPlan, plan_for
-from .ops import DebugContext, OperationCompleted, debug_context
-from .optimization import (
-    OptimizationMode,
-    OptimizedStep,
-    StepOutcome,
-    default_amp_dtype,
-    disable_gradient_checkpointing,
-    enable_gradient_checkpointing,
-    is_gradient_checkpointing,
-    optimize_model,
-)
-from .probes import DebugLevel, NonFiniteDetected, TensorRole
 from .probes.anomaly_arming import AnomalyArming, RngState, arm_on_incidents
 from .probes.finite import non_finite_counts
-from .probes.levels import Cadence, Thresholds
+from .probes.levels import Cadence, DebugLevel, Thresholds
 from .probes.memory import LeakDetector
 from .probes.profiler import StepProfiler
 from .probes.step import StepProbe, StepVerdict
@@ -77,20 +74,8 @@ from .recovery.lr import lr_schedulers
 from .recovery.safepoint import SafePoint, StepDecision
 from .recovery.strategies import RecoveryPolicy, recovery_policy
 from .step_context import bind_step_source
-from .validation import (
-    InputSpec,
-    InputValidationError,
-    InputValidationFailed,
-    InputValidator,
-    OutputAnomalyDetected,
-    OutputChecker,
-    ValidationPolicy,
-    Violation,
-    validate_input,
-)
 
 __all__ = (
-    # session
     "Session",
     "SessionVerdict",
     "SyncSession",
@@ -98,40 +83,6 @@ __all__ = (
     "create_pytorch_debugger",
     "debug_training_session",
     "debug_training_step",
-    # modes
-    "DebugMode",
-    "DebugPlan",
-    "plan_for",
-    # optimization
-    "OptimizationMode",
-    "OptimizedStep",
-    "StepOutcome",
-    "default_amp_dtype",
-    "disable_gradient_checkpointing",
-    "enable_gradient_checkpointing",
-    "is_gradient_checkpointing",
-    "optimize_model",
-    # validation
-    "InputSpec",
-    "InputValidationError",
-    "InputValidationFailed",
-    "InputValidator",
-    "OutputAnomalyDetected",
-    "OutputChecker",
-    "ValidationPolicy",
-    "Violation",
-    "validate_input",
-    # diffusion
-    "ComponentInfo",
-    "LatentAnomalyDetected",
-    "LatentChecked",
-    "LatentMonitor",
-    "PipelineAnalyzed",
-    "analyze_pipeline",
-    # ops
-    "DebugContext",
-    "OperationCompleted",
-    "debug_context",
 )
 
 _log = get_logger(__name__)

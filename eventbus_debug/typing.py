@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Protocol, TypeAlias, TypeVar, runtime_checkable
 
 from .events import Event
 
-__all__ = ("BatchSink", "EventT", "EventT_contra", "Handler", "Sink")
+__all__ = ("BatchSink", "EventT", "EventT_contra", "Handler", "Publisher", "Sink")
 
 EventT = TypeVar("EventT", bound=Event)
 EventT_contra = TypeVar("EventT_contra", bound=Event, contravariant=True)
@@ -42,3 +42,20 @@ class BatchSink(Protocol[EventT_contra]):
 
     async def handle_batch(self, events: Sequence[EventT_contra], /) -> None:
         """Process a batch. An exception counts every event of the batch as failed."""
+
+
+@runtime_checkable
+class Publisher(Protocol):
+    """**Protocol:** where probes and recovery publish: both :class:`~eventbus_debug.EventBus`
+    and :class:`~eventbus_debug.SyncEventBus` satisfy it.
+
+    Both methods accept events without ever waiting (the ``_nowait`` convention): the caller
+    may be a training loop, an autograd hook or a timer thread's hand-off. Type a parameter as
+    ``Publisher`` to take either bus, or your own (a test double that records events).
+    """
+
+    def publish_nowait(self, event: Event, /) -> None:
+        """Accept *event* for delivery without waiting."""
+
+    def publish_many_nowait(self, events: Iterable[Event], /) -> None:
+        """Accept several events, in order, without waiting."""

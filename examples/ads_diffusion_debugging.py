@@ -14,12 +14,8 @@ import anyio
 import torch
 from torch import nn
 
-from eventbus_debug import (
-    LatentAnomalyDetected,
-    LatentMonitor,
-    Session,
-    analyze_pipeline,
-)
+from eventbus_debug import Session
+from eventbus_debug.extras import LatentAnomalyDetected, LatentMonitor, analyze_pipeline
 from eventbus_debug.testing import RecordingSink
 
 

@@ -12,7 +12,8 @@ import anyio
 import torch
 from torch import nn
 
-from eventbus_debug import GradientExploded, NonFiniteDetected, Session, Severity
+from eventbus_debug import Session, Severity
+from eventbus_debug.events import GradientExploded, NonFiniteDetected
 from eventbus_debug.sinks import Alert, AlertSink, StderrAlert, rules
 
 

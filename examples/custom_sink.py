@@ -9,7 +9,8 @@ import anyio
 import torch
 from torch import nn
 
-from eventbus_debug import Event, Session, StepCompleted, StepSkipped
+from eventbus_debug import Event, Session
+from eventbus_debug.events import StepCompleted, StepSkipped
 
 
 class LossAverage:

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from eventbus_debug import RecoveryApplied, Session, StepSkipped
+from eventbus_debug import Session
+from eventbus_debug.events import RecoveryApplied, StepSkipped
 from eventbus_debug.testing import RecordingSink
 
 

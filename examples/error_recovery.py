@@ -17,13 +17,8 @@ import anyio
 import torch
 from torch import nn
 
-from eventbus_debug import (
-    Anomaly,
-    RecoveryAction,
-    RecoveryApplied,
-    Session,
-    StepSkipped,
-)
+from eventbus_debug import Anomaly, Session
+from eventbus_debug.events import RecoveryAction, RecoveryApplied, StepSkipped
 from eventbus_debug.recovery.retry import CallState, Retrying
 from eventbus_debug.recovery.strategies import Decision, StrategyHistory
 from eventbus_debug.testing import RecordingSink

@@ -17,14 +17,14 @@ import anyio
 import torch
 from torch import nn
 
-from eventbus_debug import (
+from eventbus_debug import Session
+from eventbus_debug.extras import (
     InputSpec,
     InputValidationError,
     InputValidationFailed,
     InputValidator,
     OutputAnomalyDetected,
     OutputChecker,
-    Session,
 )
 from eventbus_debug.sinks import rules
 from eventbus_debug.testing import RecordingSink

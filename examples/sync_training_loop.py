@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eventbus_debug import StepSkipped, SyncSession, read_events
+from eventbus_debug import SyncSession, read_events
+from eventbus_debug.events import StepSkipped
 
 
 def main(steps: int = 300, log_dir: str = "debug_logs/sync") -> dict[str, int]:

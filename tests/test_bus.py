@@ -16,15 +16,17 @@ from eventbus_debug import (
     Delivery,
     Event,
     EventBus,
+    Severity,
+    SubscriptionError,
+    event_type,
+)
+from eventbus_debug.events import (
     EventsDropped,
     EventsUndelivered,
     SessionStarted,
-    Severity,
     SinkDisabled,
     SinkFailed,
     StepCompleted,
-    SubscriptionError,
-    event_type,
 )
 from eventbus_debug.testing import RecordingSink, capture_events
 

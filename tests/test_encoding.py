@@ -13,17 +13,10 @@ from typing import Any, ClassVar
 import orjson
 import pytest
 
-from eventbus_debug import (
-    Event,
-    EventDecodeError,
-    Severity,
-    SinkFailed,
-    StepCompleted,
-    decode_event,
-    encode_event,
-    event_type,
-)
-from eventbus_debug.encoding import encode_events
+from eventbus_debug import Event, Severity, decode_event, encode_event, event_type
+from eventbus_debug.events import SinkFailed, StepCompleted
+from eventbus_debug.exceptions import EventDecodeError
+from eventbus_debug.log.encoding import encode_events
 from eventbus_debug.testing import make_sample_event
 
 SPECIALS = (math.nan, math.inf, -math.inf)
@@ -131,7 +124,7 @@ class TestRoundTrip:
 
     def test_every_registered_kind_round_trips(self) -> None:
         """A sample of every registered event class survives the round trip."""
-        from eventbus_debug import event_types
+        from eventbus_debug.events import event_types
 
         for cls in event_types().values():
             ev = make_sample_event(cls)

@@ -7,17 +7,13 @@ from typing import ClassVar
 
 import pytest
 
-from eventbus_debug import (
-    Anomaly,
-    Delivery,
-    Event,
+from eventbus_debug import Anomaly, Delivery, Event, Severity, event_type
+from eventbus_debug.events import (
     EventsDropped,
     SessionStarted,
-    Severity,
     SinkFailed,
     StepCompleted,
     current_rank,
-    event_type,
     event_types,
     refresh_rank,
 )

@@ -8,17 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from eventbus_debug import (
-    EventDecodeError,
-    LogReadError,
-    StepCompleted,
-    encode_event,
-    log_file_name,
-    log_files,
-    read_events,
-)
-from eventbus_debug.encoding import encode_events
-from eventbus_debug.logfile import ReadStatistics
+from eventbus_debug import encode_event, read_events
+from eventbus_debug.events import StepCompleted
+from eventbus_debug.exceptions import EventDecodeError, LogReadError
+from eventbus_debug.log import log_file_name, log_files
+from eventbus_debug.log.encoding import encode_events
+from eventbus_debug.log.files import ReadStatistics
 
 
 def _steps(n0: int, n1: int, *, rank: int = 0, t0: int = 0) -> list[StepCompleted]:

@@ -6,23 +6,22 @@ import ast
 import importlib
 import inspect
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 import eventbus_debug
-from eventbus_debug import sinks
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _public_modules() -> list[str]:
-    names = ["eventbus_debug", "sinks"]
-    for pkg in (eventbus_debug, sinks):
-        for info in pkgutil.walk_packages(pkg.__path__, prefix=f"{pkg.__name__}."):
-            if not any(part.startswith("_") for part in info.name.split(".")):
-                names.append(info.name)
+    names = ["eventbus_debug"]
+    for info in pkgutil.walk_packages(eventbus_debug.__path__, prefix="eventbus_debug."):
+        if not any(part.startswith("_") for part in info.name.split(".")):
+            names.append(info.name)
     return sorted(names)
 
 
@@ -49,13 +48,34 @@ def test_all_is_a_complete_accurate_tuple(name: str) -> None:
     assert not unlisted, f"{name} defines public names missing from __all__: {unlisted}"
 
 
-def test_top_level_reexports_subpackages() -> None:
-    """Everything the feature subpackages export is importable from eventbus_debug."""
-    for sub in ("probes", "recovery", "session"):
-        module: ModuleType = importlib.import_module(f"eventbus_debug.{sub}")
-        for n in module.__all__:
-            assert getattr(eventbus_debug, n) is getattr(module, n), n
-            assert n in eventbus_debug.__all__, n
+def test_front_door_is_small_and_explicit() -> None:
+    """The top level names about 35 things, each importable and listed in ``__all__``."""
+    names = [n for n in eventbus_debug.__all__ if n != "__version__"]
+    assert 30 <= len(names) <= 40, len(names)
+    for name in names:
+        value = getattr(eventbus_debug, name)
+        assert value is not None, name
+    assert sorted(dir(eventbus_debug)) == dir(eventbus_debug)
+    assert set(names) <= set(dir(eventbus_debug))
+
+
+def test_front_door_refuses_unknown_names() -> None:
+    """A name that is not at the top level raises AttributeError naming it."""
+    with pytest.raises(AttributeError, match="no attribute 'NonFiniteDetected'"):
+        eventbus_debug.NonFiniteDetected  # noqa: B018  (one dot away: eventbus_debug.events)
+
+
+@pytest.mark.parametrize("name", ["read_events", "Event", "encode_event", "decode_event"])
+def test_reading_a_log_needs_no_torch(name: str) -> None:
+    """``import eventbus_debug`` and the log's names import neither torch nor the sinks."""
+    code = (
+        "import sys, eventbus_debug\n"
+        f"eventbus_debug.{name}\n"
+        "import eventbus_debug.events, eventbus_debug.log\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('eventbus_debug.sinks'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def _violations(source: str, filename: str) -> list[str]:
@@ -90,7 +110,7 @@ def _violations(source: str, filename: str) -> list[str]:
 def test_sinks_use_only_the_public_api() -> None:
     """sinks/ imports only names exported by eventbus_debug or its public submodules."""
     problems = []
-    for path in sorted((ROOT / "sinks").rglob("*.py")):
+    for path in sorted((ROOT / "eventbus_debug" / "sinks").rglob("*.py")):
         rel = str(path.relative_to(ROOT))
         problems += _violations(path.read_text(encoding="utf-8"), rel)
     assert not problems, "\n".join(problems)

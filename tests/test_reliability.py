@@ -18,24 +18,19 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from eventbus_debug import (
-    EventBus,
-    EventsDropped,
-    EventsUndelivered,
-    Session,
-    SinkFailed,
-    StepCompleted,
-    _bus,
-    read_events,
-)
+from eventbus_debug import EventBus, Session, _bus, read_events
 from eventbus_debug.events import (
     Event,
+    EventsDropped,
+    EventsUndelivered,
     LoopStalled,
     SessionEnded,
     SinkCloseFailed,
+    SinkFailed,
     SinkUnresponsive,
+    StepCompleted,
 )
-from eventbus_debug.logfile import ReadStatistics
+from eventbus_debug.log.files import ReadStatistics
 from eventbus_debug.sinks import ConsoleSink, RotatingFileSink, rotating_file as rf
 from eventbus_debug.testing import RecordingSink
 from eventbus_debug.threads import DaemonWorker, run_in_daemon_thread

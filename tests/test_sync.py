@@ -7,15 +7,8 @@ from typing import ClassVar
 
 import pytest
 
-from eventbus_debug import (
-    BusClosedError,
-    Event,
-    EventBus,
-    SessionStarted,
-    StepCompleted,
-    SyncEventBus,
-    event_type,
-)
+from eventbus_debug import BusClosedError, Event, EventBus, SyncEventBus, event_type
+from eventbus_debug.events import SessionStarted, StepCompleted
 from eventbus_debug.testing import RecordingSink
 
 

@@ -2,35 +2,9 @@
 
 from __future__ import annotations
 
-from ..events import (
-    AnomalyLocalized,
-    AutogradAnomalyDetected,
-    GradientExploded,
-    GradientVanished,
-    LossSpiked,
-    MemoryLeakSuspected,
-    MemorySampled,
-    NonFiniteDetected,
-    ProfileCaptured,
-    ResourceThresholdExceeded,
-    StepChecked,
-    SystemSampled,
-    TensorRole,
-)
 from .anomaly_arming import AnomalyArming
 from .autograd import AnomalyCapture, capture_autograd_anomaly, replay_with_anomaly_detection
 from .finite import NonFiniteCounts, non_finite_counts
-from .functions import (
-    GradientReport,
-    ParameterStats,
-    analyze_gradients,
-    analyze_model_parameters,
-    check_gradient_explosion,
-    check_gradient_vanishing,
-    check_gradients,
-    check_model_parameters,
-    monitor_training_step,
-)
 from .levels import Cadence, Checks, DebugLevel, Thresholds
 from .localize import (
     BackwardReport,
@@ -74,25 +48,16 @@ __all__: tuple[str, ...] = (
     "Checks",
     "FirstNonFiniteLocator",
     "ForwardReport",
-    "GradientReport",
     "LayerRecord",
     "NonFiniteCounts",
-    "ParameterStats",
     "StepProbe",
     "StepVerdict",
     "TensorStats",
     "Thresholds",
-    "analyze_gradients",
-    "analyze_model_parameters",
     "analyze_tensor",
     "capture_autograd_anomaly",
-    "check_gradient_explosion",
-    "check_gradient_vanishing",
-    "check_gradients",
-    "check_model_parameters",
     "debug_backward_pass",
     "debug_forward_pass",
-    "monitor_training_step",
     "non_finite_counts",
     "replay_with_anomaly_detection",
     # memory, system, profiler
@@ -118,18 +83,5 @@ __all__: tuple[str, ...] = (
     "profiling",
     "read_system",
     "tensor_census",
-    "AnomalyLocalized",
-    "AutogradAnomalyDetected",
     "DebugLevel",
-    "GradientExploded",
-    "GradientVanished",
-    "LossSpiked",
-    "MemoryLeakSuspected",
-    "MemorySampled",
-    "NonFiniteDetected",
-    "ProfileCaptured",
-    "ResourceThresholdExceeded",
-    "StepChecked",
-    "SystemSampled",
-    "TensorRole",
 )

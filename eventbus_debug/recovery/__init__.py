@@ -2,19 +2,8 @@
 
 from __future__ import annotations
 
-from ..events import (
-    ErrorCategory,
-    ErrorRaised,
-    RecoveryAction,
-    RecoveryApplied,
-    RecoveryDecided,
-    SampleSkipped,
-    ScalerInTrouble,
-    StepSkipped,
-)
 from .amp import ScalerMonitor, ScalerStepWatcher
 from .classify import ErrorClassification, ErrorClassifier, ErrorRule, is_out_of_memory
-from .compat import DebugDecorator, ErrorHandler, HandledError
 from .data import (
     CollatedBatch,
     CorruptDataError,
@@ -62,23 +51,15 @@ __all__: tuple[str, ...] = (
     "CorruptSample",
     "CorruptSampleCollate",
     "DataLoaderFallback",
-    "DebugDecorator",
     "DecidedAction",
     "Decision",
-    "ErrorCategory",
     "ErrorClassification",
     "ErrorClassifier",
-    "ErrorHandler",
-    "ErrorRaised",
     "ErrorRule",
     "FreeMemoryOnLeak",
     "FreedMemory",
-    "HandledError",
     "ModelLoadingFallback",
     "NoGoodStateError",
-    "RecoveryAction",
-    "RecoveryApplied",
-    "RecoveryDecided",
     "RecoveryEngine",
     "RecoveryStatistics",
     "RecoveryPolicy",
@@ -88,8 +69,6 @@ __all__: tuple[str, ...] = (
     "Retrying",
     "RollbackOnLossSpike",
     "SafePoint",
-    "SampleSkipped",
-    "ScalerInTrouble",
     "ScalerMonitor",
     "ScalerStepWatcher",
     "ShrinkBatchOnOOM",
@@ -98,7 +77,6 @@ __all__: tuple[str, ...] = (
     "SkippingLoader",
     "StateSnapshots",
     "StepDecision",
-    "StepSkipped",
     "StrategyHistory",
     "StrategySpec",
     "apply_common_fixes",

@@ -27,18 +27,16 @@ from ..events import (
     ErrorCategory,
     ErrorRaised,
     Event,
-    RecoveryAction,
-    RecoveryDecided,
-    Severity,
-    event_types,
-)
-from ..probes import (
     GradientExploded,
     GradientVanished,
     LossSpiked,
     MemoryLeakSuspected,
     NonFiniteDetected,
+    RecoveryAction,
+    RecoveryDecided,
+    Severity,
     TensorRole,
+    event_types,
 )
 from .classify import ErrorClassifier, exception_names
 from .strategies import (

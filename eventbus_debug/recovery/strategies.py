@@ -14,13 +14,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, Protocol, TypeAlias, runtime_checkable
 
-from ..events import Anomaly, ErrorCategory, ErrorRaised, RecoveryAction
-from ..probes import (
+from ..events import (
+    Anomaly,
+    ErrorCategory,
+    ErrorRaised,
     GradientExploded,
     GradientVanished,
     LossSpiked,
     MemoryLeakSuspected,
     NonFiniteDetected,
+    RecoveryAction,
     TensorRole,
 )
 

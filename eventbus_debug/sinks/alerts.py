@@ -46,15 +46,17 @@ from typing import IO, Any, ClassVar, Final, Protocol, TypeAlias, TypeVar
 import anyio
 import orjson
 
-from eventbus_debug import (
+from eventbus_debug.diagnostics import get_logger
+from eventbus_debug.events import (
+    Event,
     GradientExploded,
     NonFiniteDetected,
     ResourceThresholdExceeded,
+    Severity,
     SystemSampled,
+    event_type,
 )
-from eventbus_debug.diagnostics import get_logger
-from eventbus_debug.encoding import encode_event
-from eventbus_debug.events import Event, Severity, event_type
+from eventbus_debug.log.encoding import encode_event
 from eventbus_debug.threads import run_in_daemon_thread
 
 from ._terminal import resolve_stream, write_text

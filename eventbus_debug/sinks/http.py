@@ -60,8 +60,8 @@ from typing_extensions import Self
 
 from eventbus_debug import DebugLevel
 from eventbus_debug.diagnostics import get_logger
-from eventbus_debug.encoding import encode_event
 from eventbus_debug.events import Event
+from eventbus_debug.log.encoding import encode_event
 
 from .report_html import CONTENT_SECURITY_POLICY, render_html
 from .report_summary import RunAggregator, RunSummary, summary_to_dict

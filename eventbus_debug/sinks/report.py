@@ -40,7 +40,7 @@ import orjson
 
 from eventbus_debug.diagnostics import get_logger
 from eventbus_debug.events import Event
-from eventbus_debug.logfile import read_events
+from eventbus_debug.log.files import read_events
 
 from .report_html import render_html
 from .report_summary import (

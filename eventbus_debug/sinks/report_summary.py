@@ -15,10 +15,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from eventbus_debug import (
+from eventbus_debug.events import (
+    Anomaly,
     AnomalyLocalized,
     AutogradAnomalyDetected,
     ErrorRaised,
+    Event,
+    EventsDropped,
+    EventsUndelivered,
     GradientExploded,
     GradientVanished,
     LossSpiked,
@@ -28,21 +32,15 @@ from eventbus_debug import (
     RecoveryApplied,
     RecoveryDecided,
     ResourceThresholdExceeded,
-    StepChecked,
-    StepSkipped,
-    SystemSampled,
-    TensorRole,
-)
-from eventbus_debug.events import (
-    Anomaly,
-    Event,
-    EventsDropped,
-    EventsUndelivered,
     SessionStarted,
     Severity,
     SinkDisabled,
     SinkFailed,
+    StepChecked,
     StepCompleted,
+    StepSkipped,
+    SystemSampled,
+    TensorRole,
 )
 
 __all__ = (

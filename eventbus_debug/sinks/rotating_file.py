@@ -48,10 +48,10 @@ from typing import Final, TypeVar
 
 # The submodules, not the package: mypy cannot see the package's computed __all__.
 from eventbus_debug.diagnostics import get_logger
-from eventbus_debug.encoding import decode_event, encode_event, encode_events
 from eventbus_debug.events import Event, LogWriteResumed, current_rank
 from eventbus_debug.exceptions import EventBusError, EventDecodeError
-from eventbus_debug.logfile import log_file_name
+from eventbus_debug.log.encoding import decode_event, encode_event, encode_events
+from eventbus_debug.log.files import log_file_name
 from eventbus_debug.threads import DaemonWorker
 
 __all__ = (

@@ -24,15 +24,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from eventbus_debug import (
-    Cadence,
-    CallState,
-    RecoveryApplied,
-    Retrying,
-    Session,
-    StepSkipped,
-    TrainingStopped,
-)
+from eventbus_debug import Cadence, CallState, Retrying, Session, TrainingStopped
+from eventbus_debug.events import RecoveryApplied, StepSkipped
 from eventbus_debug.recovery.agreement import RankAgreement
 from eventbus_debug.testing import RecordingSink
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from eventbus_debug import RecoveryAction
+from eventbus_debug.events import RecoveryAction
 from eventbus_debug.recovery.agreement import AgreedStep, RankAgreement, _decode, _encode
 from eventbus_debug.recovery.engine import DecidedAction
 from eventbus_debug.recovery.strategies import Decision

@@ -10,7 +10,8 @@ import torch
 from ignite.engine import create_supervised_trainer
 from torch import nn
 
-from eventbus_debug import NonFiniteDetected, SessionEnded, StepSkipped, read_events
+from eventbus_debug import read_events
+from eventbus_debug.events import NonFiniteDetected, SessionEnded, StepSkipped
 from eventbus_debug.integrations._common import FitSession, LossAccumulator, batch_size, require
 from eventbus_debug.integrations.ignite import EventBusDebugHandler
 

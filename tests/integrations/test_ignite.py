@@ -17,14 +17,14 @@ from ignite.engine import (
 )
 from torch import nn
 
-from eventbus_debug import (
+from eventbus_debug import read_events
+from eventbus_debug.events import (
     GradientExploded,
     NonFiniteDetected,
     SessionEnded,
     StepCompleted,
     StepSkipped,
     TensorRole,
-    read_events,
 )
 from eventbus_debug.integrations.ignite import EventBusDebugHandler, _finite
 

@@ -13,15 +13,13 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from eventbus_debug import (
+from eventbus_debug import SyncSession, TrainingStopped, read_events
+from eventbus_debug.events import (
     GradientExploded,
     NonFiniteDetected,
     SessionEnded,
     StepCompleted,
     StepSkipped,
-    SyncSession,
-    TrainingStopped,
-    read_events,
 )
 from eventbus_debug.integrations.lightning import EventBusDebugCallback
 

@@ -20,15 +20,13 @@ from transformers import (
     TrainingArguments,
 )
 
-from eventbus_debug import (
+from eventbus_debug import SyncSession, TrainingStopped, read_events
+from eventbus_debug.events import (
     GradientExploded,
     NonFiniteDetected,
     SessionEnded,
     StepCompleted,
     StepSkipped,
-    SyncSession,
-    TrainingStopped,
-    read_events,
 )
 from eventbus_debug.integrations.transformers import EventBusDebugCallback
 

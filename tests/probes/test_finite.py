@@ -15,17 +15,16 @@ import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import (
-    EventBus,
-    NonFiniteDetected,
-    Session,
-    analyze_tensor,
+from eventbus_debug import EventBus, Session
+from eventbus_debug.compat import (
     check_gradient_explosion,
     check_gradient_vanishing,
     check_gradients,
     check_model_parameters,
     monitor_training_step,
 )
+from eventbus_debug.events import NonFiniteDetected
+from eventbus_debug.probes import analyze_tensor
 from eventbus_debug.probes.finite import NonFiniteCounts, non_finite_counts, stored_values
 from eventbus_debug.testing import RecordingSink
 

@@ -13,15 +13,15 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from eventbus_debug import (
-    analyze_tensor,
+from eventbus_debug.compat import (
     check_gradient_explosion,
     check_gradient_vanishing,
     check_gradients,
     check_model_parameters,
 )
+from eventbus_debug.extras.validation import InputSpec, OutputChecker, validate_input
+from eventbus_debug.probes import analyze_tensor
 from eventbus_debug.probes.finite import non_finite_counts
-from eventbus_debug.validation import InputSpec, OutputChecker, validate_input
 
 SETTINGS: Final = settings(max_examples=60, deadline=None, derandomize=True)
 

@@ -6,20 +6,20 @@ import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import (
-    AnomalyLocalized,
-    AutogradAnomalyDetected,
-    EventBus,
-    FirstNonFiniteLocator,
-    TensorRole,
-    analyze_tensor,
-    capture_autograd_anomaly,
+from eventbus_debug import EventBus
+from eventbus_debug.compat import (
     check_gradient_explosion,
     check_gradient_vanishing,
     check_gradients,
+    monitor_training_step,
+)
+from eventbus_debug.events import AnomalyLocalized, AutogradAnomalyDetected, TensorRole
+from eventbus_debug.probes import (
+    FirstNonFiniteLocator,
+    analyze_tensor,
+    capture_autograd_anomaly,
     debug_backward_pass,
     debug_forward_pass,
-    monitor_training_step,
     replay_with_anomaly_detection,
 )
 from eventbus_debug.testing import capture_events

@@ -10,17 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import (
-    AnomalyLocalized,
-    DebugMode,
-    EventBus,
-    FirstNonFiniteLocator,
-    NonFiniteDetected,
-    Session,
-    SyncSession,
-    TensorRole,
-    debug_forward_pass,
-)
+from eventbus_debug import DebugMode, EventBus, Session, SyncSession
+from eventbus_debug.events import AnomalyLocalized, NonFiniteDetected, TensorRole
+from eventbus_debug.probes import FirstNonFiniteLocator, debug_forward_pass
 from eventbus_debug.probes.anomaly_arming import AnomalyArming, RngState
 from eventbus_debug.testing import RecordingSink
 

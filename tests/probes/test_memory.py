@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import EventBus, MemoryLeakSuspected, MemorySampled, read_events
+from eventbus_debug import EventBus, read_events
 from eventbus_debug.demo import DemoFaults, run_demo
+from eventbus_debug.events import MemoryLeakSuspected, MemorySampled
 from eventbus_debug.probes import (
     LeakDetector,
     LeakThresholds,

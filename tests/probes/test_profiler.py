@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import EventBus, GradientExploded, ProfileCaptured
+from eventbus_debug import EventBus
+from eventbus_debug.events import GradientExploded, ProfileCaptured
 from eventbus_debug.probes import ProfileSchedule, StepProfiler, TraceStore, profiling
 from eventbus_debug.testing import RecordingSink
 

@@ -7,19 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import (
-    Cadence,
-    DebugLevel,
-    EventBus,
+from eventbus_debug import Cadence, DebugLevel, EventBus, StepProbe, StepVerdict, Thresholds
+from eventbus_debug.events import (
     GradientExploded,
     GradientVanished,
     LossSpiked,
     NonFiniteDetected,
     StepChecked,
-    StepProbe,
-    StepVerdict,
     TensorRole,
-    Thresholds,
 )
 from eventbus_debug.testing import capture_events
 

@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 import anyio
 import pytest
 
-from eventbus_debug import EventBus, ResourceThresholdExceeded, SystemSampled
+from eventbus_debug import EventBus
+from eventbus_debug.events import ResourceThresholdExceeded, SystemSampled
 from eventbus_debug.probes import ResourceThresholds, SystemReading, SystemSampler, read_system
 from eventbus_debug.testing import RecordingSink
 
@@ -168,7 +169,7 @@ def test_cpu_meter_sees_a_busy_thread() -> None:
 
 async def test_default_reader_also_samples_memory(bus: EventBus, recorder: RecordingSink) -> None:
     """The real reader publishes a MemorySampled beside each SystemSampled (report memory)."""
-    from eventbus_debug import MemorySampled
+    from eventbus_debug.events import MemorySampled
 
     bus.subscribe(recorder)
     sampler = SystemSampler(bus, step=lambda: 3)
@@ -181,7 +182,7 @@ async def test_default_reader_also_samples_memory(bus: EventBus, recorder: Recor
 
 async def test_custom_reader_publishes_no_memory(bus: EventBus, recorder: RecordingSink) -> None:
     """A custom reading function speaks for itself: no memory sample is invented."""
-    from eventbus_debug import MemorySampled
+    from eventbus_debug.events import MemorySampled
 
     bus.subscribe(recorder)
     sampler = SystemSampler(bus, sample=_fake([1.0]))

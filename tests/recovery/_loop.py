@@ -8,7 +8,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from eventbus_debug import EventBus, SafePoint, StateSnapshots, StepProbe, Thresholds
+from eventbus_debug import EventBus, SafePoint, StepProbe, Thresholds
+from eventbus_debug.recovery import StateSnapshots
 
 Fault = Callable[[int, torch.Tensor, nn.Module], torch.Tensor]
 

@@ -13,20 +13,17 @@ from torch.utils.data import Dataset
 from eventbus_debug import (
     CallState,
     EventBus,
-    RecoveryAction,
-    RecoveryApplied,
     RecoveryEngine,
     Session,
-    StateSnapshots,
     SyncEventBus,
     SyncSession,
     TrainingStopped,
 )
+from eventbus_debug.compat import DebugDecorator, ErrorHandler
+from eventbus_debug.events import RecoveryAction, RecoveryApplied, SampleSkipped
 from eventbus_debug.recovery import (
     CorruptDataError,
-    DebugDecorator,
-    ErrorHandler,
-    SampleSkipped,
+    StateSnapshots,
     apply_common_fixes,
     skip_corrupt_samples,
 )

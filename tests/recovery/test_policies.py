@@ -8,19 +8,16 @@ import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import (
-    Anomaly,
+from eventbus_debug import Anomaly, RecoveryEngine, SafePoint, Session, TrainingStopped
+from eventbus_debug.events import (
+    Event,
     NonFiniteDetected,
     RecoveryAction,
     RecoveryApplied,
-    RecoveryEngine,
-    SafePoint,
-    Session,
+    ScalerInTrouble,
     StepSkipped,
     TensorRole,
-    TrainingStopped,
 )
-from eventbus_debug.events import Event, ScalerInTrouble
 from eventbus_debug.recovery import RecoveryPolicy, RollbackOnLossSpike, default_strategies
 from eventbus_debug.recovery.engine import StrategySpec
 from eventbus_debug.testing import RecordingSink
@@ -255,7 +252,8 @@ class TestLearningRate:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0)
         recorder = RecordingSink()
-        from eventbus_debug import EventBus, LossSpiked
+        from eventbus_debug import EventBus
+        from eventbus_debug.events import LossSpiked
 
         async with EventBus() as bus:
             bus.subscribe(recorder)
@@ -326,7 +324,7 @@ class TestVanishing:
             p.requires_grad_(False)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
         recorder = RecordingSink()
-        from eventbus_debug import StepChecked
+        from eventbus_debug.events import StepChecked
 
         async with session_for(model, opt, recorder, level="advanced") as session:
             for step in range(25):

@@ -11,28 +11,27 @@ from torch import nn
 
 from eventbus_debug import (
     CallState,
-    Decision,
-    ErrorCategory,
-    ErrorRaised,
     EventBus,
-    RecoveryAction,
-    RecoveryApplied,
-    RecoveryDecided,
     RecoveryEngine,
     Retrying,
     SafePoint,
-    ScalerStepWatcher,
     Session,
-    ShrinkBatchOnOOM,
-    StepChecked,
     StepProbe,
-    StepSkipped,
-    StrategyHistory,
     SyncEventBus,
     TrainingStopped,
     retrying,
 )
-from eventbus_debug.events import Anomaly
+from eventbus_debug.events import (
+    Anomaly,
+    ErrorCategory,
+    ErrorRaised,
+    RecoveryAction,
+    RecoveryApplied,
+    RecoveryDecided,
+    StepChecked,
+    StepSkipped,
+)
+from eventbus_debug.recovery import Decision, ScalerStepWatcher, ShrinkBatchOnOOM, StrategyHistory
 from eventbus_debug.testing import RecordingSink
 
 from ._loop import all_finite, make

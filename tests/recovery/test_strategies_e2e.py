@@ -9,19 +9,17 @@ import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import (
-    ClipOnExplosion,
-    EventBus,
+from eventbus_debug import EventBus, RecoveryEngine, TrainingStopped
+from eventbus_debug.events import (
     GradientExploded,
     LossSpiked,
     NonFiniteDetected,
     RecoveryAction,
     RecoveryApplied,
     RecoveryDecided,
-    RecoveryEngine,
     StepSkipped,
-    TrainingStopped,
 )
+from eventbus_debug.recovery import ClipOnExplosion
 from eventbus_debug.testing import RecordingSink
 
 from ._loop import all_finite, nan_at, run

@@ -10,20 +10,26 @@ from torch import nn
 from eventbus_debug import (
     CallState,
     EventBus,
+    RecoveryEngine,
+    Retrying,
+    SafePoint,
+    StepProbe,
+    TrainingStopped,
+)
+from eventbus_debug.events import (
+    ErrorCategory,
     GradientVanished,
     MemoryLeakSuspected,
     RecoveryAction,
     RecoveryApplied,
     RecoveryDecided,
-    RecoveryEngine,
-    ReportVanishing,
-    Retrying,
-    SafePoint,
-    ShrinkBatchOnOOM,
-    StepProbe,
-    TrainingStopped,
 )
-from eventbus_debug.recovery import ErrorCategory, FreeMemoryOnLeak, scale_learning_rate
+from eventbus_debug.recovery import (
+    FreeMemoryOnLeak,
+    ReportVanishing,
+    ShrinkBatchOnOOM,
+    scale_learning_rate,
+)
 from eventbus_debug.testing import RecordingSink
 
 from ._loop import all_finite, make, nan_at, run

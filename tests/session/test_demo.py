@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from eventbus_debug import (
+from eventbus_debug import read_events
+from eventbus_debug.demo import DemoFaults, run_demo
+from eventbus_debug.events import (
     ErrorRaised,
     GradientExploded,
     NonFiniteDetected,
     RecoveryApplied,
     StepSkipped,
-    read_events,
 )
-from eventbus_debug.demo import DemoFaults, run_demo
 
 
 async def test_demo_injects_faults_and_recovers(tmp_path: Path) -> None:

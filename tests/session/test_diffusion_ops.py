@@ -7,13 +7,13 @@ import torch
 from torch import nn
 
 from eventbus_debug import EventBus
-from eventbus_debug.diffusion import (
+from eventbus_debug.extras.debug_context import OperationCompleted, debug_context
+from eventbus_debug.extras.diffusion import (
     LatentAnomalyDetected,
     LatentChecked,
     LatentMonitor,
     analyze_pipeline,
 )
-from eventbus_debug.ops import OperationCompleted, debug_context
 from eventbus_debug.testing import RecordingSink
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from eventbus_debug.optimization import (
+from eventbus_debug.extras.optimization import (
     OptimizationMode,
     OptimizedStep,
     default_amp_dtype,

@@ -7,27 +7,23 @@ import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import (
-    DebugLevel,
-    DebugMode,
-    EventBus,
-    InputSpec,
-    InputValidationFailed,
+from eventbus_debug import DebugLevel, DebugMode, EventBus, Session, SyncSession, read_events
+from eventbus_debug.events import (
     NonFiniteDetected,
-    OperationCompleted,
-    OutputChecker,
-    Session,
     SessionEnded,
     SessionStarted,
     StepChecked,
     StepCompleted,
     StepSkipped,
-    SyncSession,
-    create_pytorch_debugger,
-    debug_training_step,
-    plan_for,
-    read_events,
 )
+from eventbus_debug.extras import (
+    InputSpec,
+    InputValidationFailed,
+    OperationCompleted,
+    OutputChecker,
+)
+from eventbus_debug.modes import plan_for
+from eventbus_debug.session import create_pytorch_debugger, debug_training_step
 from eventbus_debug.testing import RecordingSink
 
 

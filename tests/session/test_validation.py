@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import EventBus, Session, StepSkipped, SyncSession
-from eventbus_debug.testing import RecordingSink
-from eventbus_debug.validation import (
+from eventbus_debug import EventBus, Session, SyncSession
+from eventbus_debug.events import StepSkipped
+from eventbus_debug.extras.validation import (
     InputSpec,
     InputValidationError,
     InputValidationFailed,
@@ -21,6 +21,7 @@ from eventbus_debug.validation import (
     ValidationPolicy,
     validate_input,
 )
+from eventbus_debug.testing import RecordingSink
 
 
 class TestValidateInput:

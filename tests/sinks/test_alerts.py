@@ -17,15 +17,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from eventbus_debug import (
-    EventBus,
+from eventbus_debug import EventBus
+from eventbus_debug.events import (
+    Event,
     GradientExploded,
     NonFiniteDetected,
     ResourceThresholdExceeded,
+    Severity,
+    StepCompleted,
     SystemSampled,
     TensorRole,
 )
-from eventbus_debug.events import Event, Severity, StepCompleted
 from eventbus_debug.sinks import (
     Alert,
     AlertHandlerFailed,

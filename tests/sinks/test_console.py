@@ -11,19 +11,16 @@ import anyio
 import pytest
 import structlog
 
-from eventbus_debug import (
-    Event,
-    EventBus,
+from eventbus_debug import Event, EventBus, Severity, event_type
+from eventbus_debug.events import (
     EventsDropped,
     GradientExploded,
     MemorySampled,
     NonFiniteDetected,
     SessionEnded,
-    Severity,
     SinkFailed,
     StepCompleted,
     TensorRole,
-    event_type,
 )
 from eventbus_debug.sinks import ConsoleSink
 from eventbus_debug.sinks.lines import format_event, format_value

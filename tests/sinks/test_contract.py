@@ -25,15 +25,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from eventbus_debug import (
-    Event,
-    EventBus,
-    SessionStarted,
-    SinkFailed,
-    StepCompleted,
-    event_types,
-    sinks,
-)
+from eventbus_debug import Event, EventBus, sinks
+from eventbus_debug.events import SessionStarted, SinkFailed, StepCompleted, event_types
 from eventbus_debug.sinks import AlertSink
 from eventbus_debug.testing import RecordingSink, make_sample_event
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import GradientExploded, NonFiniteDetected, Session, StepCompleted, TensorRole
+from eventbus_debug import Session
+from eventbus_debug.events import GradientExploded, NonFiniteDetected, StepCompleted, TensorRole
 
 pytest.importorskip("tensorboard")
 

@@ -10,10 +10,12 @@ from typing import Any
 import orjson
 import pytest
 
-from eventbus_debug import (
+from eventbus_debug import EventBus, encode_event, read_events
+from eventbus_debug.events import (
     ErrorCategory,
     ErrorRaised,
-    EventBus,
+    Event,
+    EventsDropped,
     GradientExploded,
     GradientVanished,
     LossSpiked,
@@ -22,14 +24,13 @@ from eventbus_debug import (
     RecoveryAction,
     RecoveryApplied,
     RecoveryDecided,
+    SessionStarted,
     StepChecked,
+    StepCompleted,
     StepSkipped,
     SystemSampled,
     TensorRole,
-    encode_event,
-    read_events,
 )
-from eventbus_debug.events import Event, EventsDropped, SessionStarted, StepCompleted
 from eventbus_debug.sinks import (
     ReportWriter,
     RunAggregator,
@@ -486,7 +487,8 @@ async def test_memory_for_both_session_kinds(tmp_path: Path, kind: str) -> None:
     import torch
     from torch import nn
 
-    from eventbus_debug import LeakDetector, Session, SyncSession
+    from eventbus_debug import Session, SyncSession
+    from eventbus_debug.probes import LeakDetector
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))

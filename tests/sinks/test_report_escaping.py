@@ -13,11 +13,15 @@ from typing import Any, ClassVar
 import orjson
 import pytest
 
-from eventbus_debug import (
+from eventbus_debug import encode_event
+from eventbus_debug.events import (
     AnomalyLocalized,
     AutogradAnomalyDetected,
     ErrorCategory,
     ErrorRaised,
+    Event,
+    EventsDropped,
+    EventsUndelivered,
     GradientExploded,
     GradientVanished,
     LossSpiked,
@@ -27,19 +31,13 @@ from eventbus_debug import (
     RecoveryApplied,
     RecoveryDecided,
     ResourceThresholdExceeded,
-    StepChecked,
-    StepSkipped,
-    TensorRole,
-    encode_event,
-)
-from eventbus_debug.events import (
-    Event,
-    EventsDropped,
-    EventsUndelivered,
     SessionStarted,
     SinkDisabled,
     SinkFailed,
+    StepChecked,
     StepCompleted,
+    StepSkipped,
+    TensorRole,
 )
 from eventbus_debug.sinks import build_report, render_html, summarize
 from tests.sinks._chromium import dump_dom, needs_chromium

@@ -17,23 +17,25 @@ from typing import Any
 
 import pytest
 
-from eventbus_debug import (
+from eventbus_debug import encode_event, read_events
+from eventbus_debug.events import (
     ErrorCategory,
     ErrorRaised,
+    Event,
     LossSpiked,
     MemorySampled,
     NonFiniteDetected,
     RecoveryAction,
     RecoveryApplied,
     RecoveryDecided,
+    SessionStarted,
+    SinkFailed,
     StepChecked,
+    StepCompleted,
     StepSkipped,
     TensorRole,
-    encode_event,
-    log_file_name,
-    read_events,
 )
-from eventbus_debug.events import Event, SessionStarted, SinkFailed, StepCompleted
+from eventbus_debug.log import log_file_name
 from eventbus_debug.sinks import (
     IncidentRow,
     RunAggregator,

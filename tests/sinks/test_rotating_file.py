@@ -13,17 +13,9 @@ from typing import ClassVar
 import anyio
 import pytest
 
-from eventbus_debug import (
-    Event,
-    EventBus,
-    EventDecodeError,
-    SinkFailed,
-    StepCompleted,
-    encode_event,
-    event_type,
-    read_events,
-)
-from eventbus_debug.events import LogWriteResumed
+from eventbus_debug import Event, EventBus, encode_event, event_type, read_events
+from eventbus_debug.events import LogWriteResumed, SinkFailed, StepCompleted
+from eventbus_debug.exceptions import EventDecodeError
 from eventbus_debug.sinks import (
     FileSinkStatistics,
     LogDirectoryError,

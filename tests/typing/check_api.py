@@ -14,7 +14,6 @@ from eventbus_debug import (
     Event,
     EventBus,
     Severity,
-    StepCompleted,
     Subscription,
     SubscriptionStatistics,
     SyncEventBus,
@@ -22,7 +21,8 @@ from eventbus_debug import (
     encode_event,
     event_type,
 )
-from eventbus_debug.encoding import encode_events
+from eventbus_debug.events import StepCompleted
+from eventbus_debug.log.encoding import encode_events
 from eventbus_debug.testing import RecordingSink, capture_events, make_sample_event
 
 

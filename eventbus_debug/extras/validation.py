@@ -19,10 +19,10 @@ from typing import ClassVar, Final
 
 import torch
 
-from .events import Anomaly, Event, Severity, event_type
-from .exceptions import EventBusError
-from .probes.finite import non_finite_counts, stored_values
-from .probes.tensor import dense_shape
+from ..events import Anomaly, Event, Severity, event_type
+from ..exceptions import EventBusError
+from ..probes.finite import non_finite_counts, stored_values
+from ..probes.tensor import dense_shape
 
 __all__ = (
     "InputSpec",

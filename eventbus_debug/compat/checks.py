@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .finite import stored_values
-from .levels import Cadence, Thresholds
-from .step import StepProbe, StepVerdict
+from ..probes.finite import stored_values
+from ..probes.levels import Cadence, Thresholds
+from ..probes.step import StepProbe, StepVerdict
 
 __all__ = (
     "GradientReport",

@@ -24,7 +24,7 @@ import anyio.lowlevel
 import torch
 from torch import nn
 
-from .events import Anomaly, Delivery, Event, Severity, event_type
+from ..events import Anomaly, Delivery, Event, Severity, event_type
 
 __all__ = (
     "ComponentInfo",

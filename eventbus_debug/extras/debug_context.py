@@ -27,7 +27,7 @@ from typing import Any, ClassVar, ParamSpec, TypeVar, cast, overload
 import psutil
 import torch
 
-from .events import Delivery, Event, Severity, event_type
+from ..events import Delivery, Event, Severity, event_type
 
 __all__ = ("DebugContext", "OperationCompleted", "debug_context")
 

@@ -22,9 +22,9 @@ import orjson
 
 from eventbus_debug.diagnostics import get_logger
 
+from ..events import Event
+from ..exceptions import EventDecodeError, LogReadError
 from .encoding import decode_event
-from .events import Event
-from .exceptions import EventDecodeError, LogReadError
 
 __all__ = (
     "LOG_STEM",

@@ -24,8 +24,8 @@ from typing import Any, Final
 
 import orjson
 
-from .events import Event, event_types
-from .exceptions import EventDecodeError
+from ..events import Event, event_types
+from ..exceptions import EventDecodeError
 
 __all__ = ("decode_event", "encode_event", "encode_events")
 

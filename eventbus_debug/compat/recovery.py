@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar, final
 
 from ..events import RecoveryAction
-from .engine import RecoveryEngine, Trigger
-from .retry import CallState, Retrying, _decorate, _RetryRequested
-from .strategies import Strategy, StrategyFunction
+from ..recovery.engine import RecoveryEngine, Trigger
+from ..recovery.retry import CallState, Retrying, _decorate, _RetryRequested
+from ..recovery.strategies import Strategy, StrategyFunction
 
 __all__ = ("DebugDecorator", "ErrorHandler", "HandledError")
 
