@@ -44,7 +44,7 @@ from ignite.utils import apply_to_type  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.hooks import RemovableHandle  # noqa: E402
 
-from ..events import NonFiniteDetected, TensorRole
+from ..events import NonFiniteDetected, TensorRole  # noqa: E402
 from ..session import SessionVerdict  # noqa: E402
 
 __all__ = ("EventBusDebugHandler",)
