@@ -1,0 +1,79 @@
+"""The one home of argument rules: each check raises a clear error naming what was wrong.
+
+A bool is never a number here (``True`` is not a capacity). Messages read
+``"<name> must be ..., got <value!r>"`` so a user sees both the rule and their value.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ("fraction", "non_negative", "positive_int", "positive_number", "positive_seconds")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value: object) -> int:
+    """*value* as an int >= 1.
+
+    Raises:
+        ValueError: if *value* is not an int >= 1 (bools refused).
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"{name} must be an int >= 1, got {value!r}"
+        raise ValueError(msg)
+    return value
+
+
+def positive_number(name: str, value: object) -> float:
+    """*value* as a finite float > 0.
+
+    Raises:
+        ValueError: if *value* is not a finite number > 0.
+    """
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type, operator]
+        msg = f"{name} must be a finite number > 0, got {value!r}"
+        raise ValueError(msg)
+    return float(value)  # type: ignore[arg-type]
+
+
+def positive_seconds(name: str, value: object) -> float:
+    """*value* as a duration in seconds: a finite number > 0.
+
+    Raises:
+        ValueError: if *value* is not a finite number of seconds > 0.
+    """
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type, operator]
+        msg = f"{name} must be a finite number of seconds > 0, got {value!r}"
+        raise ValueError(msg)
+    return float(value)  # type: ignore[arg-type]
+
+
+def non_negative(name: str, value: object) -> float:
+    """*value* as a finite float >= 0.
+
+    Raises:
+        ValueError: if *value* is not a finite number >= 0.
+    """
+    if not _is_number(value) or not math.isfinite(value) or value < 0:  # type: ignore[arg-type, operator]
+        msg = f"{name} must be a finite number >= 0, got {value!r}"
+        raise ValueError(msg)
+    return float(value)  # type: ignore[arg-type]
+
+
+def fraction(name: str, value: object, *, inclusive: bool = True) -> float:
+    """*value* as a float in [0, 1] (``inclusive``) or in (0, 1).
+
+    Raises:
+        ValueError: if *value* is not a number in the range.
+    """
+    ok = _is_number(value) and (
+        0.0 <= value <= 1.0 if inclusive else 0.0 < value < 1.0  # type: ignore[operator]
+    )
+    if not ok:
+        bounds = "in [0, 1]" if inclusive else "in (0, 1)"
+        msg = f"{name} must be a number {bounds}, got {value!r}"
+        raise ValueError(msg)
+    return float(value)  # type: ignore[arg-type]
