@@ -24,8 +24,8 @@ if TYPE_CHECKING:
         EventBus as EventBus,
         Subscription as Subscription,
         SubscriptionStatistics as SubscriptionStatistics,
+        SyncEventBus as SyncEventBus,
     )
-    from ._sync import SyncEventBus as SyncEventBus
     from .events import (
         Anomaly as Anomaly,
         Delivery as Delivery,
@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 _HOMES: dict[str, str] = {
     # the bus
     "EventBus": "._bus",
-    "SyncEventBus": "._sync",
+    "SyncEventBus": "._bus",
     "Subscription": "._bus",
     "BusStatistics": "._bus",
     "SubscriptionStatistics": "._bus",

@@ -39,8 +39,7 @@ from typing_extensions import Self
 
 from eventbus_debug.diagnostics import get_logger
 
-from ._bus import EventBus, Subscription
-from ._sync import SyncEventBus
+from ._bus import EventBus, Subscription, SyncEventBus
 from .events import (
     Anomaly,
     Event,

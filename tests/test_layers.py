@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "step_context",
     ),
     # 2: the canonical log and the bus
-    ("log", "_bus", "_sync"),
+    ("log", "_bus"),
     # 3: what watches training and what acts on it
     ("probes", "recovery"),
     # 4: the built-in subscribers (through the public API only)

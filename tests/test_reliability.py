@@ -18,7 +18,8 @@ import anyio.lowlevel
 import pytest
 import torch
 
-from eventbus_debug import EventBus, Session, _bus, read_events
+from eventbus_debug import EventBus, Session, read_events
+from eventbus_debug._bus import bus as _bus
 from eventbus_debug.events import (
     Event,
     EventsDropped,

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .._bus import EventBus
-from .._sync import SyncEventBus
+from .._bus import EventBus, SyncEventBus
 from ..events import Event
 
 __all__ = ("Publish", "publisher_for")

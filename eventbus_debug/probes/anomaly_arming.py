@@ -29,8 +29,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._bus import EventBus, Subscription
-from .._sync import SyncEventBus
+from .._bus import EventBus, Subscription, SyncEventBus
 from ..diagnostics import get_logger
 from ..events import AnomalyLocalized, NonFiniteDetected
 from .localize import FirstNonFiniteLocator

@@ -12,8 +12,7 @@ import torch
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._bus import EventBus
-from .._sync import SyncEventBus
+from .._bus import EventBus, SyncEventBus
 from ..events import AutogradAnomalyDetected
 from ._publish import publisher_for
 

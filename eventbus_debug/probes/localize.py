@@ -22,8 +22,7 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._bus import EventBus
-from .._sync import SyncEventBus
+from .._bus import EventBus, SyncEventBus
 from ..events import AnomalyLocalized, TensorRole
 from ._publish import publisher_for
 from .finite import stored_values

@@ -30,8 +30,7 @@ from typing_extensions import Self
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._bus import EventBus
-from .._sync import SyncEventBus
+from .._bus import EventBus, SyncEventBus
 from ..events import MemoryLeakSuspected, MemorySampled
 from ._publish import Publish, publisher_for
 

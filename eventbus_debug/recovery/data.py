@@ -23,8 +23,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._bus import EventBus
-from .._sync import SyncEventBus
+from .._bus import EventBus, SyncEventBus
 from ..events import SampleSkipped
 from ..step_context import StepSource, current_step
 from .classify import exception_names

@@ -20,8 +20,7 @@ import anyio.lowlevel
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._bus import EventBus, Subscription
-from .._sync import SyncEventBus
+from .._bus import EventBus, Subscription, SyncEventBus
 from ..events import (
     Anomaly,
     ErrorCategory,

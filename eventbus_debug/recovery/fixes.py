@@ -20,8 +20,7 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._bus import EventBus
-from .._sync import SyncEventBus
+from .._bus import EventBus, SyncEventBus
 from ..events import RecoveryAction, RecoveryApplied
 from .lr import scale_learning_rate
 from .safepoint import StateSnapshots

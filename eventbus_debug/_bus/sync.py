@@ -10,9 +10,9 @@ from typing import Any, TypeVar, final
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from typing_extensions import Self
 
-from ._bus import BusStatistics, EventBus, Subscription
-from .events import Delivery, Event
-from .exceptions import BusClosedError
+from ..events import Delivery, Event
+from ..exceptions import BusClosedError
+from .bus import BusStatistics, EventBus, Subscription
 
 __all__ = ("SyncEventBus",)
 

@@ -29,7 +29,7 @@ from typing_extensions import Self
 
 from eventbus_debug.diagnostics import get_logger
 
-from .events import (
+from ..events import (
     SELF_EXCLUDING,
     Delivery,
     Event,
@@ -42,7 +42,7 @@ from .events import (
     SinkUnresponsive,
     refresh_rank,
 )
-from .exceptions import BusClosedError, SubscriptionError
+from ..exceptions import BusClosedError, SubscriptionError
 
 __all__ = ("BusStatistics", "EventBus", "Subscription", "SubscriptionStatistics")
 
