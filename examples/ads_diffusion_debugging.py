@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from eventbus_debug import Session
-from eventbus_debug.extras import LatentAnomalyDetected, LatentMonitor, analyze_pipeline
+from eventbus_debug.events import LatentAnomalyDetected
+from eventbus_debug.extras import LatentMonitor, analyze_pipeline
 from eventbus_debug.testing import RecordingSink
 
 

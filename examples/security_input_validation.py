@@ -18,14 +18,8 @@ import torch
 from torch import nn
 
 from eventbus_debug import Session
-from eventbus_debug.extras import (
-    InputSpec,
-    InputValidationError,
-    InputValidationFailed,
-    InputValidator,
-    OutputAnomalyDetected,
-    OutputChecker,
-)
+from eventbus_debug.events import InputValidationFailed, OutputAnomalyDetected
+from eventbus_debug.extras import InputSpec, InputValidationError, InputValidator, OutputChecker
 from eventbus_debug.sinks import rules
 from eventbus_debug.testing import RecordingSink
 

@@ -8,7 +8,8 @@ never tensors. The modules group them by who publishes them:
   :func:`event_type` and the registry of kinds;
 - :mod:`.bus`: the bus's and sinks' own incidents; :mod:`.session`: a session's start, end
   and steps; :mod:`.training`: what the step probe sees; :mod:`.resources`: memory, system,
-  profiles, leaks; :mod:`.recovery`: errors, decisions and what recovery did.
+  profiles, leaks; :mod:`.recovery`: errors, decisions and what recovery did; :mod:`.extras`:
+  the opt-in features' events (latents, input and output checks, timed operations).
 """
 
 from __future__ import annotations
@@ -34,7 +35,17 @@ from .bus import (
     SinkFailed as SinkFailed,
     SinkUnresponsive as SinkUnresponsive,
 )
+from .extras import (
+    ComponentInfo as ComponentInfo,
+    InputValidationFailed as InputValidationFailed,
+    LatentAnomalyDetected as LatentAnomalyDetected,
+    LatentChecked as LatentChecked,
+    OperationCompleted as OperationCompleted,
+    OutputAnomalyDetected as OutputAnomalyDetected,
+    PipelineAnalyzed as PipelineAnalyzed,
+)
 from .recovery import (
+    CallSettings as CallSettings,
     ErrorCategory as ErrorCategory,
     ErrorRaised as ErrorRaised,
     RecoveryAction as RecoveryAction,
@@ -75,6 +86,8 @@ __all__ = (
     "Anomaly",
     "AnomalyLocalized",
     "AutogradAnomalyDetected",
+    "CallSettings",
+    "ComponentInfo",
     "Delivery",
     "ErrorCategory",
     "ErrorRaised",
@@ -83,12 +96,18 @@ __all__ = (
     "EventsUndelivered",
     "GradientExploded",
     "GradientVanished",
+    "InputValidationFailed",
+    "LatentAnomalyDetected",
+    "LatentChecked",
     "LogWriteResumed",
     "LoopStalled",
     "LossSpiked",
     "MemoryLeakSuspected",
     "MemorySampled",
     "NonFiniteDetected",
+    "OperationCompleted",
+    "OutputAnomalyDetected",
+    "PipelineAnalyzed",
     "ProfileCaptured",
     "RecoveryAction",
     "RecoveryApplied",

@@ -2,22 +2,18 @@
 output validation, diffusion latents, and timing a block of code.
 
 Each lives in its own module (:mod:`.optimization`, :mod:`.validation`, :mod:`.diffusion`,
-:mod:`.debug_context`); this package re-exports their names.
+:mod:`.debug_context`); this package re-exports their names. Their events are in
+:mod:`eventbus_debug.events` with the rest of the vocabulary.
 """
 
 from __future__ import annotations
 
 from .debug_context import (
     DebugContext as DebugContext,
-    OperationCompleted as OperationCompleted,
     debug_context as debug_context,
 )
 from .diffusion import (
-    ComponentInfo as ComponentInfo,
-    LatentAnomalyDetected as LatentAnomalyDetected,
-    LatentChecked as LatentChecked,
     LatentMonitor as LatentMonitor,
-    PipelineAnalyzed as PipelineAnalyzed,
     analyze_pipeline as analyze_pipeline,
 )
 from .optimization import (
@@ -33,9 +29,7 @@ from .optimization import (
 from .validation import (
     InputSpec as InputSpec,
     InputValidationError as InputValidationError,
-    InputValidationFailed as InputValidationFailed,
     InputValidator as InputValidator,
-    OutputAnomalyDetected as OutputAnomalyDetected,
     OutputChecker as OutputChecker,
     ValidationPolicy as ValidationPolicy,
     Violation as Violation,
@@ -43,21 +37,14 @@ from .validation import (
 )
 
 __all__ = (
-    "ComponentInfo",
     "DebugContext",
     "InputSpec",
     "InputValidationError",
-    "InputValidationFailed",
     "InputValidator",
-    "LatentAnomalyDetected",
-    "LatentChecked",
     "LatentMonitor",
-    "OperationCompleted",
     "OptimizationMode",
     "OptimizedStep",
-    "OutputAnomalyDetected",
     "OutputChecker",
-    "PipelineAnalyzed",
     "StepOutcome",
     "ValidationPolicy",
     "Violation",

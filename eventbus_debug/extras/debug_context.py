@@ -22,46 +22,18 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from types import TracebackType
-from typing import Any, ClassVar, ParamSpec, TypeVar, cast, overload
+from typing import Any, ParamSpec, TypeVar, cast, overload
 
 import psutil
 import torch
 
-from ..events import Delivery, Event, Severity, event_type
+from ..events import Event, OperationCompleted, Severity
 
-__all__ = ("DebugContext", "OperationCompleted", "debug_context")
+__all__ = ("DebugContext", "debug_context")
 
 P = ParamSpec("P")
 R = TypeVar("R")
 Publish = Callable[[Event], object]
-
-
-@event_type
-class OperationCompleted(Event):
-    """A timed block or function finished (telemetry).
-
-    Attributes:
-        name: the operation's name.
-        duration_s: its wall-clock duration.
-        cpu_time_s: the process CPU time it used (all threads).
-        rss_delta_bytes: the change of the process's resident memory.
-        rss_bytes: the resident memory at the end.
-        cuda_allocated_delta_bytes: the change of allocated CUDA memory (None without CUDA).
-        cuda_peak_bytes: the peak allocated CUDA memory during the block (None without CUDA).
-        error: the exception type that ended the block, if any.
-    """
-
-    kind: ClassVar[str] = "operation_completed"
-    delivery: ClassVar[Delivery] = Delivery.TELEMETRY
-    severity: Severity = Severity.DEBUG
-    name: str
-    duration_s: float
-    cpu_time_s: float = 0.0
-    rss_delta_bytes: int = 0
-    rss_bytes: int = 0
-    cuda_allocated_delta_bytes: int | None = None
-    cuda_peak_bytes: int | None = None
-    error: str | None = None
 
 
 class DebugContext:

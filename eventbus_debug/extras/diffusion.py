@@ -18,118 +18,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import anyio.lowlevel
 import torch
 from torch import nn
 
-from ..events import Anomaly, Delivery, Event, Severity, event_type
-
-__all__ = (
-    "ComponentInfo",
-    "LatentAnomalyDetected",
-    "LatentChecked",
-    "LatentMonitor",
-    "PipelineAnalyzed",
-    "analyze_pipeline",
+from ..events import (
+    ComponentInfo,
+    Event,
+    LatentAnomalyDetected,
+    LatentChecked,
+    PipelineAnalyzed,
+    Severity,
 )
 
+__all__ = ("LatentMonitor", "analyze_pipeline")
+
 Publish = Callable[[Event], object]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ComponentInfo:
-    """One component of a pipeline.
-
-    Attributes:
-        name: the component's name (``"unet"``).
-        module_type: its class name.
-        parameters: its parameter count.
-        trainable: how many of them require gradients.
-        size_bytes: the memory its parameters and buffers take.
-        dtypes: the parameter dtypes present, sorted.
-        devices: the devices its parameters live on, sorted.
-        training: whether it is in training mode.
-    """
-
-    name: str
-    module_type: str
-    parameters: int
-    trainable: int
-    size_bytes: int
-    dtypes: tuple[str, ...]
-    devices: tuple[str, ...]
-    training: bool
-
-
-@event_type
-class PipelineAnalyzed(Event):
-    """The components of a diffusion pipeline (parameter counts, dtypes, devices).
-
-    Attributes:
-        components: one entry per component.
-        total_parameters: the parameter count of all components (shared modules counted once).
-        mixed_dtypes: True when components disagree on dtype (a common cause of NaN latents).
-        mixed_devices: True when components live on different devices.
-    """
-
-    kind: ClassVar[str] = "pipeline_analyzed"
-    components: tuple[ComponentInfo, ...] = ()
-    total_parameters: int = 0
-    mixed_dtypes: bool = False
-    mixed_devices: bool = False
-
-
-@event_type
-class LatentChecked(Event):
-    """The statistics of one denoising step's latents (telemetry).
-
-    Attributes:
-        denoising_step: the index of the step in the sampling loop.
-        timestep: the scheduler's timestep, when given.
-        norm: the 2-norm of the latents divided by sqrt(numel) (an RMS, comparable across sizes).
-        mean: the mean of the latents.
-        std: their standard deviation.
-        finite: False when any element is NaN or infinite.
-        norm_ratio: ``norm`` relative to the previous step's.
-    """
-
-    kind: ClassVar[str] = "latent_checked"
-    delivery: ClassVar[Delivery] = Delivery.TELEMETRY
-    severity: Severity = Severity.DEBUG
-    denoising_step: int
-    timestep: int | None = None
-    norm: float
-    mean: float
-    std: float
-    finite: bool = True
-    norm_ratio: float | None = None
-
-
-@event_type
-class LatentAnomalyDetected(Anomaly):
-    """A denoising step's latents became non-finite or their norm drifted.
-
-    Attributes:
-        denoising_step: the index of the step in the sampling loop.
-        timestep: the scheduler's timestep, when given.
-        rule: ``"non_finite"`` or ``"norm_drift"``.
-        message: the anomaly in words.
-        norm: the latents' RMS at this step.
-        reference_norm: the RMS it is compared with (the previous step's).
-        nonfinite_count: NaN or infinite elements.
-    """
-
-    kind: ClassVar[str] = "latent_anomaly_detected"
-    severity: Severity = Severity.WARNING
-    denoising_step: int
-    timestep: int | None = None
-    rule: str
-    message: str
-    norm: float | None = None
-    reference_norm: float | None = None
-    nonfinite_count: int = 0
 
 
 def _components(pipeline: object) -> dict[str, nn.Module]:

@@ -15,11 +15,11 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import ClassVar, Final
+from typing import Final
 
 import torch
 
-from ..events import Anomaly, Event, Severity, event_type
+from ..events import Event, InputValidationFailed, OutputAnomalyDetected, Severity
 from ..exceptions import EventBusError
 from ..probes.finite import non_finite_counts, stored_values
 from ..probes.tensor import dense_shape
@@ -27,9 +27,7 @@ from ..probes.tensor import dense_shape
 __all__ = (
     "InputSpec",
     "InputValidationError",
-    "InputValidationFailed",
     "InputValidator",
-    "OutputAnomalyDetected",
     "OutputChecker",
     "ValidationPolicy",
     "Violation",
@@ -39,60 +37,6 @@ __all__ = (
 Publish = Callable[[Event], object]
 
 _RULES: Final = ("non_finite", "range", "shape", "dtype")
-
-
-@event_type
-class InputValidationFailed(Anomaly):
-    """A batch broke a rule of its :class:`InputSpec`.
-
-    Attributes:
-        name: what was validated (``"inputs"``, a feature name...).
-        rule: ``"non_finite"``, ``"range"``, ``"shape"`` or ``"dtype"``.
-        message: the violation in words.
-        nan_count: NaN elements (``non_finite`` rule).
-        inf_count: infinite elements (``non_finite`` rule).
-        min_value: the smallest finite value seen.
-        max_value: the largest finite value seen.
-        shape: the batch's shape.
-        dtype: the batch's dtype.
-    """
-
-    kind: ClassVar[str] = "input_validation_failed"
-    severity: Severity = Severity.ERROR
-    name: str
-    rule: str
-    message: str
-    nan_count: int = 0
-    inf_count: int = 0
-    min_value: float | None = None
-    max_value: float | None = None
-    shape: tuple[int, ...] = ()
-    dtype: str = ""
-
-
-@event_type
-class OutputAnomalyDetected(Anomaly):
-    """A model's outputs look wrong: non-finite, out of the expected range, or collapsed.
-
-    Attributes:
-        name: what was checked (``"outputs"``, ``"probabilities"``...).
-        rule: ``"non_finite"``, ``"range"`` or ``"collapsed"`` (predictions nearly identical).
-        message: the anomaly in words.
-        min_value: the smallest finite output.
-        max_value: the largest finite output.
-        std: the standard deviation of the finite outputs.
-        nonfinite_count: NaN or infinite elements.
-    """
-
-    kind: ClassVar[str] = "output_anomaly_detected"
-    severity: Severity = Severity.WARNING
-    name: str
-    rule: str
-    message: str
-    min_value: float | None = None
-    max_value: float | None = None
-    std: float | None = None
-    nonfinite_count: int = 0
 
 
 class InputValidationError(EventBusError, ValueError):

@@ -9,19 +9,16 @@ from torch import nn
 
 from eventbus_debug import DebugLevel, DebugMode, EventBus, Session, SyncSession, read_events
 from eventbus_debug.events import (
+    InputValidationFailed,
     NonFiniteDetected,
+    OperationCompleted,
     SessionEnded,
     SessionStarted,
     StepChecked,
     StepCompleted,
     StepSkipped,
 )
-from eventbus_debug.extras import (
-    InputSpec,
-    InputValidationFailed,
-    OperationCompleted,
-    OutputChecker,
-)
+from eventbus_debug.extras import InputSpec, OutputChecker
 from eventbus_debug.modes import plan_for
 from eventbus_debug.session import create_pytorch_debugger, debug_training_step
 from eventbus_debug.testing import RecordingSink

@@ -1,3 +1,5 @@
+"""extras.optimization: AMP, compilation, gradient checkpointing and accumulation."""
+
 from __future__ import annotations
 
 import pytest

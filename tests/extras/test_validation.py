@@ -1,3 +1,5 @@
+"""extras.validation: input specs, the validator's policies and the output checker."""
+
 from __future__ import annotations
 
 import math
@@ -10,13 +12,11 @@ import torch
 from torch import nn
 
 from eventbus_debug import EventBus, Session, SyncSession
-from eventbus_debug.events import StepSkipped
+from eventbus_debug.events import InputValidationFailed, OutputAnomalyDetected, StepSkipped
 from eventbus_debug.extras.validation import (
     InputSpec,
     InputValidationError,
-    InputValidationFailed,
     InputValidator,
-    OutputAnomalyDetected,
     OutputChecker,
     ValidationPolicy,
     validate_input,
