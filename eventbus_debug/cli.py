@@ -36,6 +36,7 @@ import orjson
 
 from .diagnostics import LOGGER_NAME
 from .events import Event, SessionEnded, Severity, event_types
+from .events.describe import describe_line
 from .exceptions import EventBusError, EventDecodeError, LogReadError
 from .log.encoding import decode_event, encode_event
 from .log.files import log_files, read_events
@@ -212,9 +213,7 @@ def _summarize(logdir: Path, *, strict: bool) -> RunSummary:
 
 def format_event(event: Event, /, *, colors: bool = False) -> str:
     """One human-readable line for *event*: what ``tail`` prints, the console sink's line."""
-    from .sinks.lines import format_event as _format
-
-    return _format(event, colors=colors)
+    return describe_line(event, colors=colors)
 
 
 def _colors(choice: str, out: IO[str]) -> bool:

@@ -15,7 +15,7 @@ import pytest
 from eventbus_debug import encode_event
 from eventbus_debug.cli import LogFollower, format_event, main
 from eventbus_debug.events import Event, SessionEnded, StepCompleted
-from tests.sinks.test_report import scripted_events
+from tests.sinks.report.test_writer import scripted_events
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -265,6 +265,31 @@ def test_console_script_subprocess(logdir: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert orjson.loads(done.stdout)["steps"] == 20
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_summary_imports_no_torch_nor_writing_sinks(logdir: Path, as_json: bool) -> None:
+    """``summary`` on a log imports neither torch, the session nor the sinks that write."""
+    heavy = ("torch", "eventbus_debug.session", "eventbus_debug.sinks.alerts.sink", "anyio")
+    argv = ["summary", str(logdir), *(["--json"] if as_json else [])]
+    code = (
+        "import sys\n"
+        "from eventbus_debug.cli import main\n"
+        f"code = main({argv!r})\n"
+        f"loaded = sorted(m for m in {heavy!r} if m in sys.modules)\n"
+        "print('LOADED', loaded, file=sys.stderr)\n"
+        "raise SystemExit(code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "LOADED []" in done.stderr, done.stderr
+    assert ("steps" in done.stdout) and ("20" in done.stdout)
 
 
 class TestVersionAndKinds:

@@ -24,7 +24,7 @@ def resolve_stream(stream: IO[str] | None) -> IO[str]:
     target: IO[str] = stream if stream is not None else sys.stderr
     for current in (sys.stderr, sys.stdout):
         if current is not target and getattr(current, "rich_proxied_file", None) is target:
-            return current  # type: ignore[no-any-return]
+            return current
     return target
 
 

@@ -49,9 +49,9 @@ import ipaddress
 import socket
 import time
 from collections import deque
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, TypeAlias, runtime_checkable
 
 import anyio
 import anyio.to_thread
@@ -63,8 +63,8 @@ from eventbus_debug.diagnostics import get_logger
 from eventbus_debug.events import Event
 from eventbus_debug.log.encoding import encode_event
 
-from .report_html import CONTENT_SECURITY_POLICY, render_html
-from .report_summary import RunAggregator, RunSummary, summary_to_dict
+from .report import RunAggregator, RunSummary, render_html, summary_to_dict
+from .report.html import CONTENT_SECURITY_POLICY
 
 try:
     import uvicorn
@@ -83,7 +83,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     )
     raise ImportError(msg) from None
 
-__all__ = ("DebugServer", "LevelTarget", "SummarySource")
+__all__ = ("DebugServer", "LevelHolder", "LevelSetter", "LevelTarget", "SummarySource")
 
 _log = get_logger(__name__)
 
@@ -111,7 +111,21 @@ class SummarySource(Protocol):
     def clear(self) -> None: ...
 
 
-LevelTarget = Any
+@runtime_checkable
+class LevelSetter(Protocol):
+    """An object whose debug level is changed by calling ``set_level(level)``."""
+
+    def set_level(self, level: DebugLevel, /) -> object: ...
+
+
+@runtime_checkable
+class LevelHolder(Protocol):
+    """An object with a settable ``level`` attribute."""
+
+    level: DebugLevel
+
+
+LevelTarget: TypeAlias = LevelSetter | LevelHolder | Callable[[DebugLevel], object]
 """What ``POST /debug/level`` changes: an object with a ``set_level(level)`` method, an object
 with a settable ``level`` attribute, or a callable taking the new :class:`DebugLevel`."""
 
@@ -120,7 +134,8 @@ class _JSON(Response):
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
+        data: bytes = orjson.dumps(content)
+        return data
 
 
 class _Server(uvicorn.Server):
@@ -751,10 +766,9 @@ class DebugServer:
                 status_code=409,
             )
         previous = self._current_level()
-        setter = getattr(target, "set_level", None)
-        if callable(setter):
-            setter(level)
-        elif hasattr(target, "level"):
+        if isinstance(target, LevelSetter):
+            target.set_level(level)
+        elif isinstance(target, LevelHolder):
             target.level = level
         else:
             target(level)

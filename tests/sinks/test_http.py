@@ -10,7 +10,7 @@ from eventbus_debug import DebugLevel, EventBus
 from eventbus_debug.events import StepCompleted
 from eventbus_debug.sinks import ReportWriter
 from eventbus_debug.sinks.http import DebugServer
-from tests.sinks.test_report import scripted_events
+from tests.sinks.report.test_writer import scripted_events
 
 
 class LevelHolder:

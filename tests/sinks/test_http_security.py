@@ -20,8 +20,8 @@ from eventbus_debug import DebugLevel
 from eventbus_debug.sinks import ReportWriter, http as http_module
 from eventbus_debug.sinks.http import DebugServer
 from tests.sinks._chromium import dump_dom, needs_chromium
+from tests.sinks.report.test_writer import scripted_events
 from tests.sinks.test_http import LevelHolder
-from tests.sinks.test_report import scripted_events
 
 JSON = {"content-type": "application/json"}
 

@@ -9,16 +9,12 @@ time of aggregation, so a report rebuilt from the JSON-lines log equals the live
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import deque
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Final
+from collections.abc import Iterable
+from typing import Final
 
 from eventbus_debug.events import (
     Anomaly,
-    AnomalyLocalized,
-    AutogradAnomalyDetected,
     ErrorRaised,
     Event,
     EventsDropped,
@@ -26,12 +22,10 @@ from eventbus_debug.events import (
     GradientExploded,
     GradientVanished,
     LossSpiked,
-    MemoryLeakSuspected,
     MemorySampled,
     NonFiniteDetected,
     RecoveryApplied,
     RecoveryDecided,
-    ResourceThresholdExceeded,
     SessionStarted,
     Severity,
     SinkDisabled,
@@ -42,24 +36,30 @@ from eventbus_debug.events import (
     SystemSampled,
     TensorRole,
 )
+from eventbus_debug.events.describe import describe
+
+from ._stats import _LayerGrid, _RankSum, _RunningStat, _Series, _Trend
+from .summary import (
+    IncidentRow,
+    LatestValues,
+    Marker,
+    MemoryStats,
+    RunInfo,
+    RunSummary,
+    SinkStats,
+    SystemStats,
+)
 
 __all__ = (
-    "IncidentRow",
-    "LatestValues",
-    "LayerSeries",
-    "Marker",
-    "MemoryStats",
+    "DEFAULT_LAYER_POINTS",
+    "DEFAULT_MAX_INCIDENTS",
+    "DEFAULT_MAX_LAYERS",
+    "DEFAULT_MAX_MARKERS",
+    "DEFAULT_MAX_POINTS",
+    "RUN_JOIN_WINDOW_S",
     "RunAggregator",
-    "RunInfo",
-    "RunSummary",
-    "SeriesPoint",
-    "SinkStats",
-    "Stat",
-    "SystemStats",
-    "describe_incident",
     "summarize",
     "summarize_runs",
-    "summary_to_dict",
 )
 
 DEFAULT_MAX_POINTS: Final = 1000
@@ -75,302 +75,8 @@ _MAX_PENDING: Final = 64
 _MAX_GROUPS: Final = 4096
 """How many recent incidents are remembered for recognising the same incident on another rank
 (an incident at the same step, of the same kind, the same occurrence of it on each rank)."""
-RANK_SUM_WINDOW: Final = 64
-"""Throughput is summed over the ranks at each step; a step's values wait among this many most
-recent steps for the other ranks' (a merged log interleaves the ranks by time, so the ranks of a
-data-parallel job are at most a step or two apart in it)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Stat:
-    """Mean, minimum and maximum of a sampled quantity (finite samples only)."""
-
-    samples: int
-    mean: float | None
-    min: float | None
-    max: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class SeriesPoint:
-    """One point of a downsampled series: a bucket of ``stride`` consecutive steps.
-
-    Attributes:
-        step: the first step seen in the bucket.
-        mean: the mean of the bucket's finite values (``None`` when none was finite).
-        min: the smallest finite value.
-        max: the largest finite value.
-        count: how many values fell in the bucket.
-        nonfinite: how many of them were NaN or infinite.
-    """
-
-    step: int
-    mean: float | None
-    min: float | None
-    max: float | None
-    count: int
-    nonfinite: int
-
-
-@dataclass(frozen=True, slots=True)
-class Marker:
-    """Something to mark on the plots at a step: an anomaly or a recovery action."""
-
-    step: int
-    kind: str
-    label: str
-    recovery: bool
-
-
-@dataclass(frozen=True, slots=True)
-class IncidentRow:
-    """One incident in the report's table.
-
-    ``caused_by`` and ``led_to`` link the recovery chain, by ``seq`` on the same rank: a
-    :class:`~eventbus_debug.RecoveryDecided` is caused by the incident of its ``trigger_seq``
-    and leads to the :class:`~eventbus_debug.RecoveryApplied` that carried it out (the next one
-    of the same action on the same rank); an incident leads to the decisions it triggered.
-
-    ``ranks`` names every rank that had this incident: the same kind at the same step (the
-    same occurrence of it on each rank) on several ranks is one row. ``rank``, ``seq`` and the
-    links are those of the first rank seen with it.
-    """
-
-    seq: int
-    time_ns: int
-    step: int | None
-    rank: int
-    kind: str
-    severity: str
-    source: str
-    message: str
-    caused_by: int | None = None
-    led_to: tuple[int, ...] = ()
-    ranks: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class LayerSeries:
-    """A per-layer (per-parameter) series, e.g. one row of the gradient-norm heatmap."""
-
-    name: str
-    points: tuple[SeriesPoint, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class LatestValues:
-    """The most recent value of each headline quantity (``None`` until one was seen)."""
-
-    step: int | None
-    loss: float | None
-    grad_norm: float | None
-    learning_rate: float | None
-    samples_per_s: float | None
-    step_duration_s: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class RunInfo:
-    """One run found in the events: what a ``SessionStarted`` announced, and what followed.
-
-    Attributes:
-        run_id: the session's run id (``""``: events before any ``SessionStarted``).
-        name: the session's name.
-        started_ns: when the run started (its first ``SessionStarted``).
-        ranks: the ranks that started it.
-        events: how many events belong to it (on each rank, those after its start).
-        shown: whether this summary describes it.
-    """
-
-    run_id: str
-    name: str
-    started_ns: int | None
-    ranks: tuple[int, ...]
-    events: int
-    shown: bool
-
-
-@dataclass(frozen=True, slots=True)
-class MemoryStats:
-    """Process (and device) memory over the run.
-
-    Attributes:
-        samples: how many ``MemorySampled`` events were seen.
-        first_rss_bytes / last_rss_bytes / peak_rss_bytes: resident set size.
-        rss_trend_bytes_per_step: the least-squares slope of RSS over steps (``None`` with fewer
-            than two distinct steps); a steadily positive trend is what a leak looks like.
-        peak_cuda_allocated_bytes / peak_cuda_reserved_bytes: device peaks, when sampled.
-        cuda_ooms: the largest out-of-memory count reported by the allocator.
-    """
-
-    samples: int
-    first_rss_bytes: int | None
-    last_rss_bytes: int | None
-    peak_rss_bytes: int | None
-    rss_trend_bytes_per_step: float | None
-    peak_cuda_allocated_bytes: int | None
-    peak_cuda_reserved_bytes: int | None
-    cuda_ooms: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class SystemStats:
-    """Host (and GPU) utilisation over the time span of the samples (the seeds' performance
-    summary)."""
-
-    samples: int
-    span_s: float
-    cpu_percent: Stat
-    memory_percent: Stat
-    disk_percent: Stat
-    gpu_utilization: Stat
-    gpu_memory_percent: Stat
-
-
-@dataclass(frozen=True, slots=True)
-class SinkStats:
-    """What the sinks reported about themselves: shed telemetry, losses at close, failures."""
-
-    dropped: Mapping[str, int]
-    undelivered: Mapping[str, int]
-    failures: Mapping[str, int]
-    disabled: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunSummary:
-    """Everything the report says about a run, as typed values.
-
-    Rates are per step: ``anomaly_rate`` is the fraction of steps with at least one anomaly;
-    the other rates are incident counts divided by ``steps``.
-
-    Several ranks (a merged log of a ``torch.distributed`` job) describe one run: ``steps`` is
-    the number of training steps, not ranks × steps (the ranks of a data-parallel job complete
-    the same steps: it is the count of the rank that completed the most; ``steps_by_rank``
-    has each rank's). An incident that several ranks had (same step, same kind) is one row
-    naming them (:attr:`IncidentRow.ranks`) and is counted once, in the anomaly and recovery
-    counts too; ``incidents_by_rank`` counts each rank's. ``samples_per_s`` is the global
-    throughput, summed over the ranks at each step; the other series (loss, step duration,
-    memory...) are the mean over the ranks at each step, their min–max the spread across
-    ranks. One rank's summary is what it was before any of this.
-    """
-
-    events: int
-    counts_by_kind: Mapping[str, int]
-    counts_by_severity: Mapping[str, int]
-    ranks: tuple[int, ...]
-    started_ns: int | None
-    ended_ns: int | None
-    duration_s: float
-    steps: int
-    steps_by_rank: Mapping[int, int]
-    first_step: int | None
-    last_step: int | None
-    steps_per_s: float | None
-    anomalies: int
-    anomaly_steps: int
-    anomaly_rate: float
-    loss_anomalies: int
-    loss_anomaly_rate: float
-    gradient_explosions: int
-    gradient_explosion_rate: float
-    gradient_vanishings: int
-    gradient_vanishing_rate: float
-    non_finite: int
-    first_anomaly_step: int | None
-    last_anomaly_step: int | None
-    anomalies_by_kind: Mapping[str, int]
-    recovery_decisions: Mapping[str, int]
-    recovery_outcomes: Mapping[str, int]
-    steps_skipped: int
-    errors_by_category: Mapping[str, int]
-    memory: MemoryStats
-    system: SystemStats
-    sinks: SinkStats
-    loss: tuple[SeriesPoint, ...]
-    grad_norm: tuple[SeriesPoint, ...]
-    learning_rate: tuple[SeriesPoint, ...]
-    samples_per_s: tuple[SeriesPoint, ...]
-    step_duration_s: tuple[SeriesPoint, ...]
-    rss_bytes: tuple[SeriesPoint, ...]
-    cuda_allocated_bytes: tuple[SeriesPoint, ...]
-    cuda_reserved_bytes: tuple[SeriesPoint, ...]
-    host_memory_percent: tuple[SeriesPoint, ...]
-    layer_grad_norms: tuple[LayerSeries, ...]
-    update_ratios: tuple[LayerSeries, ...]
-    layers_omitted: int
-    latest: LatestValues
-    markers: tuple[Marker, ...]
-    incidents_total: int
-    incidents: tuple[IncidentRow, ...]
-    incidents_by_rank: Mapping[int, int]
-    run_id: str | None = None
-    runs: tuple[RunInfo, ...] = ()
-
-    @property
-    def mixed_runs(self) -> bool:
-        """True when this summary folds the events of more than one run together."""
-        return sum(1 for r in self.runs if r.shown) > 1
-
-    def training_summary(self) -> dict[str, Any]:
-        """The seeds' ``get_training_summary()`` shape: step counts and rates, JSON-ready."""
-        return {
-            "total_steps": self.steps,
-            "anomaly_steps": self.anomaly_steps,
-            "gradient_explosions": self.gradient_explosions,
-            "gradient_vanishing": self.gradient_vanishings,
-            "loss_anomalies": self.loss_anomalies,
-            "anomaly_rate": self.anomaly_rate,
-            "loss_anomaly_rate": self.loss_anomaly_rate,
-            "gradient_explosion_rate": self.gradient_explosion_rate,
-            "gradient_vanishing_rate": self.gradient_vanishing_rate,
-            "first_anomaly_step": self.first_anomaly_step,
-            "last_anomaly_step": self.last_anomaly_step,
-        }
-
-
-def summary_to_dict(summary: RunSummary, /) -> dict[str, Any]:
-    """A JSON-ready mapping of *summary* (non-finite floats written as ``"NaN"``/``"Infinity"``)."""
-    result: dict[str, Any] = _jsonable(dataclasses.asdict(summary))
-    return result
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "NaN"
-        if math.isinf(value):
-            return "Infinity" if value > 0 else "-Infinity"
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-class _RunningStat:
-    __slots__ = ("max", "min", "n", "total")
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.total = 0.0
-        self.min: float | None = None
-        self.max: float | None = None
-
-    def add(self, value: float | None) -> None:
-        if value is None or not math.isfinite(value):
-            return
-        self.n += 1
-        self.total += value
-        self.min = value if self.min is None else min(self.min, value)
-        self.max = value if self.max is None else max(self.max, value)
-
-    def freeze(self) -> Stat:
-        return Stat(self.n, self.total / self.n if self.n else None, self.min, self.max)
-
-
-_isfinite = math.isfinite
 _ALWAYS_LISTED: Final = (
     Anomaly,
     RecoveryDecided,
@@ -384,184 +90,6 @@ _ALWAYS_LISTED: Final = (
 """Incidents listed whatever their severity (the others from WARNING up)."""
 
 
-class _Bucket:
-    __slots__ = ("count", "index", "max", "min", "nonfinite", "step", "total")
-
-    def __init__(self, index: int, step: int) -> None:
-        self.index = index
-        self.step = step
-        self.count = 0
-        self.nonfinite = 0
-        self.total = 0.0
-        self.min: float | None = None
-        self.max: float | None = None
-
-    def add(self, value: float) -> None:
-        self.count += 1
-        if not _isfinite(value):
-            self.nonfinite += 1
-            return
-        self.total += value
-        low = self.min
-        if low is None or value < low:
-            self.min = value
-        high = self.max
-        if high is None or value > high:
-            self.max = value
-
-    def merge(self, other: _Bucket) -> None:
-        self.step = min(self.step, other.step)
-        self.count += other.count
-        self.nonfinite += other.nonfinite
-        self.total += other.total
-        for v in (other.min, other.max):
-            if v is not None:
-                self.min = v if self.min is None else min(self.min, v)
-                self.max = v if self.max is None else max(self.max, v)
-
-    def freeze(self) -> SeriesPoint:
-        finite = self.count - self.nonfinite
-        mean = self.total / finite if finite else None
-        return SeriesPoint(self.step, mean, self.min, self.max, self.count, self.nonfinite)
-
-
-class _Series:
-    """A series over steps in at most *max_points* buckets; the stride doubles when full."""
-
-    __slots__ = ("buckets", "max_points", "stride")
-
-    def __init__(self, max_points: int) -> None:
-        self.max_points = max_points
-        self.stride = 1
-        self.buckets: list[_Bucket] = []
-
-    def add(self, step: int, value: float) -> None:
-        index = step // self.stride
-        buckets = self.buckets
-        if buckets:
-            last = buckets[-1]
-            if last.index == index:  # the common case, inlined: one call per value
-                last.count += 1
-                if not _isfinite(value):
-                    last.nonfinite += 1
-                    return
-                last.total += value
-                low = last.min
-                if low is None or value < low:
-                    last.min = value
-                high = last.max
-                if high is None or value > high:
-                    last.max = value
-                return
-        if buckets and index < buckets[-1].index:
-            # Out-of-order step (a restored checkpoint replays steps): find its bucket.
-            for b in reversed(buckets):
-                if b.index == index:
-                    b.add(value)
-                    return
-        bucket = _Bucket(index, step)
-        bucket.add(value)
-        buckets.append(bucket)
-        if len(buckets) > 1 and buckets[-2].index > index:
-            buckets.sort(key=lambda b: b.index)
-        if len(buckets) > self.max_points:
-            self._halve()
-
-    def _halve(self) -> None:
-        self.stride *= 2
-        merged: list[_Bucket] = []
-        for b in self.buckets:
-            b.index //= 2
-            if merged and merged[-1].index == b.index:
-                merged[-1].merge(b)
-            else:
-                merged.append(b)
-        self.buckets = merged
-
-    def freeze(self) -> tuple[SeriesPoint, ...]:
-        return tuple(b.freeze() for b in self.buckets)
-
-    def clone(self) -> _Series:
-        copy = _Series(self.max_points)
-        copy.stride = self.stride
-        for b in self.buckets:
-            c = _Bucket(b.index, b.step)
-            c.count, c.nonfinite, c.total, c.min, c.max = (
-                b.count,
-                b.nonfinite,
-                b.total,
-                b.min,
-                b.max,
-            )
-            copy.buckets.append(c)
-        return copy
-
-
-class _RankSum:
-    """A per-rank quantity summed over the ranks at each step (the global throughput of a
-    data-parallel job), fed to a :class:`_Series` one value per step.
-
-    While the events name one rank (the live writer, a single-rank log), the aggregator holds
-    only the latest value back in ``held`` (it goes to the series when the next one comes), so
-    a second rank appearing within a step still adds to it; then :meth:`add` sums. A step's sum
-    waits among the :data:`RANK_SUM_WINDOW` most recent steps for the other ranks'
-    values; it goes to the series when it leaves that window, when the same rank gives a value
-    for the same step again (a replayed step: everything waiting goes first, so one rank's
-    values reach the series in the order they came), or, on a copy, when the summary is frozen.
-    O(1) per value.
-    """
-
-    __slots__ = ("held", "pending", "series", "window")
-
-    def __init__(self, series: _Series, window: int = RANK_SUM_WINDOW) -> None:
-        self.series = series
-        self.window = window
-        # step -> [sum over the ranks so far, the first rank, the other ranks (or None)]
-        self.pending: dict[int, list[Any]] = {}
-        self.held: tuple[int, int, float] | None = None  # (step, rank, value) of add_one
-
-    def add(self, step: int, rank: int, value: float) -> float | None:
-        """Add *rank*'s *value* at *step*; the step's sum so far when it is the newest step
-        waiting (``None`` for a value that completes an older step)."""
-        pending = self.pending
-        held = self.held
-        if held is not None:
-            self.held = None
-            pending[held[0]] = [held[2], held[1], None]
-        entry = pending.get(step)
-        if entry is not None:
-            others: set[int] | None = entry[2]
-            if rank != entry[1] and (others is None or rank not in others):
-                entry[0] += value
-                if others is None:
-                    entry[2] = {rank}
-                else:
-                    others.add(rank)
-                return float(entry[0]) if next(reversed(pending)) == step else None
-            self.flush()
-        pending[step] = [value, rank, None]
-        if len(pending) > self.window:
-            oldest = next(iter(pending))
-            self.series.add(oldest, pending.pop(oldest)[0])
-        return value
-
-    def flush(self) -> None:
-        series = self.series
-        for step, entry in self.pending.items():
-            series.add(step, entry[0])
-        self.pending.clear()
-
-    def freeze(self) -> tuple[SeriesPoint, ...]:
-        if not self.pending and self.held is None:
-            return self.series.freeze()
-        copy = self.series.clone()
-        if self.held is not None:
-            copy.add(self.held[0], self.held[2])
-        for step, entry in self.pending.items():
-            copy.add(step, entry[0])
-        return copy.freeze()
-
-
 class _RowState:
     """An incident row being built: its first rank's row and every rank that had it."""
 
@@ -570,207 +98,6 @@ class _RowState:
     def __init__(self, row: IncidentRow) -> None:
         self.row = row
         self.ranks = [row.rank]
-
-
-class _Column:
-    __slots__ = ("cells", "index", "step")
-
-    def __init__(self, index: int, step: int) -> None:
-        self.index = index
-        self.step = step
-        # name -> [sum of finite values, finite count, non-finite count]
-        self.cells: dict[str, list[float]] = {}
-
-    def merge(self, other: _Column) -> None:
-        self.step = min(self.step, other.step)
-        cells = self.cells
-        for name, (total, finite, nonfinite) in other.cells.items():
-            cell = cells.get(name)
-            if cell is None:
-                cells[name] = [total, finite, nonfinite]
-            else:
-                cell[0] += total
-                cell[1] += finite
-                cell[2] += nonfinite
-
-
-class _LayerGrid:
-    """Per-layer values over steps, for a heatmap: one column per bucket of steps shared by
-    every layer (at most *max_points*; the stride doubles when full), the bucket mean per
-    layer. O(1) per value (a dict lookup and two additions), and once *max_layers* layers are
-    known, O(max_layers) per step whatever the model's size."""
-
-    __slots__ = ("columns", "max_layers", "max_points", "names", "omitted", "stride")
-
-    def __init__(self, max_points: int, max_layers: int) -> None:
-        self.max_points = max_points
-        self.max_layers = max_layers
-        self.stride = 1
-        self.columns: list[_Column] = []
-        self.names: dict[str, None] = {}
-        self.omitted = 0
-
-    def _column(self, step: int) -> _Column:
-        index = step // self.stride
-        columns = self.columns
-        if columns and columns[-1].index == index:
-            return columns[-1]
-        if columns and index < columns[-1].index:
-            for column in reversed(columns):
-                if column.index == index:
-                    return column
-        column = _Column(index, step)
-        columns.append(column)
-        if len(columns) > 1 and columns[-2].index > index:
-            columns.sort(key=lambda c: c.index)
-        if len(columns) > self.max_points:
-            self.stride *= 2
-            merged: list[_Column] = []
-            for c in columns:
-                c.index //= 2
-                if merged and merged[-1].index == c.index:
-                    merged[-1].merge(c)
-                else:
-                    merged.append(c)
-            self.columns = merged
-            return self._column(step)
-        return column
-
-    def add(self, step: int, values: Mapping[str, float]) -> None:
-        cells = self._column(step).cells
-        names = self.names
-        if len(names) >= self.max_layers:
-            # full: look up the kept layers only, never walk a huge model's every parameter
-            pairs: Iterable[tuple[str, float | None]] = [(n, values.get(n)) for n in names]
-            kept = sum(1 for _, v in pairs if v is not None)
-            self.omitted = max(self.omitted, len(values) - kept)
-        else:
-            pairs = values.items()
-        for name, value in pairs:
-            if value is None:
-                continue
-            cell = cells.get(name)
-            if cell is None:
-                if name not in names:
-                    if len(names) >= self.max_layers:
-                        self.omitted = max(self.omitted, len(values) - len(names))
-                        continue
-                    names[name] = None
-                cell = cells[name] = [0.0, 0, 0]
-            if _isfinite(value):
-                cell[0] += value
-                cell[1] += 1
-            else:
-                cell[2] += 1
-
-    def freeze(self) -> tuple[LayerSeries, ...]:
-        out = []
-        for name in self.names:
-            points = []
-            for column in self.columns:
-                cell = column.cells.get(name)
-                if cell is None:
-                    continue
-                total, finite, nonfinite = cell[0], int(cell[1]), int(cell[2])
-                mean = total / finite if finite else None
-                points.append(
-                    SeriesPoint(column.step, mean, None, None, finite + nonfinite, nonfinite)
-                )
-            out.append(LayerSeries(name, tuple(points)))
-        return tuple(out)
-
-
-class _Trend:
-    """Online least-squares slope of y over x."""
-
-    __slots__ = ("n", "sx", "sxx", "sxy", "sy")
-
-    def __init__(self) -> None:
-        self.n = 0
-        self.sx = self.sy = self.sxx = self.sxy = 0.0
-
-    def add(self, x: float, y: float) -> None:
-        self.n += 1
-        self.sx += x
-        self.sy += y
-        self.sxx += x * x
-        self.sxy += x * y
-
-    def slope(self) -> float | None:
-        if self.n < 2:
-            return None
-        den = self.n * self.sxx - self.sx * self.sx
-        if den <= 0:
-            return None
-        return (self.n * self.sxy - self.sx * self.sy) / den
-
-
-def _fmt(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.4g}"
-
-
-def describe_incident(event: Event) -> str:
-    """A one-line description of an incident for the report table and the command line."""
-    match event:
-        case NonFiniteDetected():
-            names = ", ".join(event.names[:3]) + ("..." if len(event.names) > 3 else "")
-            counts = []
-            if event.nan_count:
-                counts.append(f"{event.nan_count} NaN")
-            if event.inf_count:
-                counts.append(f"{event.inf_count} Inf")
-            extra = f" ({', '.join(counts)})" if counts else ""
-            return f"non-finite {event.role.value}: {names or '?'}{extra}"
-        case GradientExploded():
-            top = f"; largest {event.top[0][0]}={_fmt(event.top[0][1])}" if event.top else ""
-            return f"gradient norm {_fmt(event.total_norm)} > {_fmt(event.threshold)}{top}"
-        case GradientVanished():
-            layers = f" in {len(event.layers)} layer(s)" if event.layers else ""
-            zero = " (all zero)" if event.all_zero else ""
-            return f"mean |grad| {_fmt(event.mean_abs)} < {_fmt(event.threshold)}{layers}{zero}"
-        case LossSpiked():
-            return (
-                f"loss {_fmt(event.loss)} = {_fmt(event.ratio)}x running mean "
-                f"{_fmt(event.running_mean)} ({event.rule})"
-            )
-        case AnomalyLocalized():
-            return (
-                f"first non-finite {event.role.value} in {event.module or '<root>'} ({event.phase})"
-            )
-        case AutogradAnomalyDetected():
-            return f"autograd anomaly in {event.backward_fn}: {event.message[:120]}"
-        case MemoryLeakSuspected():
-            return f"{event.resource} grows {_fmt(event.slope)}/sample over {event.window}: {event.retained}"
-        case ResourceThresholdExceeded():
-            return f"{event.metric} {_fmt(event.value)} > {_fmt(event.threshold)}"
-        case ErrorRaised():
-            return (
-                f"{event.category.value} error {event.error_type} (attempt {event.attempt}): "
-                f"{event.message[:160]}"
-            )
-        case RecoveryDecided():
-            return f"decided {event.action.value} for {event.trigger_kind}: {event.reason[:160]}"
-        case RecoveryApplied():
-            return f"{event.action.value} {event.outcome}: {event.detail[:160]}"
-        case StepSkipped():
-            return f"step skipped: {event.reason[:160]}"
-        case SinkFailed():
-            return f"sink {event.sink} failed on {event.event_kind}: {event.error_type}: {event.message[:120]}"
-        case SinkDisabled():
-            return f"sink {event.sink} disabled: {event.reason[:160]}"
-        case EventsDropped():
-            return f"sink {event.sink} shed {event.dropped} telemetry event(s) ({event.total_dropped} total)"
-        case EventsUndelivered():
-            return f"sink {event.sink} lost {event.undelivered} event(s) at {event.phase}"
-    message = getattr(event, "message", None)
-    if isinstance(message, str) and message:
-        return message[:200]
-    reason = getattr(event, "reason", None)
-    if isinstance(reason, str) and reason:
-        return reason[:200]
-    return event.kind
 
 
 class RunAggregator:
@@ -1037,7 +364,7 @@ class RunAggregator:
                 kind=kind,
                 severity=sev,
                 source=event.source,
-                message=describe_incident(event),
+                message=describe(event),
                 caused_by=caused_by,
             )
         )

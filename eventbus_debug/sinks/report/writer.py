@@ -42,52 +42,11 @@ from eventbus_debug.diagnostics import get_logger
 from eventbus_debug.events import Event
 from eventbus_debug.log.files import read_events
 
-from .report_html import render_html
-from .report_summary import (
-    DEFAULT_MAX_INCIDENTS,
-    DEFAULT_MAX_POINTS,
-    IncidentRow,
-    LatestValues,
-    LayerSeries,
-    Marker,
-    MemoryStats,
-    RunAggregator,
-    RunInfo,
-    RunSummary,
-    SeriesPoint,
-    SinkStats,
-    Stat,
-    SystemStats,
-    describe_incident,
-    summarize,
-    summarize_runs,
-    summary_to_dict,
-)
+from .aggregate import DEFAULT_MAX_INCIDENTS, DEFAULT_MAX_POINTS, RunAggregator, summarize_runs
+from .html import render_html
+from .summary import RunSummary, summary_to_dict
 
-__all__ = (
-    "REPORT_FORMAT",
-    "IncidentRow",
-    "LatestValues",
-    "LayerSeries",
-    "Marker",
-    "MemoryStats",
-    "ReportPaths",
-    "ReportWriter",
-    "RunAggregator",
-    "RunInfo",
-    "RunSummary",
-    "SeriesPoint",
-    "SinkStats",
-    "Stat",
-    "SystemStats",
-    "build_report",
-    "describe_incident",
-    "render_html",
-    "summarize",
-    "summarize_runs",
-    "summary_to_dict",
-    "write_report",
-)
+__all__ = ("REPORT_FORMAT", "ReportPaths", "ReportWriter", "build_report", "write_report")
 
 _log = get_logger(__name__)
 

@@ -41,9 +41,9 @@ from eventbus_debug.sinks import (
     RunAggregator,
     build_report,
     render_html,
-    report_summary,
     summarize,
 )
+from eventbus_debug.sinks.report import _stats, aggregate
 
 T0 = 1_700_000_000_000_000_000
 STEP_NS = 20_000_000
@@ -329,9 +329,9 @@ class TestEdges:
         s = aggregator.summary()
         assert s.loss_anomalies == 3000 and s.incidents_total == 3000
         assert len(s.incidents) == 50 and all(r.ranks == (0, 1, 2) for r in s.incidents)
-        cap = report_summary._MAX_GROUPS
+        cap = aggregate._MAX_GROUPS
         assert len(aggregator._groups) <= cap and len(aggregator._occurrences) <= cap
-        assert len(aggregator._alias) <= report_summary._MAX_LINKS
+        assert len(aggregator._alias) <= aggregate._MAX_LINKS
 
     def test_throughput_window_is_bounded(self) -> None:
         """Two ranks' values wait for each other among a bounded window of recent steps, and
@@ -340,7 +340,7 @@ class TestEdges:
         for step in range(1000):
             for rank in (0, 1):
                 aggregator.add(StepCompleted(step=step, samples_per_s=10.0, rank=rank))
-            assert len(aggregator._throughput.pending) <= report_summary.RANK_SUM_WINDOW
+            assert len(aggregator._throughput.pending) <= _stats.RANK_SUM_WINDOW
         points = aggregator.summary().samples_per_s
         assert len(points) == 1000 and all(p.mean == 20.0 and p.count == 1 for p in points)
         assert aggregator.summary().latest.samples_per_s == 20.0

@@ -210,7 +210,7 @@ def _serve_pages(directory: Path, pages: Sequence[tuple[str, str]]) -> list[Path
 def test_detector_sees_a_payload_that_runs(tmp_path: Path) -> None:
     """Control for the browser tests: unescaped, a payload does change the title in Chromium;
     under the report's Content-Security-Policy the same markup does not."""
-    from eventbus_debug.sinks.report_html import CONTENT_SECURITY_POLICY
+    from eventbus_debug.sinks.report.html import CONTENT_SECURITY_POLICY
 
     markup = PAYLOADS[1]
     bare, fenced = _serve_pages(

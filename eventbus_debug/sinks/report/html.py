@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 
-from .report_summary import IncidentRow, LayerSeries, Marker, RunInfo, RunSummary, SeriesPoint, Stat
+from .summary import IncidentRow, LayerSeries, Marker, RunInfo, RunSummary, SeriesPoint, Stat
 
 __all__ = ("CONTENT_SECURITY_POLICY", "render_html")
 

@@ -1,0 +1,663 @@
+"""The thread side of the log: encode, buffer, rotate at line ends, write, fsync, retry.
+
+A :class:`JsonlWriter` is driven from two threads at most, the sink's worker (a batch the event
+loop waits for: open, rotate, flush, close, an incident) and its own background thread (the
+batches handed over without waiting, every ``wake_interval`` seconds or sooner when the backlog
+grows); one lock serializes them, so lines reach the file in the order the batches were handed
+over. The event loop itself only appends to the backlog under a second, tiny lock, never the
+one held across a disk write.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, TypeVar
+
+from eventbus_debug.diagnostics import get_logger
+from eventbus_debug.events import Event, LogWriteResumed
+from eventbus_debug.exceptions import EventBusError, EventDecodeError
+from eventbus_debug.log.encoding import decode_event, encode_event, encode_events
+
+__all__ = ("FileSinkStatistics", "JsonlWriter", "LogDirectoryError", "LogWriteError")
+
+_log = get_logger(__name__)
+
+RETRY_INITIAL: Final = 0.05
+RETRY_MAX: Final = 5.0
+"""Backoff between write attempts during an outage: 50 ms, doubling, at most 5 s."""
+FILE_MODE: Final = 0o644
+_TAIL_SCAN: Final = 1024 * 1024
+_clock: Callable[[], float] = time.monotonic
+"""The backoff's clock (a seam for tests)."""
+_MAX_TAIL_DECODE: Final = 64 * 1024 * 1024
+
+
+class LogDirectoryError(EventBusError, OSError):
+    """Raised by :class:`RotatingFileSink` when its directory cannot be created or written.
+
+    The message names the path and the operating system's error; ``errno`` and ``filename``
+    are set as on :class:`OSError`. Pass a directory you can write to, or fix its permissions.
+    """
+
+
+class LogWriteError(EventBusError, OSError):
+    """Raised by :meth:`RotatingFileSink.handle_batch` when writing the log fails at run time.
+
+    The bus turns it into a ``SinkFailed`` incident; training goes on. The lines that could not
+    be written are kept and retried with backoff (see the sink's documentation).
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class FileSinkStatistics:
+    """A snapshot of a :class:`RotatingFileSink`'s counters.
+
+    Attributes:
+        path: the live log file.
+        lines_written: events written to the operating system (in every file, over the run).
+        bytes_written: bytes written to the operating system.
+        lines_pending: lines encoded but not written yet (buffered, or kept after a failure).
+        lines_lost: lines given up during a write outage (the pending buffer is bounded by
+            ``max_pending_bytes``) or because the final write at close failed.
+        rotations: how many times the live file was rotated.
+        write_errors: write, open or rotation failures (the first of an outage raised from
+            ``handle_batch``, the others retried quietly with backoff).
+        encode_errors: events that could not be encoded (they hold values JSON cannot carry).
+        current_size: bytes in the live file.
+        failing: whether writes are failing now (an outage under way, retried with backoff).
+    """
+
+    path: str
+    lines_written: int
+    bytes_written: int
+    lines_pending: int
+    lines_lost: int
+    rotations: int
+    write_errors: int
+    encode_errors: int
+    current_size: int
+    failing: bool = False
+
+
+class JsonlWriter:
+    """The log file of one rank: whole JSON lines, rotated by size, retried through outages.
+
+    Args:
+        path: the live file.
+        name: the sink's name (the ``source`` of ``LogWriteResumed``, the thread's name).
+        max_bytes, backup_count, namer, rotator, flush_interval, fsync, buffer_size,
+            max_pending_bytes: as for :class:`~eventbus_debug.sinks.RotatingFileSink`.
+        wake_interval: seconds between two writes of the backlog by the background thread.
+        wake_events: the background thread is woken at once when the backlog holds this many
+            events.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        name: str,
+        max_bytes: int,
+        backup_count: int,
+        namer: Callable[[str], str] | None,
+        rotator: Callable[[str, str], None],
+        flush_interval: float,
+        fsync: bool,
+        buffer_size: int,
+        max_pending_bytes: int,
+        wake_interval: float,
+        wake_events: int,
+    ) -> None:
+        self.name = name
+        self._path = path
+        self._max_bytes = max_bytes
+        self._backup_count = backup_count
+        self._namer = namer
+        self._rotator = rotator
+        self._flush_interval = flush_interval
+        self._fsync = fsync
+        self._buffer_size = buffer_size
+        self._max_pending = max_pending_bytes
+        self._wake_interval = wake_interval
+        self._wake_events = wake_events
+
+        self._lock = threading.Lock()  # guards the file state below; held across disk writes
+        self._fd: int | None = None
+        self._ino = -1
+        self._size = 0  # bytes in the live file, always at a line boundary
+        self._repair = False  # the live file may end with a partial line to truncate
+        self._buffer = bytearray()  # encoded lines not written yet
+        self._buffer_lines = 0
+        self._closed = False
+        # The backlog: batches handed over by the event loop, not encoded yet. Its own lock is
+        # only ever held for a list operation, so the loop never waits behind a disk write.
+        self._backlog_lock = threading.Lock()
+        self._backlog: list[Sequence[Event]] = []
+        self._backlog_events = 0
+        self._deferred: LogWriteError | None = None  # a background failure, for the next batch
+        # An outage: writes failing since _outage_since, retried from _next_attempt on.
+        self._outage_since: float | None = None
+        self._next_attempt = 0.0
+        self._backoff = RETRY_INITIAL
+        self._outage_errors = 0
+        self._outage_lost = 0
+        self._outage_error = ""
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._last_flush = _clock()
+
+        self._lines_written = 0
+        self._bytes_written = 0
+        self._lines_lost = 0
+        self._rotations = 0
+        self._write_errors = 0
+        self._encode_errors = 0
+
+    def statistics(self) -> FileSinkStatistics:
+        """A snapshot of the counters (the backlog counts as pending lines)."""
+        return FileSinkStatistics(
+            path=str(self._path),
+            lines_written=self._lines_written,
+            bytes_written=self._bytes_written,
+            lines_pending=self._buffer_lines + self._backlog_events,
+            lines_lost=self._lines_lost,
+            rotations=self._rotations,
+            write_errors=self._write_errors,
+            encode_errors=self._encode_errors,
+            current_size=self._size,
+            failing=self._outage_since is not None,
+        )
+
+    def should_rotate(self, size: int, /) -> bool:
+        """Whether *size* more bytes would take the live file past ``max_bytes``."""
+        if self._max_bytes <= 0:
+            return False
+        current = self._size + len(self._buffer)
+        return current > 0 and current + size > self._max_bytes
+
+    # -- the event loop's side: never blocks on the file ------------------------------------------
+
+    def submit(self, events: Sequence[Event], /) -> int:
+        """Hand *events* over without waiting; returns the events in the backlog now.
+
+        Raises the background thread's first failure of an outage, once (the events are kept).
+        """
+        with self._backlog_lock:
+            self._backlog.append(events)
+            backlog = self._backlog_events = self._backlog_events + len(events)
+            deferred, self._deferred = self._deferred, None
+        if self._thread is None:
+            self._start_thread()
+        if backlog >= self._wake_events:
+            self._wake.set()
+        if deferred is not None:
+            raise deferred
+        return backlog
+
+    @property
+    def backlog(self) -> int:
+        """Events handed over and not encoded yet."""
+        return self._backlog_events
+
+    def _start_thread(self) -> None:
+        with self._backlog_lock:
+            if self._thread is not None or self._closed:
+                return
+            self._thread = threading.Thread(
+                target=self._run, name=f"eventbus-log-{self.name}", daemon=True
+            )
+        self._thread.start()
+
+    # -- the background thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._wake_interval)
+            self._wake.clear()
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    self._write_backlog_locked()
+                    due = self._flush_interval > 0 and (
+                        _clock() - self._last_flush >= self._flush_interval
+                    )
+                    if due and self._buffer and self._retry_due():
+                        self._flush_locked()
+                except LogWriteError as exc:
+                    with self._backlog_lock:
+                        self._deferred = self._deferred or exc  # the next submit raises it
+                except Exception:  # never let the writer die quietly: log and go on
+                    _log.exception("log_writer_failed", path=str(self._path))
+
+    def _retry_due(self) -> bool:
+        return self._outage_since is None or _clock() >= self._next_attempt
+
+    # -- the worker's side (a call the event loop waits for) -----------------------------------------
+
+    def write_batch(self, events: Sequence[Event], /) -> None:
+        """Write the backlog, then *events*, now (the sink's synchronous mode).
+
+        Raises:
+            LogWriteError: the first failure of an outage (also one the background thread met
+                since the last batch), or an event that cannot be encoded.
+        """
+        with self._lock:
+            with self._backlog_lock:
+                deferred, self._deferred = self._deferred, None
+            self._write_backlog_locked()
+            self._write_batch_locked(events)
+            if deferred is not None:
+                raise deferred
+        if self._thread is None and self._flush_interval > 0:
+            self._start_thread()
+
+    def write_pending(self) -> None:
+        """Write the backlog now (an incident, or a backlog over the high-water mark).
+
+        Raises:
+            LogWriteError: the first failure of an outage, or an event that cannot be encoded.
+        """
+        with self._lock:
+            with self._backlog_lock:
+                deferred, self._deferred = self._deferred, None
+            self._write_backlog_locked()
+            if deferred is not None:
+                raise deferred
+
+    def _write_backlog_locked(self) -> None:
+        """Encode the backlog into the buffer and write it (as the flush settings say)."""
+        with self._backlog_lock:
+            batches, self._backlog = self._backlog, []
+            self._backlog_events = 0
+        if not batches:
+            return
+        events = batches[0] if len(batches) == 1 else [e for batch in batches for e in batch]
+        self._write_batch_locked(events)
+
+    def _write_batch_locked(self, events: Sequence[Event]) -> None:
+        data, bad = _encode_all(events)
+        self._encode_errors += len(bad)
+        try:
+            self._append_locked(data)
+            self._trim_pending_locked()
+            if self._outage_since is not None:
+                if _clock() >= self._next_attempt:
+                    self._flush_locked()  # a retry, on the backoff schedule
+            elif self._flush_interval == 0 or len(self._buffer) >= self._buffer_size:
+                self._flush_locked()
+        except LogWriteError as exc:
+            if self._note_outage_locked(exc):
+                raise  # the first failure of an outage: one SinkFailed incident
+        if bad:
+            event, error = bad[0]
+            msg = (
+                f"{len(bad)} event(s) of the batch could not be encoded and were not written "
+                f"(first: {type(event).__name__} seq={event.seq}: {error})"
+            )
+            raise LogWriteError(msg)
+
+    def _note_outage_locked(self, exc: LogWriteError) -> bool:
+        """Schedule the next attempt with backoff; returns True if this failure starts an outage."""
+        now = _clock()
+        self._outage_error = str(exc)
+        if self._outage_since is None:
+            self._outage_since = now
+            self._outage_errors = 1
+            self._outage_lost = 0
+            self._backoff = RETRY_INITIAL
+            self._next_attempt = now + self._backoff
+            _log.warning("log_write_failing", path=str(self._path), error=str(exc))
+            return True
+        self._outage_errors += 1
+        self._backoff = min(self._backoff * 2, RETRY_MAX)
+        self._next_attempt = now + self._backoff
+        return False
+
+    def _end_outage_locked(self, fd: int) -> None:
+        """Writes succeed again: record the outage in the log itself."""
+        since = self._outage_since
+        assert since is not None
+        self._outage_since = None
+        event = LogWriteResumed(
+            source=self.name,
+            path=str(self._path),
+            outage_s=_clock() - since,
+            write_errors=self._outage_errors,
+            lines_lost=self._outage_lost,
+            error=self._outage_error,
+        )
+        _log.warning(
+            "log_write_resumed",
+            path=str(self._path),
+            outage_s=round(event.outage_s, 3),
+            lines_lost=event.lines_lost,
+        )
+        line = encode_event(event)
+        try:
+            written = _write_some(fd, line)
+        except OSError:
+            return
+        if written == len(line):
+            self._size += written
+            self._bytes_written += written
+            self._lines_written += 1
+        else:  # cannot happen for a few hundred bytes; never leave a partial line
+            os.ftruncate(fd, self._size)
+
+    def _trim_pending_locked(self) -> None:
+        """Give up the oldest whole lines beyond ``max_pending_bytes`` (counted as lost)."""
+        buf = self._buffer
+        excess = len(buf) - self._max_pending
+        if excess <= 0:
+            return
+        cut = buf.find(b"\n", excess - 1) + 1 or len(buf)
+        lost = buf.count(b"\n", 0, cut)
+        del buf[:cut]
+        self._buffer_lines -= lost
+        self._lines_lost += lost
+        self._outage_lost += lost
+        _log.error("log_lines_lost", path=str(self._path), lines=lost, at="pending buffer full")
+
+    def _append_locked(self, data: bytes) -> None:
+        """Buffer whole lines, rotating between lines so that no file passes ``max_bytes``.
+
+        Encoded events never contain a raw newline (JSON escapes it), so line boundaries are
+        found with ``rfind`` on the joined batch instead of tracking each line.
+        """
+        if not data:
+            return
+        base = self._size + len(self._buffer)
+        if self._max_bytes <= 0 or base + len(data) <= self._max_bytes:
+            self._buffer += data
+            self._buffer_lines += data.count(b"\n")
+            return
+        # The batch crosses a rotation boundary: cut it between lines, one piece per file.
+        chunks: list[bytes] = []
+        start = 0
+        while start < len(data):
+            room = self._max_bytes - base
+            end = data.rfind(b"\n", start, start + room) + 1 if room > 0 else 0
+            if end <= start:
+                if base > 0:
+                    chunks.append(b"")  # the next line does not fit: rotate first
+                    base = 0
+                    continue
+                end = data.find(b"\n", start) + 1 or len(data)  # one line longer than max_bytes
+            chunks.append(data[start:end])
+            start = end
+            base = 0  # the next chunk, if any, starts a fresh file
+        for k, chunk in enumerate(chunks):
+            self._buffer += chunk
+            self._buffer_lines += chunk.count(b"\n")
+            if k == len(chunks) - 1:
+                break
+            try:
+                self._rotate_locked()
+            except BaseException:
+                # Keep the rest for the next attempt (the live file may then exceed max_bytes).
+                for rest in chunks[k + 1 :]:
+                    self._buffer += rest
+                    self._buffer_lines += rest.count(b"\n")
+                raise
+
+    def open(self) -> None:
+        """Open the live file (sealing a torn last line) and start the background thread."""
+        with self._lock:
+            try:
+                self._ensure_open()
+            except OSError as exc:
+                self._write_errors += 1
+                raise self._write_error(exc, "cannot open the log file") from None
+        self._start_thread()
+
+    def flush(self) -> None:
+        """Write the backlog and the buffer now (and fsync when enabled)."""
+        with self._lock:
+            self._write_backlog_locked()
+            self._flush_locked()
+
+    def rotate(self) -> None:
+        """Write the backlog, then rotate."""
+        with self._lock:
+            self._write_backlog_locked()
+            self._rotate_locked()
+
+    def _ensure_open(self) -> int:
+        fd = self._fd
+        if fd is not None:
+            return fd
+        self._path.parent.mkdir(parents=True, exist_ok=True)  # it may have been removed under us
+        fd = os.open(self._path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
+        try:
+            st = os.fstat(fd)
+            if self._repair and st.st_ino == self._ino and st.st_size > self._size:
+                # The same file, ending with the prefix of a line we are about to drop.
+                os.ftruncate(fd, self._size)
+            else:
+                self._size = _seal_tail(fd, st.st_size, self._path)
+            self._repair = False
+            self._ino = st.st_ino
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return fd
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _flush_locked(self) -> None:
+        """Write the buffer with one system call (a loop only on short writes)."""
+        if not self._buffer:
+            if self._fsync and self._fd is not None:
+                self._fsync_locked()
+            return
+        written = 0
+        fd: int | None = None
+        try:
+            fd = self._ensure_open()
+            if os.fstat(fd).st_nlink == 0:
+                raise FileNotFoundError(
+                    errno.ENOENT, "the log file was removed while open", str(self._path)
+                )
+            buf = self._buffer
+            total = len(buf)
+            written = _write_some(fd, buf)
+            while written < total:  # short writes are rare: copying the rest is fine
+                written += _write_some(fd, buf[written:])
+            if self._fsync:
+                os.fsync(fd)
+        except OSError as exc:
+            self._after_failure(fd, written)
+            raise self._write_error(exc, "cannot write the log file") from None
+        self._last_flush = _clock()
+        self._size += written
+        self._bytes_written += written
+        self._lines_written += self._buffer_lines
+        self._buffer.clear()
+        self._buffer_lines = 0
+        if self._outage_since is not None:
+            self._end_outage_locked(fd)
+
+    def _after_failure(self, fd: int | None, written: int) -> None:
+        """Account for a failed write of ``written`` bytes; keep the rest for the next attempt.
+
+        The complete lines that reached the file count as written; a partial line after them
+        is cut off at once (``ftruncate`` needs no free space), so a reader never meets it.
+        """
+        self._write_errors += 1
+        buf = self._buffer
+        whole = buf.rfind(b"\n", 0, written) + 1  # bytes of complete lines that reached the file
+        if whole:
+            lines = buf.count(b"\n", 0, whole)
+            self._size += whole
+            self._bytes_written += whole
+            self._lines_written += lines
+            self._buffer_lines -= lines
+            del buf[:whole]
+        if written > whole:
+            try:
+                if fd is None:
+                    raise OSError(errno.EBADF, "the log file is not open")
+                os.ftruncate(fd, self._size)
+            except OSError:
+                self._repair = True  # truncate it when the file is reopened
+        self._close_fd()  # reopen (and repair) at the next attempt
+
+    def _fsync_locked(self) -> None:
+        assert self._fd is not None
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            self._write_errors += 1
+            raise self._write_error(exc, "cannot fsync the log file") from None
+
+    def _rotate_locked(self) -> None:
+        self._flush_locked()
+        if self._fsync and self._fd is not None:
+            self._fsync_locked()
+        self._close_fd()
+        base = str(self._path)
+        try:
+            for i in range(self._backup_count - 1, 0, -1):
+                src = self._backup_name(f"{base}.{i}")
+                dst = self._backup_name(f"{base}.{i + 1}")
+                if os.path.exists(src):
+                    os.replace(src, dst)
+            first = self._backup_name(f"{base}.1")
+            if os.path.exists(first):
+                os.remove(first)
+            self._rotator(base, first)
+        except OSError as exc:
+            self._write_errors += 1
+            raise self._write_error(exc, "cannot rotate the log file") from None
+        self._size = 0
+        self._rotations += 1
+        self._ensure_open_or_raise()
+
+    def _ensure_open_or_raise(self) -> None:
+        try:
+            self._ensure_open()
+        except OSError as exc:
+            self._write_errors += 1
+            raise self._write_error(exc, "cannot open the log file") from None
+
+    def _backup_name(self, default: str) -> str:
+        namer = self._namer
+        return namer(default) if namer is not None else default
+
+    def _write_error(self, exc: OSError, what: str) -> LogWriteError:
+        pending = self._buffer_lines
+        detail = exc.strerror or str(exc)
+        msg = (
+            f"{what} {str(self._path)!r}: {detail}; {pending} line(s) kept "
+            "to retry with the next batch (free disk space or restore the directory)"
+        )
+        return os_error(LogWriteError, exc.errno, msg)
+
+    def close(self) -> None:
+        """Write everything (backlog, buffer), fsync if enabled, close the file; stop the thread.
+
+        Raises:
+            LogWriteError: if the final write fails (the lines are then counted as lost).
+        """
+        self._stop.set()
+        self._wake.set()
+        with self._lock:
+            self._closed = True
+            try:
+                try:
+                    self._write_backlog_locked()
+                except LogWriteError:
+                    if not self._buffer:
+                        raise  # an encoding error: everything else was written
+                if self._buffer:
+                    self._flush_locked()  # a last attempt for everything, backoff or not
+                elif self._fsync and self._fd is not None:
+                    self._fsync_locked()
+            except LogWriteError:
+                lost = self._buffer_lines
+                self._lines_lost += lost
+                self._buffer.clear()
+                self._buffer_lines = 0
+                _log.error("log_lines_lost", path=str(self._path), lines=lost, at="close")
+                raise
+            finally:
+                self._close_fd()
+
+
+def _encode_all(events: Sequence[Event]) -> tuple[bytes, list[tuple[Event, Exception]]]:
+    try:
+        return encode_events(events), []
+    except TypeError:
+        pass
+    lines: list[bytes] = []
+    bad: list[tuple[Event, Exception]] = []
+    for event in events:
+        try:
+            lines.append(encode_event(event))
+        except TypeError as exc:
+            bad.append((event, exc))
+    return b"".join(lines), bad
+
+
+_E = TypeVar("_E", LogDirectoryError, LogWriteError)
+
+
+def os_error(cls: type[_E], code: int | None, msg: str) -> _E:
+    """An OSError subclass carrying *code* as ``errno`` whose text is exactly *msg*."""
+    err = cls(code, msg) if code is not None else cls(msg)
+    return err
+
+
+def _write_some(fd: int, data: bytes | bytearray) -> int:
+    """One ``write(2)``; the seam tests replace to inject disk-full errors."""
+    return os.write(fd, data)
+
+
+def _seal_tail(fd: int, size: int, path: Path) -> int:
+    """Make an existing log end at a line boundary before appending; returns the new size.
+
+    A previous run killed mid-write leaves a partial last line. Appending after it would glue
+    our first line to it and put an undecodable line in the middle of the log, so: a tail that
+    is a whole event missing only its newline gets the newline; anything else is cut off.
+    """
+    if size == 0:
+        return 0
+    if os.pread(fd, 1, size - 1) == b"\n":
+        return size
+    # Scan back for the last newline, a chunk at a time: a torn line may be very long.
+    end = size
+    line_start = 0
+    while end > 0:
+        start = max(0, end - _TAIL_SCAN)
+        nl = os.pread(fd, end - start, start).rfind(b"\n")
+        if nl >= 0:
+            line_start = start + nl + 1
+            break
+        end = start
+    length = size - line_start
+    if length <= _MAX_TAIL_DECODE:
+        try:
+            decode_event(os.pread(fd, length, line_start))
+        except EventDecodeError:
+            pass
+        else:  # a whole event that only lacks its newline
+            os.write(fd, b"\n")
+            return size + 1
+    os.ftruncate(fd, line_start)
+    _log.warning("log_partial_line_removed", path=str(path), bytes=length)
+    return line_start

@@ -1,0 +1,197 @@
+"""An alert and the rule that makes it: :class:`AlertRule`, :class:`Alert`, and the
+:class:`AlertHandlerFailed` incident a failing handler becomes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final, TypeAlias
+
+import orjson
+
+from eventbus_debug.events import (
+    Event,
+    Severity,
+    event_type,
+)
+from eventbus_debug.log.encoding import encode_event
+
+from ..lines import describe
+
+__all__ = (
+    "DEFAULT_COOLDOWN",
+    "Alert",
+    "AlertHandler",
+    "AlertHandlerFailed",
+    "AlertRule",
+    "alert_to_dict",
+)
+
+DEFAULT_COOLDOWN: Final = 60.0
+
+
+AlertHandler: TypeAlias = Callable[["Alert"], "Awaitable[None] | None"]
+"""A sync or async callable receiving an :class:`Alert`; its return value is ignored."""
+
+
+@event_type
+class AlertHandlerFailed(Event):
+    """An alert handler raised or exceeded the sink's timeout; the other handlers ran anyway.
+
+    Attributes:
+        handler: the handler's name.
+        rule: the name of the rule that triggered it.
+        error_type: the exception's class name (``"TimeoutError"`` when it timed out).
+        message: the exception's message.
+        timed_out: whether the handler was cancelled by the timeout.
+        event_kind: the kind of the event being alerted on.
+        event_seq: the sequence number of that event.
+    """
+
+    kind: ClassVar[str] = "sinks.alert_handler_failed"
+    severity: Severity = Severity.ERROR
+    handler: str
+    rule: str
+    error_type: str
+    message: str
+    timed_out: bool = False
+    traceback: str = ""
+    event_kind: str = ""
+    event_seq: int = -1
+
+
+def _default_key(event: Event) -> Hashable:
+    return (event.kind, event.rank)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AlertRule:
+    """Which events make an alert, and how often a handler may hear about them.
+
+    Attributes:
+        event_types: the event classes the rule matches (subclasses included).
+        name: shown in alerts and failure reports; defaults to the class names joined by ``|``.
+        min_severity: events below it never match.
+        when: an optional predicate; the event matches only when it returns true.
+        cooldown: seconds during which repeats of the same alert (same dedup ``key``) are
+            counted instead of delivered; ``0`` delivers every occurrence.
+        rate_limit: at most this many deliveries per ``rate_window`` seconds for the whole
+            rule (``None``: no limit); the excess is counted into the next summary.
+        rate_window: the rate limit's window in seconds.
+        key: maps an event to its dedup key; by default ``(kind, rank)``.
+
+    Raises:
+        ValueError: if no event type is given, or a number is out of range (the message names
+            the argument).
+        TypeError: if an event type is not an :class:`~eventbus_debug.Event` subclass.
+    """
+
+    event_types: tuple[type[Event], ...]
+    name: str = ""
+    min_severity: Severity = Severity.DEBUG
+    when: Callable[[Any], bool] | None = None
+    cooldown: float = DEFAULT_COOLDOWN
+    rate_limit: int | None = None
+    rate_window: float = 60.0
+    key: Callable[[Any], Hashable] = _default_key
+
+    def __post_init__(self) -> None:
+        types = self.event_types
+        if isinstance(types, type):
+            types = (types,)
+            object.__setattr__(self, "event_types", types)
+        if not types:
+            msg = "event_types must name at least one Event subclass, got ()"
+            raise ValueError(msg)
+        for t in types:
+            if not (isinstance(t, type) and issubclass(t, Event)):
+                msg = f"event_types must hold Event subclasses, got {t!r}"
+                raise TypeError(msg)
+        if not isinstance(self.min_severity, Severity):
+            msg = f"min_severity must be a Severity, got {self.min_severity!r}"
+            raise TypeError(msg)
+        if not (isinstance(self.cooldown, (int, float)) and self.cooldown >= 0):
+            msg = f"cooldown must be a number of seconds >= 0, got {self.cooldown!r}"
+            raise ValueError(msg)
+        if self.rate_limit is not None and (
+            isinstance(self.rate_limit, bool)
+            or not isinstance(self.rate_limit, int)
+            or self.rate_limit < 1
+        ):
+            msg = f"rate_limit must be None or an integer >= 1, got {self.rate_limit!r}"
+            raise ValueError(msg)
+        if not (isinstance(self.rate_window, (int, float)) and self.rate_window > 0):
+            msg = f"rate_window must be a number of seconds > 0, got {self.rate_window!r}"
+            raise ValueError(msg)
+        if not self.name:
+            object.__setattr__(self, "name", "|".join(t.__name__ for t in types))
+
+    def matches(self, event: Event, /) -> bool:
+        """Whether *event* passes the type, severity and predicate filters."""
+        if not isinstance(event, self.event_types) or event.severity < self.min_severity:
+            return False
+        return self.when is None or bool(self.when(event))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Alert:
+    """What a handler receives.
+
+    Attributes:
+        rule: the rule that matched.
+        event: the latest event this alert stands for.
+        suppressed: how many occurrences were held back (cooldown or rate limit) since the
+            previous delivery for the same rule and key; they are included in ``count``.
+        count: occurrences this delivery stands for (``1`` for a fresh alert).
+        summary: True when this delivery reports held-back repeats after a cooldown.
+        first_time_ns: wall time of the first occurrence this delivery stands for.
+    """
+
+    rule: AlertRule
+    event: Event
+    suppressed: int = 0
+    count: int = 1
+    summary: bool = False
+    first_time_ns: int = 0
+
+    @property
+    def message(self) -> str:
+        """A one-line, human-readable description: the event's kind, step, rank and description.
+
+        The same words as the console and ``eventbus-debug tail`` (see :mod:`sinks.lines`),
+        plus how many repeats the alert stands for.
+        """
+        ev = self.event
+        where = "".join(
+            (
+                f" step {ev.step}" if ev.step is not None else "",
+                f" rank {ev.rank}" if ev.rank else "",
+            )
+        )
+        body = describe(ev)
+        return f"{ev.kind}{where}" + (f": {body}" if body else "") + self.repeats
+
+    @property
+    def repeats(self) -> str:
+        """``" (x5: 4 held back since the last alert)"`` for a summary, else ``""``."""
+        if not self.suppressed:
+            return ""
+        return f" (x{self.count}: {self.suppressed} held back since the last alert)"
+
+
+def alert_to_dict(alert: Alert, /) -> dict[str, Any]:
+    """A JSON-ready mapping of *alert* (the event encoded as in the log, NaN kept as "NaN")."""
+    return {
+        "rule": alert.rule.name,
+        "message": alert.message,
+        "kind": alert.event.kind,
+        "severity": alert.event.severity.value,
+        "step": alert.event.step,
+        "rank": alert.event.rank,
+        "count": alert.count,
+        "suppressed": alert.suppressed,
+        "summary": alert.summary,
+        "first_time_ns": alert.first_time_ns,
+        "event": orjson.loads(encode_event(alert.event)),
+    }
