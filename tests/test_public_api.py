@@ -59,6 +59,49 @@ def test_front_door_is_small_and_explicit() -> None:
     assert set(names) <= set(dir(eventbus_debug))
 
 
+def _front_door_tables() -> tuple[dict[str, str], dict[str, str]]:
+    """The top level's ``TYPE_CHECKING`` imports and its ``_HOMES`` table, each name -> module."""
+    tree = ast.parse((ROOT / "eventbus_debug" / "__init__.py").read_text(encoding="utf-8"))
+    typed: dict[str, str] = {}
+    homes: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.level == 1, ast.unparse(imp)
+                for alias in imp.names:
+                    assert alias.asname == alias.name, f"{alias.name} is not `import X as X`"
+                    typed[alias.name] = "." + (imp.module or "")
+        elif (
+            isinstance(node, ast.AnnAssign)
+            and ast.unparse(node.target) == "_HOMES"
+            and node.value is not None
+        ):
+            homes = ast.literal_eval(node.value)
+    return typed, homes
+
+
+def test_front_door_type_checking_imports_match_homes() -> None:
+    """The imports type checkers read and the lazy table name the same things from the same homes."""
+    typed, homes = _front_door_tables()
+    assert homes, "eventbus_debug/__init__.py has no _HOMES table"
+    assert set(typed) == set(homes), {
+        "only in TYPE_CHECKING": sorted(set(typed) - set(homes)),
+        "only in _HOMES": sorted(set(homes) - set(typed)),
+    }
+    moved = {n: (typed[n], homes[n]) for n in homes if typed[n] != homes[n]}
+    assert not moved, f"TYPE_CHECKING and _HOMES disagree on the home of: {moved}"
+    assert set(eventbus_debug.__all__) == {"__version__", *homes}
+    assert set(homes) <= set(dir(eventbus_debug))
+
+
+@pytest.mark.parametrize("name", sorted(_front_door_tables()[1]))
+def test_front_door_name_is_its_homes_object(name: str) -> None:
+    """Each top-level name is the very object its package front exports (no copies, no stubs)."""
+    home = importlib.import_module(_front_door_tables()[1][name], "eventbus_debug")
+    assert name in home.__all__, f"{home.__name__}.__all__ does not export {name}"
+    assert getattr(eventbus_debug, name) is getattr(home, name)
+
+
 def test_front_door_refuses_unknown_names() -> None:
     """A name that is not at the top level raises AttributeError naming it."""
     with pytest.raises(AttributeError, match="no attribute 'NonFiniteDetected'"):

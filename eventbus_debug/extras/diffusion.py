@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -185,21 +186,21 @@ class LatentMonitor:
                 norm_ratio=ratio,
             )
         ]
-        common = {
-            "step": step,
-            "source": "latent_monitor",
-            "denoising_step": denoising_step,
-            "timestep": timestep,
-            "norm": norm,
-        }
+        incident = functools.partial(
+            LatentAnomalyDetected,
+            step=step,
+            source="latent_monitor",
+            denoising_step=denoising_step,
+            timestep=timestep,
+            norm=norm,
+            reference_norm=prev,
+        )
         if bad:
             out.append(
-                LatentAnomalyDetected(
-                    **common,  # type: ignore[arg-type]
+                incident(
                     severity=Severity.ERROR,
                     rule="non_finite",
                     message=f"latents at denoising step {denoising_step} hold {bad} NaN/Inf values",
-                    reference_norm=prev,
                     nonfinite_count=bad,
                 )
             )
@@ -215,11 +216,8 @@ class LatentMonitor:
                     else f"latent RMS {norm:.3g} exceeds {self.max_norm:g}"
                 )
                 out.append(
-                    LatentAnomalyDetected(
-                        **common,  # type: ignore[arg-type]
-                        rule="norm_drift",
-                        message=f"denoising step {denoising_step}: {reason}",
-                        reference_norm=prev,
+                    incident(
+                        rule="norm_drift", message=f"denoising step {denoising_step}: {reason}"
                     )
                 )
             self._w.previous_norm = norm

@@ -134,7 +134,7 @@ def enable_gradient_checkpointing(
     count = 0
     for m in modules if modules is not None else _checkpoint_targets(model):
         if not isinstance(m.__dict__.get("forward"), _CheckpointedForward):
-            m.forward = _CheckpointedForward(m)  # type: ignore[method-assign]
+            m.forward = _CheckpointedForward(m)
         count += 1
     _log.info("gradient_checkpointing_enabled", model=type(model).__name__, modules=count)
     return count

@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -467,38 +468,34 @@ class OutputChecker:
         lo_f = float(lo_v) if has_finite else None
         hi_f = float(hi_v) if has_finite else None
         std_f = float(std_v) if has_finite and math.isfinite(std_v) else None
-        stats = {"min_value": lo_f, "max_value": hi_f, "std": std_f, "nonfinite_count": n_bad}
+        finding = functools.partial(
+            _Finding, name=name, min_value=lo_f, max_value=hi_f, std=std_f, nonfinite_count=n_bad
+        )
         found: list[_Finding] = []
         if n_bad:
             found.append(
-                _Finding(
-                    name=name,
+                finding(
                     rule="non_finite",
                     message=f"{name} contain {n_bad} NaN or infinite values",
                     severity=Severity.ERROR,
-                    **stats,  # type: ignore[arg-type]
                 )
             )
         if self.expected_range is not None and lo_f is not None and hi_f is not None:
             low, high = self.expected_range
             if lo_f < low or hi_f > high:
                 found.append(
-                    _Finding(
-                        name=name,
+                    finding(
                         rule="range",
                         message=f"{name} span [{lo_f:g}, {hi_f:g}], outside the expected [{low:g}, {high:g}]",
                         severity=Severity.WARNING,
-                        **stats,  # type: ignore[arg-type]
                     )
                 )
         if self.collapse_std is not None and std_f is not None and std_f < self.collapse_std:
             found.append(
-                _Finding(
-                    name=name,
+                finding(
                     rule="collapsed",
                     message=f"{name} are uniform across the batch (std {std_f:.3g} < {self.collapse_std:g})",
                     severity=Severity.WARNING,
-                    **stats,  # type: ignore[arg-type]
                 )
             )
         return found

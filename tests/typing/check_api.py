@@ -1,14 +1,16 @@
 """Type-checked only (``mypy tests/typing``), never run: the public API's types hold up.
 
-Lines marked ``# type: ignore[...]`` must stay errors; mypy's ``warn_unused_ignores`` (part of
-``strict``) fails if one of them starts type-checking.
+Lines marked ``# type: ignore[...]`` must stay errors: pyproject turns ``warn_unused_ignores``
+on, so mypy fails the moment one of them starts type-checking (a negative check that holds).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import ClassVar
 
+import eventbus_debug
 from eventbus_debug import (
     BusStatistics,
     Event,
@@ -20,10 +22,12 @@ from eventbus_debug import (
     decode_event,
     encode_event,
     event_type,
+    read_events,
 )
 from eventbus_debug.events import StepCompleted
 from eventbus_debug.log.encoding import encode_events
 from eventbus_debug.testing import RecordingSink, capture_events, make_sample_event
+from eventbus_debug.typing import Publisher
 
 
 @event_type
@@ -62,7 +66,7 @@ def builds_events() -> None:
     custom = Custom(value=1, severity=Severity.ERROR)
     number: int = custom.value
     custom.value = 2  # type: ignore[misc]
-    Custom(1)  # type: ignore[misc, call-arg]
+    Custom(1)  # type: ignore[call-arg]
     sample: Custom = make_sample_event(Custom)
     line: bytes = encode_event(sample)
     lines: bytes = encode_events([sample, custom])
@@ -78,3 +82,26 @@ def uses_the_sync_bus() -> None:
         bus.publish(StepCompleted(step=1))
         bus.flush()
         bus.drain(timeout=1.0)
+        bus.publish_nowait(StepCompleted(step=2))
+        bus.publish_many_nowait([StepCompleted(step=3)])
+
+
+async def the_sync_bus_is_not_awaited() -> None:
+    with SyncEventBus() as bus:
+        await bus.publish(StepCompleted(step=1))  # type: ignore[func-returns-value, misc]
+
+
+def publishers(bus: EventBus, sync_bus: SyncEventBus) -> None:
+    either: list[Publisher] = [bus, sync_bus]
+    for publisher in either:
+        publisher.publish_nowait(StepCompleted(step=1))
+    not_a_publisher: Publisher = RecordingSink()  # type: ignore[assignment]
+    _ = not_a_publisher
+
+
+def the_front_door_is_explicit() -> None:
+    events: Iterator[Event] = read_events(Path("events.jsonl"), strict=False)
+    _ = events
+    _ = eventbus_debug.NonFiniteDetected  # type: ignore[attr-defined]  # one dot away: .events
+    eventbus_debug.EventBus(capacity="16")  # type: ignore[arg-type]
+    read_events(Path("events.jsonl"), False)  # type: ignore[call-arg]
