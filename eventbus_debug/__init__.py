@@ -44,7 +44,6 @@ if TYPE_CHECKING:
         encode_event as encode_event,
         read_events as read_events,
     )
-    from .modes import DebugMode as DebugMode
     from .probes import (
         Cadence as Cadence,
         DebugLevel as DebugLevel,
@@ -61,9 +60,11 @@ if TYPE_CHECKING:
         retrying as retrying,
     )
     from .session import (
+        DebugMode as DebugMode,
         Session as Session,
-        SessionVerdict as SessionVerdict,
+        SessionOptions as SessionOptions,
         SyncSession as SyncSession,
+        Verdict as Verdict,
     )
     from .typing import (
         BatchSink as BatchSink,
@@ -94,8 +95,9 @@ _HOMES: dict[str, str] = {
     # the session
     "Session": ".session",
     "SyncSession": ".session",
-    "SessionVerdict": ".session",
-    "DebugMode": ".modes",
+    "SessionOptions": ".session",
+    "Verdict": ".session",
+    "DebugMode": ".session",
     "DebugLevel": ".probes",
     "Thresholds": ".probes",
     "Cadence": ".probes",
@@ -122,14 +124,16 @@ _HOMES: dict[str, str] = {
 __all__ = ("__version__", *_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        msg = f"module {__name__!r} has no attribute {name!r}"
-        raise AttributeError(msg)
-    value = getattr(importlib.import_module(home, __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+if not TYPE_CHECKING:  # hidden from type checkers, which read the explicit imports above
+
+    def __getattr__(name: str) -> Any:
+        home = _HOMES.get(name)
+        if home is None:
+            msg = f"module {__name__!r} has no attribute {name!r}"
+            raise AttributeError(msg)
+        value = getattr(importlib.import_module(home, __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
 
 
 def __dir__() -> list[str]:
