@@ -1,7 +1,7 @@
 """``debug_context``: time a block or a function and record its memory delta as an event.
 
-Seed 003's per-operation metrics. Works as a ``with`` block, an ``async with`` block and a
-decorator of sync or async functions::
+Per-operation metrics. Works as a ``with`` block, an ``async with`` block and a decorator of
+sync or async functions::
 
     with debug_context("forward", publish=bus.publish_nowait) as op:
         out = model(x)
@@ -166,7 +166,7 @@ def debug_context(
             ``sync_bus.publish``, a session's ``publish``); None keeps it on ``.result`` only.
         step: the training step to stamp, or a callable returning it at exit.
         detect_anomaly: run the block under ``torch.autograd.detect_anomaly`` (slow; for
-            development, as seed 003's anomaly-detection mode).
+            development: an anomaly-detection mode for one block).
         cuda: measure CUDA memory (synchronizes the device at entry and exit); default: when
             CUDA is available.
 

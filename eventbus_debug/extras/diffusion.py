@@ -1,4 +1,4 @@
-"""Diffusion-model debugging (seed 002): component analysis and per-denoising-step latent checks.
+"""Diffusion-model debugging: component analysis and per-denoising-step latent checks.
 
 A *pipeline* is anything that holds modules: a Mapping of names to modules, an object whose
 attributes are modules (a ``diffusers`` pipeline's ``unet``, ``vae``, ``text_encoder``...), or a

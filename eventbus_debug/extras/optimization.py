@@ -1,4 +1,4 @@
-"""Optimization modes (seed 003): mixed precision, compilation, checkpointing, accumulation.
+"""Optimization modes: mixed precision, compilation, checkpointing, accumulation.
 
 Two kinds of optimization exist, and they live in two places:
 

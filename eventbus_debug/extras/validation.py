@@ -1,4 +1,4 @@
-"""Input validation and model-output checks (seed 003), reported as incidents or raised.
+"""Input validation and model-output checks, reported as incidents or raised.
 
 Each check does its math on the tensor's device and moves a handful of numbers to the host in
 one transfer, whatever the tensor's size.
@@ -82,7 +82,7 @@ class InputSpec:
         dtype: the expected dtype.
         min_value: the smallest allowed value.
         max_value: the largest allowed value.
-        max_abs: the largest allowed absolute value (seed 003's "values too large" rule).
+        max_abs: the largest allowed absolute value (a "values too large" rule).
         allow_non_finite: accept NaN and infinite values.
     """
 
