@@ -19,8 +19,8 @@ from torch import nn
 
 from eventbus_debug import Anomaly, Session
 from eventbus_debug.events import RecoveryAction, RecoveryApplied, StepSkipped
+from eventbus_debug.recovery import Decision, Retry, StrategyHistory
 from eventbus_debug.recovery.retry import CallState, Retrying
-from eventbus_debug.recovery.strategies import Decision, StrategyHistory
 from eventbus_debug.testing import RecordingSink
 
 DEVICE_CAPACITY = 32
@@ -44,7 +44,7 @@ def retry_connection(incident: Anomaly, history: StrategyHistory) -> Decision | 
     """A custom strategy: retry a timed-out read, at most 3 times in a row."""
     if history.consecutive >= 3:
         return None
-    return Decision(action=RecoveryAction.RETRY, reason="connection timeout: retry with backoff")
+    return Decision(action=Retry(), reason="connection timeout: retry with backoff")
 
 
 async def main(steps: int = 60) -> dict[str, int]:

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar, final
 
 from ..events import RecoveryAction
-from ..recovery.engine import RecoveryEngine, Trigger
+from ..recovery.actions import DecidedAction
+from ..recovery.calls import report_error, report_error_sync
+from ..recovery.engine import RecoveryEngine
+from ..recovery.registry import Trigger
 from ..recovery.retry import CallState, Retrying, _decorate, _RetryRequested
 from ..recovery.strategies import Strategy, StrategyFunction
 
@@ -134,7 +137,9 @@ class ErrorHandler:
             TimeoutError: if the engine does not answer within its ``drain_timeout``.
         """
         ctx, attempt, limit = self._begin(context, max_retries)
-        decided = self.engine.report_error_sync(error, context=ctx, attempt=attempt)
+        decided = report_error_sync(
+            self.engine, error, settings=self.state.settings(), context=ctx, attempt=attempt
+        )
         return self._finish(error, decided, attempt, limit)
 
     async def ahandle_error(
@@ -151,7 +156,9 @@ class ErrorHandler:
             TimeoutError: if the engine does not answer within its ``drain_timeout``.
         """
         ctx, attempt, limit = self._begin(context, max_retries)
-        decided = await self.engine.report_error(error, context=ctx, attempt=attempt)
+        decided = await report_error(
+            self.engine, error, settings=self.state.settings(), context=ctx, attempt=attempt
+        )
         return self._finish(error, decided, attempt, limit)
 
     def reset(self, context: str | Mapping[str, str] | None = None) -> None:
@@ -170,9 +177,9 @@ class ErrorHandler:
         return {**_context(context), **self._policy._ctx()}, attempt, limit
 
     def _finish(
-        self, error: Exception, decided: tuple[Any, ...], attempt: int, limit: int
+        self, error: Exception, decided: tuple[DecidedAction, ...], attempt: int, limit: int
     ) -> HandledError:
-        actions = tuple(d.action for d in decided)
+        actions = tuple(d.kind for d in decided)
         if attempt > limit:
             return HandledError(
                 recovered=False,

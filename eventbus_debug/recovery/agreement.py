@@ -28,11 +28,20 @@ from typing import Any, Final, NoReturn, Protocol, final, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from .._validate import positive_seconds
 from ..diagnostics import get_logger
-from ..events import RecoveryAction
 from ..exceptions import TrainingStopped
-from .engine import DecidedAction
-from .strategies import Decision
+from .actions import (
+    Action,
+    ClipGradients,
+    DecidedAction,
+    Decision,
+    FreeMemory,
+    RestoreState,
+    ScaleLR,
+    SkipStep,
+    Stop,
+)
 
 __all__ = (
     "AGREE_TIMEOUT",
@@ -136,27 +145,24 @@ def _encode(
     v[_F.NOTED] = float(noted)
     lr_factor = 1.0
     for d in decisions:
-        params = d.decision.parameters
         v[_F.ANY] = 1.0
         action = d.action
-        if action is RecoveryAction.SKIP_STEP:
+        if isinstance(action, SkipStep):
             v[_F.SKIP] = 1.0
-            v[_F.SKIP_BATCHES] = max(float(v[_F.SKIP_BATCHES]), float(params.get("batches", 1)))
-        elif action is RecoveryAction.RESTORE_STATE:
+            v[_F.SKIP_BATCHES] = max(float(v[_F.SKIP_BATCHES]), float(action.batches))
+        elif isinstance(action, RestoreState):
             v[_F.RESTORE] = 1.0
-            v[_F.RESTORE_REQUIRED] = max(
-                float(v[_F.RESTORE_REQUIRED]), float(params.get("required", 1.0))
-            )
-        elif action is RecoveryAction.CLIP_GRADIENTS:
+            v[_F.RESTORE_REQUIRED] = max(float(v[_F.RESTORE_REQUIRED]), float(action.required))
+        elif isinstance(action, ClipGradients):
             v[_F.CLIP] = 1.0
-            v[_F.NEG_MAX_NORM] = max(float(v[_F.NEG_MAX_NORM]), -float(params["max_norm"]))
-            v[_F.TOTAL_NORM] = max(float(v[_F.TOTAL_NORM]), float(params["total_norm"]))
-        elif action is RecoveryAction.SCALE_LR:
-            lr_factor *= float(params.get("lr_factor", 1.0))
-            v[_F.LR_STEPS] = max(float(v[_F.LR_STEPS]), float(params.get("lr_steps", 0.0)))
-        elif action is RecoveryAction.FREE_MEMORY:
+            v[_F.NEG_MAX_NORM] = max(float(v[_F.NEG_MAX_NORM]), -action.max_norm)
+            v[_F.TOTAL_NORM] = max(float(v[_F.TOTAL_NORM]), action.total_norm)
+        elif isinstance(action, ScaleLR):
+            lr_factor *= action.factor
+            v[_F.LR_STEPS] = max(float(v[_F.LR_STEPS]), float(action.steps or 0))
+        elif isinstance(action, FreeMemory):
             v[_F.FREE_MEMORY] = 1.0
-        elif action is RecoveryAction.STOP:
+        elif isinstance(action, Stop):
             v[_F.STOP] = 1.0
             v[_F.STOP_RANK] = float(rank + 1)
     v[_F.NEG_LR_FACTOR] = -lr_factor
@@ -169,17 +175,17 @@ def _decode(
 ) -> tuple[DecidedAction, ...]:
     if not v[_F.ANY]:
         return ()
-    mine = {d.action: d for d in local}
+    mine = {d.kind: d for d in local}
 
-    def make(action: RecoveryAction, params: dict[str, float], what: str) -> DecidedAction:
-        own = mine.get(action)
+    def make(action: Action, what: str) -> DecidedAction:
+        own = mine.get(action.kind)
         reason = (
-            own.decision.reason
+            own.reason
             if own is not None
             else f"agreed across {world} ranks: another rank decided to {what}"
         )
         return DecidedAction(
-            decision=Decision(action=action, reason=reason, parameters=params),
+            decision=Decision(action=action, reason=reason),
             strategy=own.strategy if own is not None else "agreed",
             trigger_kind=own.trigger_kind if own is not None else "agreement",
             trigger_seq=own.trigger_seq if own is not None else -1,
@@ -189,30 +195,21 @@ def _decode(
     out: list[DecidedAction] = []
     if v[_F.STOP]:
         stopper = int(v[_F.STOP_RANK]) - 1
-        out.append(make(RecoveryAction.STOP, {}, f"stop (rank {stopper})"))
+        out.append(make(Stop(), f"stop (rank {stopper})"))
     if v[_F.RESTORE]:
-        out.append(
-            make(
-                RecoveryAction.RESTORE_STATE,
-                {"required": float(v[_F.RESTORE_REQUIRED])},
-                "restore the last good state",
-            )
-        )
+        required = bool(v[_F.RESTORE_REQUIRED])
+        out.append(make(RestoreState(required=required), "restore the last good state"))
     factor = -v[_F.NEG_LR_FACTOR]
     if factor != 1.0:
-        params = {"lr_factor": factor}
-        if v[_F.LR_STEPS]:
-            params["lr_steps"] = float(v[_F.LR_STEPS])
-        out.append(make(RecoveryAction.SCALE_LR, params, f"scale the LR by {factor:g}"))
+        steps = int(v[_F.LR_STEPS]) or None
+        out.append(make(ScaleLR(factor=factor, steps=steps), f"scale the LR by {factor:g}"))
     if v[_F.FREE_MEMORY]:
-        out.append(make(RecoveryAction.FREE_MEMORY, {}, "free memory"))
+        out.append(make(FreeMemory(), "free memory"))
     if v[_F.CLIP]:
-        params = {"max_norm": -v[_F.NEG_MAX_NORM], "total_norm": v[_F.TOTAL_NORM]}
-        out.append(make(RecoveryAction.CLIP_GRADIENTS, params, "clip the gradients"))
+        clip = ClipGradients(max_norm=-v[_F.NEG_MAX_NORM], total_norm=v[_F.TOTAL_NORM])
+        out.append(make(clip, "clip the gradients"))
     if v[_F.SKIP]:
-        out.append(
-            make(RecoveryAction.SKIP_STEP, {"batches": float(v[_F.SKIP_BATCHES])}, "skip the step")
-        )
+        out.append(make(SkipStep(batches=int(v[_F.SKIP_BATCHES])), "skip the step"))
     return tuple(out)
 
 
@@ -237,10 +234,7 @@ class RankAgreement:
         if not (dist.is_available() and dist.is_initialized()):
             msg = "RankAgreement needs an initialized torch.distributed process group"
             raise RuntimeError(msg)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            msg = f"timeout must be a positive number of seconds, got {timeout!r}"
-            raise ValueError(msg)
-        self.timeout = float(timeout)
+        self.timeout = positive_seconds("timeout", timeout)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.group = (
@@ -291,7 +285,7 @@ class RankAgreement:
                 rank's own pending decisions are named).
         """
         mine = _encode(decisions, noted, self.rank, loss)
-        what = ", ".join(d.action.value for d in decisions) or "nothing"
+        what = ", ".join(d.kind.value for d in decisions) or "nothing"
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
         try:
             dist.all_gather(everyone, mine, group=self.group)

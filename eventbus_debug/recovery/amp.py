@@ -77,7 +77,7 @@ class ScalerStepWatcher:
         self.scaler.update()
         after = float(self.scaler.get_scale())
         self.skipped += 1
-        self.engine.publish(
+        self.engine.bus.publish_nowait(
             StepSkipped(
                 source=SOURCE,
                 step=step,

@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._bus import EventBus, SyncEventBus
 from ..events import SampleSkipped
 from ..step_context import StepSource, current_step
+from ..typing import Publisher
 from .classify import exception_names
 
 __all__ = (
@@ -42,7 +42,7 @@ _log = get_logger(__name__)
 
 T = TypeVar("T")
 
-SOURCE: Final = "recovery.data"
+SOURCE: Final = "recovery.data"  # the log's name, kept from before the rename
 DEFAULT_MAX_SKIPPED: Final = 10
 _MAX_MESSAGE: Final = 2000
 
@@ -160,13 +160,13 @@ class SkippingLoader:
 
     Raises:
         ValueError: if *max_skipped* < 0.
-        TypeError: if *bus* is not a bus or ``None``, or *step* is not callable.
+        TypeError: if *bus* is not a Publisher or ``None``, or *step* is not callable.
     """
 
     def __init__(
         self,
         loader: Any,
-        bus: EventBus | SyncEventBus | None,
+        bus: Publisher | None,
         *,
         max_skipped: int = DEFAULT_MAX_SKIPPED,
         step: StepSource | None = None,
@@ -174,8 +174,8 @@ class SkippingLoader:
         if isinstance(max_skipped, bool) or not isinstance(max_skipped, int) or max_skipped < 0:
             msg = f"max_skipped must be an integer >= 0 (corrupt samples per pass), got {max_skipped!r}"
             raise ValueError(msg)
-        if bus is not None and not isinstance(bus, (EventBus, SyncEventBus)):
-            msg = f"bus must be an EventBus, a SyncEventBus or None, got {bus!r}"
+        if bus is not None and not isinstance(bus, Publisher):
+            msg = f"bus must be a Publisher (an EventBus, a SyncEventBus...) or None, got {bus!r}"
             raise TypeError(msg)
         if step is not None and not callable(step):
             msg = f"step must be a callable returning the current step, or None, got {step!r}"
@@ -225,11 +225,8 @@ class SkippingLoader:
             skipped=count,
             max_skipped=self.max_skipped,
         )
-        bus = self.bus
-        if isinstance(bus, SyncEventBus):
-            bus.publish(event)
-        elif bus is not None:
-            bus.publish_nowait(event)
+        if self.bus is not None:
+            self.bus.publish_nowait(event)
         if count > self.max_skipped:
             indices = ", ".join(str(c.index) for c in self.skipped[:20])
             msg = (
@@ -242,7 +239,7 @@ class SkippingLoader:
 
 def skip_corrupt_samples(
     dataset: Dataset[T],
-    bus: EventBus | SyncEventBus | None,
+    bus: Publisher | None,
     *,
     max_skipped: int = DEFAULT_MAX_SKIPPED,
     catch: tuple[type[Exception], ...] = (Exception,),

@@ -20,8 +20,9 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._bus import EventBus, SyncEventBus
+from .._validate import fraction, positive_number
 from ..events import RecoveryAction, RecoveryApplied
+from ..typing import Publisher
 from .lr import scale_learning_rate
 from .safepoint import StateSnapshots
 
@@ -93,7 +94,7 @@ def apply_common_fixes(
     lr_factor_on_explosion: float | None = None,
     schedulers: Sequence[Any] = (),
     zero_grads: bool = False,
-    bus: EventBus | SyncEventBus | None = None,
+    bus: Publisher | None = None,
     step: int | None = None,
 ) -> CommonFixes:
     """Check *model* (and its gradients) and apply the safe common fixes; report what was done.
@@ -133,20 +134,10 @@ def apply_common_fixes(
     if not isinstance(model, nn.Module):
         msg = f"model must be a torch.nn.Module, got {type(model).__name__}"
         raise TypeError(msg)
-    if max_grad_norm is not None and not (
-        isinstance(max_grad_norm, (int, float))
-        and not isinstance(max_grad_norm, bool)
-        and math.isfinite(max_grad_norm)
-        and max_grad_norm > 0
-    ):
-        msg = f"max_grad_norm must be a finite number > 0 or None, got {max_grad_norm!r}"
-        raise ValueError(msg)
+    if max_grad_norm is not None:
+        positive_number("max_grad_norm", max_grad_norm)
     if lr_factor_on_explosion is not None:
-        if not (
-            isinstance(lr_factor_on_explosion, (int, float)) and 0 < lr_factor_on_explosion < 1
-        ):
-            msg = f"lr_factor_on_explosion must be a number in (0, 1) or None, got {lr_factor_on_explosion!r}"
-            raise ValueError(msg)
+        fraction("lr_factor_on_explosion", lr_factor_on_explosion, inclusive=False)
         if optimizer is None:
             msg = "lr_factor_on_explosion needs the optimizer: pass optimizer="
             raise ValueError(msg)
@@ -159,13 +150,11 @@ def apply_common_fixes(
         details.append(detail)
         _log.warning("common_fix", fix=fix, detail=detail, outcome=outcome)
         if bus is not None:
-            event = RecoveryApplied(
-                source=SOURCE, step=step, action=action, detail=detail, outcome=outcome
+            bus.publish_nowait(
+                RecoveryApplied(
+                    source=SOURCE, step=step, action=action, detail=detail, outcome=outcome
+                )
             )
-            if isinstance(bus, SyncEventBus):
-                bus.publish(event)
-            else:
-                bus.publish_nowait(event)
 
     def drop_grads() -> None:
         if optimizer is not None:

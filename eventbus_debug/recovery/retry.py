@@ -31,12 +31,15 @@ import tenacity
 
 from eventbus_debug.diagnostics import get_logger
 
+from .._validate import non_negative, positive_int, positive_number
 from ..events import RecoveryAction, RecoveryApplied
+from ..events.recovery import CallSettings
 from ..exceptions import TrainingStopped
 from ..step_context import StepSource, current_step
-from .engine import DecidedAction, RecoveryEngine
+from .actions import CALL_ACTIONS, DecidedAction, Decision, Fallback, Retry, ShrinkBatch
+from .calls import report_error, report_error_sync
+from .engine import RecoveryEngine
 from .memory import free_memory
-from .strategies import CALL_ACTIONS, Decision
 
 __all__ = ("Attempt", "CallState", "Retrying", "retrying")
 
@@ -75,48 +78,46 @@ class CallState:
     attempt: int = 1
     changes: list[str] = field(default_factory=list)
 
-    def context(self) -> dict[str, str]:
-        """The state as :class:`ErrorRaised` context (what the strategies read)."""
-        ctx: dict[str, str] = {}
-        if self.batch_size is not None:
-            ctx["batch_size"] = str(self.batch_size)
-        if self.num_workers is not None:
-            ctx["num_workers"] = str(self.num_workers)
-        if self.pin_memory is not None:
-            ctx["pin_memory"] = str(self.pin_memory)
-        if self.device is not None:
-            ctx["device"] = self.device
-        ctx["half_precision"] = str(self.half_precision)
-        if self.smaller_model is not None:
-            ctx["smaller_model"] = "used" if self.smaller_model else "available"
-        return ctx
+    def settings(self) -> CallSettings:
+        """The state as the typed :class:`CallSettings` of an :class:`ErrorRaised`."""
+        return CallSettings(
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            device=self.device,
+            half_precision=self.half_precision,
+            smaller_model=self.smaller_model,
+        )
 
     def apply(self, decision: Decision) -> str:
-        """Apply a call-level decision; returns what changed, in words."""
-        p = decision.parameters
+        """Apply a call-level decision; returns what changed, in words.
+
+        Other actions than :class:`ShrinkBatch`, :class:`Retry` and :class:`Fallback` change
+        nothing (the reason is recorded).
+        """
+        action = decision.action
         done: list[str] = []
-        if p.get("free_memory"):
+        if isinstance(action, (ShrinkBatch, Retry, Fallback)) and action.free_memory:
             done.append(f"freed memory ({free_memory().describe()})")
-        if "batch_size" in p:
-            new = max(1, int(p["batch_size"]))
-            done.append(f"batch_size {self.batch_size} -> {new}")
-            self.batch_size = new
-        if "num_workers" in p:
-            new = max(0, int(p["num_workers"]))
-            done.append(f"num_workers {self.num_workers} -> {new}")
-            self.num_workers = new
-        if "pin_memory" in p:
-            done.append(f"pin_memory {self.pin_memory} -> {bool(p['pin_memory'])}")
-            self.pin_memory = bool(p["pin_memory"])
-        if p.get("cpu"):
-            done.append(f"device {self.device} -> cpu")
-            self.device = "cpu"
-        if p.get("half_precision"):
-            done.append("half precision on")
-            self.half_precision = True
-        if p.get("smaller_model"):
-            done.append("smaller model factory")
-            self.smaller_model = True
+        if isinstance(action, ShrinkBatch):
+            done.append(f"batch_size {self.batch_size} -> {action.size}")
+            self.batch_size = action.size
+        if isinstance(action, Fallback):
+            if action.num_workers is not None:
+                done.append(f"num_workers {self.num_workers} -> {action.num_workers}")
+                self.num_workers = action.num_workers
+            if action.pin_memory is not None:
+                done.append(f"pin_memory {self.pin_memory} -> {action.pin_memory}")
+                self.pin_memory = action.pin_memory
+            if action.cpu:
+                done.append(f"device {self.device} -> cpu")
+                self.device = "cpu"
+            if action.half_precision:
+                done.append("half precision on")
+                self.half_precision = True
+            if action.smaller_model:
+                done.append("smaller model factory")
+                self.smaller_model = True
         detail = "; ".join(done) or f"retry ({decision.reason})"
         self.changes.append(detail)
         return detail
@@ -263,18 +264,10 @@ class Retrying:
         if not isinstance(engine, RecoveryEngine):
             msg = f"engine must be a RecoveryEngine, got {engine!r}"
             raise TypeError(msg)
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
-            msg = f"max_attempts must be an integer >= 1, got {max_attempts!r}"
-            raise ValueError(msg)
-        for arg, value in (("initial_delay", initial_delay), ("max_delay", max_delay)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                msg = f"{arg} must be a number of seconds >= 0, got {value!r}"
-                raise ValueError(msg)
-        if (
-            isinstance(multiplier, bool)
-            or not isinstance(multiplier, (int, float))
-            or multiplier < 1
-        ):
+        positive_int("max_attempts", max_attempts)
+        non_negative("initial_delay", initial_delay)
+        non_negative("max_delay", max_delay)
+        if positive_number("multiplier", multiplier) < 1:
             msg = f"multiplier must be a number >= 1, got {multiplier!r}"
             raise ValueError(msg)
         if step is not None and not callable(step):
@@ -292,18 +285,19 @@ class Retrying:
             else tenacity.wait_none()
         )
         self._changes_at_start = 0
+        self._shrunk = False  # the batch size changed since the call started
         self._last_error: Exception | None = None
 
     # -- iteration ---------------------------------------------------------------------------
 
     def __iter__(self) -> Generator[Attempt, None, None]:
-        if not self.engine.is_sync:
+        if not self.engine.blocking:
             msg = (
                 "a sync retry needs the engine on a SyncEventBus; with an async EventBus use "
                 "`async for attempt in Retrying(...)` or decorate an `async def`"
             )
             raise TypeError(msg)
-        self._changes_at_start = len(self.state.changes)
+        self._start()
         loop = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self.max_attempts),
             wait=self._wait,
@@ -318,10 +312,10 @@ class Retrying:
             raise self._exhausted() from exc.__cause__
 
     async def __aiter__(self) -> AsyncGenerator[Attempt, None]:
-        if self.engine.is_sync:
+        if self.engine.blocking:
             msg = "an async retry needs the engine on an EventBus; with a SyncEventBus use `for attempt in ...`"
             raise TypeError(msg)
-        self._changes_at_start = len(self.state.changes)
+        self._start()
         loop = tenacity.AsyncRetrying(
             stop=tenacity.stop_after_attempt(self.max_attempts),
             wait=self._wait,
@@ -348,41 +342,56 @@ class Retrying:
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _start(self) -> None:
+        self._changes_at_start = len(self.state.changes)
+        self._shrunk = False
+
     def _ctx(self) -> dict[str, str]:
-        ctx = {**self.context, **self.state.context()}
-        if self.operation:
-            ctx["operation"] = self.operation
-        return ctx
+        """The error context: the caller's, with the operation."""
+        if not self.operation:
+            return dict(self.context)
+        return {**self.context, "operation": self.operation}
 
     def current_step(self) -> int | None:
         """The step this call's events are stamped with (see the *step* argument)."""
         return current_step(self.step)
 
     async def _report_async(self, exc: Exception, attempt: int) -> tuple[DecidedAction, ...]:
-        return await self.engine.report_error(
-            exc, context=self._ctx(), attempt=attempt, step=self.current_step()
+        return await report_error(
+            self.engine,
+            exc,
+            settings=self.state.settings(),
+            context=self._ctx(),
+            attempt=attempt,
+            step=self.current_step(),
         )
 
     def _report_sync(self, exc: Exception, attempt: int) -> tuple[DecidedAction, ...]:
-        return self.engine.report_error_sync(
-            exc, context=self._ctx(), attempt=attempt, step=self.current_step()
+        return report_error_sync(
+            self.engine,
+            exc,
+            settings=self.state.settings(),
+            context=self._ctx(),
+            attempt=attempt,
+            step=self.current_step(),
         )
 
     def _outcome(self, exc: Exception, decided: tuple[DecidedAction, ...]) -> BaseException:
         self._last_error = exc
         for d in decided:
-            if d.action is RecoveryAction.STOP:
-                self._publish(RecoveryAction.STOP, d.decision.reason, "exhausted")
-                stopped = TrainingStopped(d.decision.reason)
+            if d.kind is RecoveryAction.STOP:
+                self._publish(RecoveryAction.STOP, d.reason, "exhausted")
+                stopped = TrainingStopped(d.reason)
                 stopped.__cause__ = exc
                 return stopped
-        calls = [d for d in decided if d.action in CALL_ACTIONS]
+        calls = [d for d in decided if d.kind in CALL_ACTIONS]
         if not calls:
             return exc
         for d in calls:
             detail = self.state.apply(d.decision)
-            self._publish(d.action, detail, "applied")
-            _log.info("call_recovery_applied", action=d.action.value, detail=detail)
+            self._shrunk = self._shrunk or isinstance(d.action, ShrinkBatch)
+            self._publish(d.kind, detail, "applied")
+            _log.info("call_recovery_applied", action=d.kind.value, detail=detail)
         retry = _RetryRequested(f"retrying after {type(exc).__name__}")
         retry.__cause__ = exc
         return retry
@@ -403,6 +412,7 @@ class Retrying:
             )
             self.state.batch_size = agreed.batch_size
             self.state.changes.append(detail)
+            self._shrunk = True
             self._publish(RecoveryAction.SHRINK_BATCH, detail, "applied")
         if failed or fatal or not (agreed.failed or agreed.fatal):
             return None
@@ -429,16 +439,12 @@ class Retrying:
             )
             if changes:
                 detail += f" after: {'; '.join(changes)}"
-            action = (
-                RecoveryAction.SHRINK_BATCH
-                if any("batch_size" in c for c in changes)
-                else RecoveryAction.RETRY
-            )
+            action = RecoveryAction.SHRINK_BATCH if self._shrunk else RecoveryAction.RETRY
             self._publish(action, detail, "applied")
-        self._changes_at_start = len(self.state.changes)
+        self._start()
 
     def _publish(self, action: RecoveryAction, detail: str, outcome: str) -> None:
-        self.engine.publish(
+        self.engine.bus.publish_nowait(
             RecoveryApplied(
                 step=self.current_step(),
                 source=SOURCE,

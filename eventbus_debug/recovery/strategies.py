@@ -1,8 +1,9 @@
 """Recovery strategies: pure functions from an incident (and a little history) to decisions.
 
 A strategy is any object with ``decide(incident, history)`` — or a plain callable with the same
-signature — returning a :class:`Decision`, a sequence of them (applied together, in order), or
-``None`` to let the next strategy answer. Strategies never touch the model: the
+signature — returning a :class:`~eventbus_debug.recovery.actions.Decision` (a typed action and
+its reason), a sequence of them (applied together, in order), or ``None`` to let the next
+strategy answer. Strategies never touch the model: the
 :class:`~eventbus_debug.recovery.SafePoint` or a retried call applies what they decide.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, Protocol, TypeAlias, runtime_checkable
 
+from .._validate import fraction, positive_int, positive_number
 from ..events import (
     Anomaly,
     ErrorCategory,
@@ -26,13 +28,23 @@ from ..events import (
     RecoveryAction,
     TensorRole,
 )
+from ..events.recovery import CallSettings
+from .actions import (
+    ClipGradients,
+    Continue,
+    Decision,
+    Fallback,
+    FreeMemory,
+    RestoreState,
+    Retry,
+    ScaleLR,
+    ShrinkBatch,
+    SkipStep,
+)
 
 __all__ = (
-    "CALL_ACTIONS",
-    "STEP_ACTIONS",
     "ClipOnExplosion",
     "DataLoaderFallback",
-    "Decision",
     "FreeMemoryOnLeak",
     "ModelLoadingFallback",
     "RecoveryPolicy",
@@ -91,44 +103,6 @@ def recovery_policy(value: RecoveryPolicy | str) -> RecoveryPolicy:
 TEMPORARY_LR_STEPS: Final = 200
 """Healthy steps after which a temporary learning-rate change is undone."""
 
-STEP_ACTIONS: Final = frozenset(
-    {
-        RecoveryAction.SKIP_STEP,
-        RecoveryAction.CLIP_GRADIENTS,
-        RecoveryAction.SCALE_LR,
-        RecoveryAction.RESTORE_STATE,
-        RecoveryAction.FREE_MEMORY,
-    }
-)
-"""Actions applied to the model/optimizer at a training loop's safe point."""
-
-CALL_ACTIONS: Final = frozenset(
-    {RecoveryAction.SHRINK_BATCH, RecoveryAction.RETRY, RecoveryAction.FALLBACK}
-)
-"""Actions applied by a retried call before it runs again."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Decision:
-    """One action a strategy decided, with its reason and its numbers.
-
-    Attributes:
-        action: what to do.
-        reason: why, in words (it ends up in the log).
-        parameters: the action's numbers. Keys the appliers understand: ``lr_factor``
-            (SCALE_LR), ``max_norm`` and ``total_norm`` (CLIP_GRADIENTS), ``batches``
-            (SKIP_STEP: this batch and the next ``batches - 1``), ``lr_steps`` (SCALE_LR: undo
-            the change after this many healthy steps; absent or 0: permanent), ``required``
-            (RESTORE_STATE: 1 when the state is non-finite, so no good state means stop; 0 when
-            the restore is a precaution, skipped when none is held), ``batch_size``
-            (SHRINK_BATCH), ``num_workers``, ``pin_memory`` (0/1), ``cpu`` (1), ``half_precision``
-            (1), ``smaller_model`` (1) (FALLBACK), ``free_memory`` (1) (RETRY).
-    """
-
-    action: RecoveryAction
-    reason: str
-    parameters: Mapping[str, float] = field(default_factory=dict)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StrategyHistory:
@@ -163,37 +137,22 @@ class Strategy(Protocol):
 
 
 def _check_factor(name: str, value: float, *, above_one: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if above_one:
-        if not ok or value <= 1:
+        if positive_number(name, value) <= 1:
             msg = f"{name} must be a finite number > 1, got {value!r}"
             raise ValueError(msg)
-    elif not ok or not 0 < value < 1:
-        msg = f"{name} must be a number with 0 < {name} < 1, got {value!r}"
-        raise ValueError(msg)
-
-
-def _check_count(name: str, value: int, *, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        msg = f"{name} must be an integer >= {minimum}, got {value!r}"
-        raise ValueError(msg)
+    else:
+        fraction(name, value, inclusive=False)
 
 
 def _lr(factor: float, reason: str, steps: int | None = None) -> Decision:
-    params = {"lr_factor": factor}
     if steps:
-        params["lr_steps"] = float(steps)
         reason = f"{reason} (for {steps} healthy steps)"
-    return Decision(action=RecoveryAction.SCALE_LR, reason=reason, parameters=params)
-
-
-def _check_steps(value: int | None) -> None:
-    if value is not None:
-        _check_count("lr_steps", value)
+    return Decision(action=ScaleLR(factor=factor, steps=steps or None), reason=reason)
 
 
 def _report(reason: str) -> Decision:
-    return Decision(action=RecoveryAction.CONTINUE, reason=reason)
+    return Decision(action=Continue(), reason=reason)
 
 
 _GRAD_ROLES: Final = (TensorRole.LOSS, TensorRole.GRADIENT)
@@ -223,9 +182,9 @@ class SkipNonFinite:
 
     def __post_init__(self) -> None:
         if self.max_consecutive is not None:
-            _check_count("max_consecutive", self.max_consecutive)
+            positive_int("max_consecutive", self.max_consecutive)
         if self.restore_after is not None:
-            _check_count("restore_after", self.restore_after)
+            positive_int("restore_after", self.restore_after)
         if not self.roles:
             msg = "roles must name at least one TensorRole, got ()"
             raise ValueError(msg)
@@ -242,7 +201,7 @@ class SkipNonFinite:
         of = f"/{limit}" if limit is not None else " in a row"
         out = [
             Decision(
-                action=RecoveryAction.SKIP_STEP,
+                action=SkipStep(),
                 reason=f"non-finite {incident.role.value} ({names}); skip {run}{of}",
             )
         ]
@@ -250,10 +209,9 @@ class SkipNonFinite:
             out.insert(
                 0,
                 Decision(
-                    action=RecoveryAction.RESTORE_STATE,
+                    action=RestoreState(required=False),
                     reason=f"{run} non-finite steps in a row: restore the last good state "
                     "as a precaution",
-                    parameters={"required": 0.0},
                 ),
             )
         return out
@@ -281,7 +239,8 @@ class RestoreLastGood:
     def __post_init__(self) -> None:
         if self.lr_factor != 1.0:
             _check_factor("lr_factor", self.lr_factor)
-        _check_steps(self.lr_steps)
+        if self.lr_steps is not None:
+            positive_int("lr_steps", self.lr_steps)
         if not self.roles:
             msg = "roles must name at least one TensorRole, got ()"
             raise ValueError(msg)
@@ -291,12 +250,10 @@ class RestoreLastGood:
         if not isinstance(incident, NonFiniteDetected) or incident.role not in self.roles:
             return None
         what = f"non-finite {incident.role.value} ({', '.join(incident.names[:5])})"
-        required = 1.0 if incident.role in _STATE_ROLES else 0.0
         out = [
             Decision(
-                action=RecoveryAction.RESTORE_STATE,
+                action=RestoreState(required=incident.role in _STATE_ROLES),
                 reason=f"{what}: restore last good state",
-                parameters={"required": required},
             )
         ]
         if self.lr_factor != 1.0:
@@ -354,24 +311,16 @@ class ClipOnExplosion:
     lr_steps: int | None = TEMPORARY_LR_STEPS
 
     def __post_init__(self) -> None:
-        if self.max_norm is not None and not (
-            isinstance(self.max_norm, (int, float))
-            and math.isfinite(self.max_norm)
-            and self.max_norm > 0
-        ):
-            msg = f"max_norm must be a finite number > 0 or None, got {self.max_norm!r}"
-            raise ValueError(msg)
-        if not (
-            isinstance(self.min_ratio, (int, float))
-            and math.isfinite(self.min_ratio)
-            and self.min_ratio >= 1
-        ):
+        if self.max_norm is not None:
+            positive_number("max_norm", self.max_norm)
+        if positive_number("min_ratio", self.min_ratio) < 1:
             msg = f"min_ratio must be a finite number >= 1, got {self.min_ratio!r}"
             raise ValueError(msg)
         if self.lower_lr_after is not None:
-            _check_count("lower_lr_after", self.lower_lr_after)
+            positive_int("lower_lr_after", self.lower_lr_after)
         _check_factor("lr_factor", self.lr_factor)
-        _check_steps(self.lr_steps)
+        if self.lr_steps is not None:
+            positive_int("lr_steps", self.lr_steps)
 
     def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Sequence[Decision] | None:
         """CLIP_GRADIENTS (+ SCALE_LR once explosions repeat), or CONTINUE below the bar."""
@@ -394,11 +343,7 @@ class ClipOnExplosion:
         if not math.isfinite(max_norm):
             max_norm = largest if largest > 0 else 1.0
         out = [
-            Decision(
-                action=RecoveryAction.CLIP_GRADIENTS,
-                reason=what,
-                parameters={"max_norm": float(max_norm), "total_norm": total},
-            )
+            Decision(action=ClipGradients(max_norm=float(max_norm), total_norm=total), reason=what)
         ]
         run = history.consecutive + 1
         if self.lower_lr_after is not None and run % self.lower_lr_after == 0:
@@ -430,11 +375,12 @@ class RollbackOnLossSpike:
     max_rollbacks: int | None = None
 
     def __post_init__(self) -> None:
-        _check_count("skip_batches", self.skip_batches)
+        positive_int("skip_batches", self.skip_batches)
         _check_factor("lr_factor", self.lr_factor)
-        _check_steps(self.lr_steps)
+        if self.lr_steps is not None:
+            positive_int("lr_steps", self.lr_steps)
         if self.max_rollbacks is not None:
-            _check_count("max_rollbacks", self.max_rollbacks)
+            positive_int("max_rollbacks", self.max_rollbacks)
         if not self.rules:
             msg = 'rules must name at least one rule ("spike", "sustained"), got ()'
             raise ValueError(msg)
@@ -453,15 +399,10 @@ class RollbackOnLossSpike:
         if self.max_rollbacks is not None and done >= self.max_rollbacks:
             return (_report(f"{what}: rolled back {done} times already; reporting only"),)
         return (
+            Decision(action=RestoreState(required=False), reason=f"{what}: roll back"),
             Decision(
-                action=RecoveryAction.RESTORE_STATE,
-                reason=f"{what}: roll back",
-                parameters={"required": 0.0},
-            ),
-            Decision(
-                action=RecoveryAction.SKIP_STEP,
+                action=SkipStep(batches=self.skip_batches),
                 reason=f"{what}: skip {self.skip_batches} batch(es)",
-                parameters={"batches": float(self.skip_batches)},
             ),
             _lr(self.lr_factor, f"{what}: lower the learning rate", self.lr_steps),
         )
@@ -486,8 +427,8 @@ class ReportVanishing:
     max_raises: int = 3
 
     def __post_init__(self) -> None:
-        _check_count("window", self.window)
-        _check_count("max_raises", self.max_raises)
+        positive_int("window", self.window)
+        positive_int("max_raises", self.max_raises)
         if self.lr_factor is not None:
             _check_factor("lr_factor", self.lr_factor, above_one=True)
 
@@ -509,7 +450,7 @@ class ReportVanishing:
         raised = history.actions.get(RecoveryAction.SCALE_LR, 0)
         if self.lr_factor is not None and run % self.window == 0 and raised < self.max_raises:
             return _lr(self.lr_factor, f"{what} for {run} checks in a row; dead layers: {layers}")
-        return Decision(action=RecoveryAction.CONTINUE, reason=f"{what}; dead layers: {layers}")
+        return _report(f"{what}; dead layers: {layers}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -530,7 +471,7 @@ class FreeMemoryOnLeak:
     max_frees: int = 3
 
     def __post_init__(self) -> None:
-        _check_count("max_frees", self.max_frees)
+        positive_int("max_frees", self.max_frees)
 
     def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Decision | None:
         """FREE_MEMORY while under *max_frees*, then CONTINUE (report only)."""
@@ -542,33 +483,24 @@ class FreeMemoryOnLeak:
         )
         done = history.actions.get(RecoveryAction.FREE_MEMORY, 0)
         if done >= self.max_frees:
-            return Decision(
-                action=RecoveryAction.CONTINUE,
-                reason=f"memory leak suspected: {what}; memory already freed {done} times, "
-                "reporting only",
+            return _report(
+                f"memory leak suspected: {what}; memory already freed {done} times, reporting only"
             )
         return Decision(
-            action=RecoveryAction.FREE_MEMORY,
+            action=FreeMemory(),
             reason=f"memory leak suspected: {what}; free memory {done + 1}/{self.max_frees}",
-            parameters={"slope": float(incident.slope)},
         )
 
 
-def _ctx_int(context: Mapping[str, str], key: str) -> int | None:
-    raw = context.get(key)
-    if raw is None:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        return None
+def _settings(incident: ErrorRaised) -> CallSettings:
+    return incident.settings if incident.settings is not None else CallSettings()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShrinkBatchOnOOM:
     """Out of memory: free memory, shrink the batch by *factor* (floor *min_batch_size*), retry.
 
-    The batch size comes from the failed call's context (a retried call puts it there). At the
+    The batch size comes from the failed call's :class:`~eventbus_debug.events.CallSettings`. At the
     floor it falls back to the CPU when *cpu_fallback* is set, else declines (exhausted).
     Without a batch size it frees memory and retries once.
 
@@ -582,32 +514,29 @@ class ShrinkBatchOnOOM:
 
     def __post_init__(self) -> None:
         _check_factor("factor", self.factor)
-        _check_count("min_batch_size", self.min_batch_size)
+        positive_int("min_batch_size", self.min_batch_size)
 
     def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Decision | None:
         """SHRINK_BATCH, then FALLBACK to the CPU (if enabled), for a MEMORY error."""
         if not isinstance(incident, ErrorRaised) or incident.category is not ErrorCategory.MEMORY:
             return None
-        size = _ctx_int(incident.context, "batch_size")
+        settings = _settings(incident)
+        size = settings.batch_size
         if size is not None:
             new = max(self.min_batch_size, int(size * self.factor))
             if new < size:
                 return Decision(
-                    action=RecoveryAction.SHRINK_BATCH,
+                    action=ShrinkBatch(size=new, free_memory=True),
                     reason=f"out of memory at batch size {size}: retry with {new}",
-                    parameters={"batch_size": float(new), "free_memory": 1.0},
                 )
         elif incident.attempt <= 1:
             return Decision(
-                action=RecoveryAction.RETRY,
-                reason="out of memory: free memory and retry",
-                parameters={"free_memory": 1.0},
+                action=Retry(free_memory=True), reason="out of memory: free memory and retry"
             )
-        if self.cpu_fallback and incident.context.get("device", "") != "cpu":
+        if self.cpu_fallback and settings.device != "cpu":
             return Decision(
-                action=RecoveryAction.FALLBACK,
+                action=Fallback(cpu=True, free_memory=True),
                 reason="out of memory at the smallest batch size: fall back to the CPU",
-                parameters={"cpu": 1.0, "free_memory": 1.0},
             )
         return None
 
@@ -616,32 +545,29 @@ class ShrinkBatchOnOOM:
 class DataLoaderFallback:
     """Data loading errors: fewer workers, then no pinned memory, then the main process.
 
-    Reads ``num_workers`` and ``pin_memory`` from the failed call's context.
+    Reads ``num_workers`` and ``pin_memory`` from the failed call's settings.
     """
 
     def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Decision | None:
         """The next FALLBACK step for a DATA error raised while loading."""
         if not isinstance(incident, ErrorRaised) or incident.category is not ErrorCategory.DATA:
             return None
-        workers = _ctx_int(incident.context, "num_workers")
-        pinned = incident.context.get("pin_memory") == "True"
+        settings = _settings(incident)
+        workers = settings.num_workers
         if workers is not None and workers > 1 and incident.attempt <= 1:
             return Decision(
-                action=RecoveryAction.FALLBACK,
+                action=Fallback(num_workers=workers // 2),
                 reason=f"data loading failed with {workers} workers: retry with {workers // 2}",
-                parameters={"num_workers": float(workers // 2)},
             )
-        if pinned:
+        if settings.pin_memory:
             return Decision(
-                action=RecoveryAction.FALLBACK,
+                action=Fallback(pin_memory=False),
                 reason="data loading failed: retry without pinned memory",
-                parameters={"pin_memory": 0.0},
             )
         if workers is not None and workers > 0:
             return Decision(
-                action=RecoveryAction.FALLBACK,
+                action=Fallback(num_workers=0),
                 reason="data loading failed: retry in the main process (num_workers=0)",
-                parameters={"num_workers": 0.0},
             )
         return None
 
@@ -650,8 +576,9 @@ class DataLoaderFallback:
 class ModelLoadingFallback:
     """Model loading errors: half precision, then the CPU, then the user's smaller factory.
 
-    Reads ``half_precision``, ``device`` and ``smaller_model`` (``"available"`` when a smaller
-    factory was given) from the failed call's context.
+    Reads ``half_precision``, ``device`` and ``smaller_model`` (False when a smaller factory
+    was given and is not in use yet) from the failed call's settings, and ``operation`` from its
+    context.
     """
 
     def decide(self, incident: Anomaly, history: StrategyHistory, /) -> Decision | None:
@@ -661,23 +588,20 @@ class ModelLoadingFallback:
             or incident.context.get("operation") != "model_loading"
         ):
             return None
-        ctx = incident.context
-        if ctx.get("half_precision") != "True":
+        settings = _settings(incident)
+        if not settings.half_precision:
             return Decision(
-                action=RecoveryAction.FALLBACK,
+                action=Fallback(half_precision=True, free_memory=True),
                 reason="model loading failed: retry in half precision",
-                parameters={"half_precision": 1.0, "free_memory": 1.0},
             )
-        if ctx.get("device", "cpu") != "cpu":
+        if settings.device not in (None, "cpu"):
             return Decision(
-                action=RecoveryAction.FALLBACK,
+                action=Fallback(cpu=True, free_memory=True),
                 reason="model loading failed: retry on the CPU",
-                parameters={"cpu": 1.0, "free_memory": 1.0},
             )
-        if ctx.get("smaller_model") == "available":
+        if settings.smaller_model is False:
             return Decision(
-                action=RecoveryAction.FALLBACK,
+                action=Fallback(smaller_model=True),
                 reason="model loading failed: retry with the smaller model factory",
-                parameters={"smaller_model": 1.0},
             )
         return None

@@ -90,7 +90,7 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
                             raise torch.OutOfMemoryError(msg)
                         loss = nn.functional.mse_loss(model(x), y)
                 loss = _fault(scenario, rank, step, loss, model)
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss.backward()
                 if scenario == "crash_one_rank" and rank == 1 and step == 10:
                     os._exit(3)  # after DDP's all-reduce: the others meet it at the agreement
                 verdict = await session.check_step(step, loss=loss)

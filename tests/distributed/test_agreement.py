@@ -12,9 +12,15 @@ from typing import Any
 import pytest
 
 from eventbus_debug.events import RecoveryAction
+from eventbus_debug.recovery.actions import (
+    Action,
+    ClipGradients,
+    DecidedAction,
+    Decision,
+    ScaleLR,
+    SkipStep,
+)
 from eventbus_debug.recovery.agreement import AgreedStep, RankAgreement, _decode, _encode
-from eventbus_debug.recovery.engine import DecidedAction
-from eventbus_debug.recovery.strategies import Decision
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 120.0  # seconds for a whole group; a regression fails instead of hanging
@@ -73,7 +79,7 @@ def run_group(tmp: Path, scenarios: tuple[str, ...], world: int) -> dict[str, li
         for r in range(world):
             path = tmp / f"{key}.rank{r}.json"
             results[item].append(json.loads(path.read_text()) if path.exists() else None)
-    return {**results, "_output": outputs}  # type: ignore[dict-item]
+    return {**results, "_output": outputs}
 
 
 @pytest.fixture(scope="module")
@@ -166,9 +172,9 @@ def test_a_crashed_rank_stops_the_others_with_a_reason(two: dict[str, list[Any]]
 
 class TestEncoding:
     @staticmethod
-    def decided(action: RecoveryAction, **params: float) -> DecidedAction:
+    def decided(action: Action) -> DecidedAction:
         return DecidedAction(
-            decision=Decision(action=action, reason=action.value, parameters=params),
+            decision=Decision(action=action, reason=action.kind.value),
             strategy="s",
             trigger_kind="k",
             trigger_seq=1,
@@ -177,12 +183,10 @@ class TestEncoding:
 
     def test_skip_and_clip_from_different_ranks_both_survive(self) -> None:
         """'skip' on one rank and 'clip' on another: one flag each, never a lossy bit mask."""
-        a = _encode([self.decided(RecoveryAction.SKIP_STEP)], False, 0)
-        b = _encode(
-            [self.decided(RecoveryAction.CLIP_GRADIENTS, max_norm=5.0, total_norm=50.0)], True, 1
-        )
+        a = _encode([self.decided(SkipStep())], False, 0)
+        b = _encode([self.decided(ClipGradients(max_norm=5.0, total_norm=50.0))], True, 1)
         agreed = _decode(a.maximum(b).tolist(), [], 3, 2)
-        assert {d.action for d in agreed} == {
+        assert {d.kind for d in agreed} == {
             RecoveryAction.SKIP_STEP,
             RecoveryAction.CLIP_GRADIENTS,
         }
@@ -191,23 +195,23 @@ class TestEncoding:
         """LR factors and clip norms agree on the smallest of any rank."""
         a = _encode(
             [
-                self.decided(RecoveryAction.SCALE_LR, lr_factor=0.5),
-                self.decided(RecoveryAction.CLIP_GRADIENTS, max_norm=5.0, total_norm=9.0),
+                self.decided(ScaleLR(factor=0.5)),
+                self.decided(ClipGradients(max_norm=5.0, total_norm=9.0)),
             ],
             False,
             0,
         )
         b = _encode(
             [
-                self.decided(RecoveryAction.SCALE_LR, lr_factor=0.25),
-                self.decided(RecoveryAction.CLIP_GRADIENTS, max_norm=2.0, total_norm=9.0),
+                self.decided(ScaleLR(factor=0.25)),
+                self.decided(ClipGradients(max_norm=2.0, total_norm=9.0)),
             ],
             False,
             1,
         )
-        agreed = {d.action: d.decision.parameters for d in _decode(a.maximum(b).tolist(), [], 3, 2)}
-        assert agreed[RecoveryAction.SCALE_LR]["lr_factor"] == 0.25
-        assert agreed[RecoveryAction.CLIP_GRADIENTS]["max_norm"] == 2.0
+        agreed = {d.kind: d.action for d in _decode(a.maximum(b).tolist(), [], 3, 2)}
+        assert agreed[RecoveryAction.SCALE_LR] == ScaleLR(factor=0.25)
+        assert agreed[RecoveryAction.CLIP_GRADIENTS] == ClipGradients(max_norm=2.0, total_norm=9.0)
 
     def test_nothing_pending_anywhere_is_no_decision(self) -> None:
         """A healthy step agrees on nothing and on 'noted' only when some rank had an incident."""

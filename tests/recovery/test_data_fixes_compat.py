@@ -149,7 +149,7 @@ class TestCommonFixes:
         bus.subscribe(recorder)
         model, opt, x, y = make()
         (nn.functional.mse_loss(model(x), y) * 1e4).backward()  # type: ignore[no-untyped-call]
-        model[2].bias.grad.zero_()  # type: ignore[index,union-attr]
+        model[2].bias.grad.zero_()  # type: ignore[index]
         fixes = apply_common_fixes(
             model, opt, max_grad_norm=1.0, lr_factor_on_explosion=0.5, bus=bus, step=7
         )

@@ -19,7 +19,7 @@ from eventbus_debug.events import (
     TensorRole,
 )
 from eventbus_debug.recovery import RecoveryPolicy, RollbackOnLossSpike, default_strategies
-from eventbus_debug.recovery.engine import StrategySpec
+from eventbus_debug.recovery.registry import StrategySpec
 from eventbus_debug.testing import RecordingSink
 
 from ._loop import all_finite
@@ -148,7 +148,7 @@ class TestSafeDefaults:
                     xb[0, 0] = math.nan
                 loss = model(xb).pow(2).mean()
                 opt.zero_grad()
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss.backward()
                 if (await session.check_step(step, loss=loss)).should_step:
                     opt.step()
                 await session.step_completed(step)
@@ -193,7 +193,7 @@ class TestAmp:
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = model(xb).float().pow(2).mean()
                 opt.zero_grad()
-                scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+                scaler.scale(loss).backward()
                 verdict = await session.check_step(step, loss=loss)
                 if verdict.should_step:
                     scaler.step(opt)
@@ -221,7 +221,7 @@ class TestAmp:
             for step in range(15):
                 loss = model(torch.randn(8, 4)).pow(2).mean()
                 opt.zero_grad()
-                scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+                scaler.scale(loss).backward()
                 with torch.no_grad():
                     model.weight.grad.fill_(math.inf)  # type: ignore[union-attr]
                 verdict = await session.check_step(step, loss=loss)
@@ -308,7 +308,7 @@ class TestVanishing:
                 x = torch.randn(8, 6, 16)
                 loss = (model(x) - x.sum((1, 2)).unsqueeze(1) / 10).pow(2).mean()
                 opt.zero_grad()
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss.backward()
                 if (await session.check_step(step, loss=loss)).should_step:
                     opt.step()
                 await session.step_completed(step)
@@ -330,7 +330,7 @@ class TestVanishing:
             for step in range(25):
                 loss = model(torch.randn(16, 8)).pow(2).mean()
                 opt.zero_grad()
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss.backward()
                 if (await session.check_step(step, loss=loss)).should_step:
                     opt.step()
                 await session.step_completed(step)
@@ -346,7 +346,7 @@ class TestChecksInTheirPrecision:
         recorder = RecordingSink()
         async with session_for(model, opt, recorder, policy="observe") as session:
             loss = model(torch.ones(1, 2)).sum().double() * 0 + 1e39
-            loss.backward()  # type: ignore[no-untyped-call]
+            loss.backward()
             verdict = await session.check_step(0, loss=loss)
             python = await session.check_step(1, loss=1e39)
         assert verdict.finite and verdict.loss == 1e39

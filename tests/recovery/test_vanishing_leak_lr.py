@@ -25,6 +25,7 @@ from eventbus_debug.events import (
     RecoveryDecided,
 )
 from eventbus_debug.recovery import (
+    Fallback,
     FreeMemoryOnLeak,
     ReportVanishing,
     ShrinkBatchOnOOM,
@@ -58,7 +59,7 @@ async def train_dead(bus: EventBus, engine: RecoveryEngine, steps: int) -> torch
     for step in range(steps):
         if step == DIES_AT:
             with torch.no_grad():
-                model[0].bias.fill_(-10.0)  # type: ignore[index,operator]
+                model[0].bias.fill_(-10.0)  # type: ignore[index]
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()  # type: ignore[no-untyped-call]
         await probe.check_step(step, loss=loss)
@@ -131,7 +132,7 @@ class TestMemoryLeak:
                 retained.append(loss)  # a real leak: every step's graph is kept alive
                 loss.backward(retain_graph=True)  # type: ignore[no-untyped-call]
                 if 3 <= step <= 7:
-                    engine.publish(
+                    engine.bus.publish_nowait(
                         MemoryLeakSuspected(
                             step=step,
                             source="memory_probe",
@@ -166,7 +167,7 @@ class TestMemoryLeak:
         engine = RecoveryEngine(bus)
         assert "free_memory_on_leak" in engine.strategy_names
         decided = engine.decide(MemoryLeakSuspected(resource="rss", slope=4096.0, window=20))
-        assert [d.action for d in decided] == [RecoveryAction.FREE_MEMORY]
+        assert [d.kind for d in decided] == [RecoveryAction.FREE_MEMORY]
         assert engine.statistics().unmatched == 0
 
 
@@ -272,8 +273,8 @@ class TestOutOfMemoryCpuFallback:
                     opt.step()
             await bus.drain()
         assert runs == [("cuda:0", 4), ("cuda:0", 2), ("cuda:0", 1), ("cpu", 1)]
-        decided = [(d.action, dict(d.parameters)) for d in recorder.of_type(RecoveryDecided)]
-        assert decided[-1] == (RecoveryAction.FALLBACK, {"cpu": 1.0, "free_memory": 1.0})
+        decided = [(d.action, d.decided) for d in recorder.of_type(RecoveryDecided)]
+        assert decided[-1] == (RecoveryAction.FALLBACK, Fallback(cpu=True, free_memory=True))
         final = [a for a in recorder.of_type(RecoveryApplied) if "succeeded" in a.detail]
         assert len(final) == 1 and "device cuda:0 -> cpu" in final[0].detail
         assert all_finite(model)

@@ -13,8 +13,9 @@ from eventbus_debug.diagnostics import get_logger
 
 from ...events import RecoveryAction, RecoveryApplied, StepSkipped
 from ...exceptions import TrainingStopped
+from ..actions import Action, ClipGradients, DecidedAction, RestoreState, ScaleLR, SkipStep
 from ..agreement import AgreedStep, Agreement
-from ..engine import DecidedAction, RecoveryEngine
+from ..engine import RecoveryEngine
 from ..lr import lr_schedulers, scale_learning_rate
 from ..memory import free_memory
 from .snapshot import NoGoodStateError, StateSnapshots
@@ -49,6 +50,8 @@ class StepDecision:
         actions: the actions applied, in the order they were applied.
         details: what each action changed, in words.
         lr_factor: the factor the learning rates were multiplied by at this safe point.
+        decided: the typed decisions this safe point applied (with their numbers), in the
+            order they were decided; empty on a step with nothing to apply.
     """
 
     step: int
@@ -56,6 +59,7 @@ class StepDecision:
     actions: tuple[RecoveryAction, ...] = ()
     details: tuple[str, ...] = ()
     lr_factor: float = 1.0
+    decided: tuple[Action, ...] = ()
 
     def __bool__(self) -> bool:
         return self.should_step
@@ -73,11 +77,12 @@ class SafePoint:
         optimizer.zero_grad()
 
     It waits until the engine handled every incident published so far (only the engine: a slow
-    report writer does not delay training), passes the pending decisions through the *agree*
-    hook, then applies them in a fixed order: STOP (raises), RESTORE_STATE, SCALE_LR,
-    FREE_MEMORY, CLIP_GRADIENTS, SKIP_STEP. A step with no decision to apply may refresh the
-    snapshot of the last good state; a step with no incident at all (not even one answered
-    with ``CONTINUE``) also resets the strategies' consecutive counts.
+    report writer does not delay training), takes the step's decisions from the engine once
+    (:meth:`RecoveryEngine.take`, agreed across ranks with an *agreement*), passes them through
+    the *agree* hook, then applies them in a fixed order: STOP (raises), RESTORE_STATE,
+    SCALE_LR, FREE_MEMORY, CLIP_GRADIENTS, SKIP_STEP. A clean step (no incident at all, not
+    even one answered with ``CONTINUE``) resets the strategies' consecutive counts and may
+    refresh the snapshot of the last good state.
 
     Args:
         engine: the recovery engine.
@@ -175,50 +180,47 @@ class SafePoint:
     # -- applying ----------------------------------------------------------------------------
 
     def _apply(self, step: int, loss: float | None = None) -> StepDecision:
-        engine = self.engine
-        pending = engine.take_pending()
-        noted = engine.take_noted()
+        pending = self.engine.take(step, loss=loss, agreement=self.agreement)
         if self.agreement is not None:
-            agreed = self.agreement.agree(step, pending, bool(noted), loss=loss)
-            self.agreed = agreed
-            decided = list(agreed.decisions)
-            noted = int(agreed.noted)
-        else:
-            decided = list(self._agree(pending)) if pending or self._agree is not _identity else []
+            self.agreed = pending.agreed
+        decided = list(pending.actions)
+        if self._agree is not _identity and self.agreement is None:
+            decided = list(self._agree(decided))
         if not decided:
             if self._skip_remaining > 0:
                 self._skip_remaining -= 1
                 return self._skip(step, self._skip_reason, (), ())
-            if noted:
+            if not pending.clean:
                 return StepDecision(step=step, should_step=True)
-            engine.mark_good()
             self.snapshots.maybe_capture(step, self.model, self.optimizer)
             if self._temporary:
                 return self._tick_temporary(step)
             return StepDecision(step=step, should_step=True)
         actions: list[RecoveryAction] = []
         details: list[str] = []
-        by_action: dict[RecoveryAction, list[DecidedAction]] = {}
+        by_kind: dict[RecoveryAction, list[DecidedAction]] = {}
         for d in decided:
-            by_action.setdefault(d.action, []).append(d)
+            by_kind.setdefault(d.kind, []).append(d)
+        typed = tuple(d.action for d in decided)
 
-        stops = by_action.get(RecoveryAction.STOP)
+        stops = by_kind.get(RecoveryAction.STOP)
         if stops:
-            self._stop(step, stops[0].decision.reason)
+            self._stop(step, stops[0].reason)
 
-        skip = bool(by_action.get(RecoveryAction.SKIP_STEP))
-        skip_batches = 1
-        reasons = [d.decision.reason for d in decided]
+        skip = bool(by_kind.get(RecoveryAction.SKIP_STEP))
+        reasons = [d.reason for d in decided]
 
-        restores = by_action.get(RecoveryAction.RESTORE_STATE, ())
+        restores = by_kind.get(RecoveryAction.RESTORE_STATE, ())
         if restores:
-            required = any(d.decision.parameters.get("required", 1.0) for d in restores)
+            required = any(
+                isinstance(d.action, RestoreState) and d.action.required for d in restores
+            )
             try:
                 restored = self.snapshots.restore(self.model, self.optimizer)
             except NoGoodStateError as exc:
                 if required:
                     self._publish(step, RecoveryAction.RESTORE_STATE, str(exc), "failed")
-                    self._stop(step, f"{restores[0].decision.reason}; {exc}")
+                    self._stop(step, f"{restores[0].reason}; {exc}")
                 # A precaution with nothing to restore: the step is skipped, nothing is lost.
                 detail = f"no good state held yet, nothing restored ({exc})"
                 self._publish(step, RecoveryAction.RESTORE_STATE, detail, "skipped")
@@ -233,12 +235,12 @@ class SafePoint:
             skip = True  # these gradients belong to the state just discarded
 
         lr_factor = 1.0
-        for d in by_action.get(RecoveryAction.SCALE_LR, ()):
-            factor = float(d.decision.parameters.get("lr_factor", 1.0))
-            lr_factor *= factor
-            steps = float(d.decision.parameters.get("lr_steps", 0.0))
-            if steps > 0 and factor != 1.0:
-                self._temporary.append([steps, factor])
+        for d in by_kind.get(RecoveryAction.SCALE_LR, ()):
+            if not isinstance(d.action, ScaleLR):
+                continue
+            lr_factor *= d.action.factor
+            if d.action.steps and d.action.factor != 1.0:
+                self._temporary.append([float(d.action.steps), d.action.factor])
         if lr_factor != 1.0:
             detail = scale_learning_rate(self.optimizer, lr_factor, self.schedulers)
             if self._temporary:
@@ -247,17 +249,17 @@ class SafePoint:
             actions.append(RecoveryAction.SCALE_LR)
             details.append(detail)
 
-        if RecoveryAction.FREE_MEMORY in by_action:
+        if RecoveryAction.FREE_MEMORY in by_kind:
             detail = free_memory().describe()
             self._publish(step, RecoveryAction.FREE_MEMORY, detail, "applied")
             _log.info("memory_freed", step=step, detail=detail)
             actions.append(RecoveryAction.FREE_MEMORY)
             details.append(detail)
 
-        clips = by_action.get(RecoveryAction.CLIP_GRADIENTS, ())
+        clips = [d.action for d in decided if isinstance(d.action, ClipGradients)]
         if clips and not skip:
-            max_norm = min(float(d.decision.parameters["max_norm"]) for d in clips)
-            total = float(clips[-1].decision.parameters["total_norm"])
+            max_norm = min(c.max_norm for c in clips)
+            total = clips[-1].total_norm
             params = [p for p in self.model.parameters() if p.grad is not None]
             # The probe already reduced the gradients: reuse its total norm, no second pass.
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(total))
@@ -266,18 +268,22 @@ class SafePoint:
             actions.append(RecoveryAction.CLIP_GRADIENTS)
             details.append(detail)
 
-        for d in by_action.get(RecoveryAction.SKIP_STEP, ()):
-            skip_batches = max(skip_batches, int(d.decision.parameters.get("batches", 1)))
+        skip_batches = max(
+            (d.action.batches for d in decided if isinstance(d.action, SkipStep)), default=1
+        )
         if skip:
             self._skip_remaining = max(self._skip_remaining, skip_batches - 1)
             self._skip_reason = f"skipping the batches after: {reasons[0]}"
-            return self._skip(step, "; ".join(dict.fromkeys(reasons)), actions, details, lr_factor)
+            return self._skip(
+                step, "; ".join(dict.fromkeys(reasons)), actions, details, lr_factor, typed
+            )
         return StepDecision(
             step=step,
             should_step=True,
             actions=tuple(actions),
             details=tuple(details),
             lr_factor=lr_factor,
+            decided=typed,
         )
 
     def _tick_temporary(self, step: int) -> StepDecision:
@@ -311,17 +317,19 @@ class SafePoint:
         actions: Sequence[RecoveryAction],
         details: Sequence[str],
         lr_factor: float = 1.0,
+        decided: tuple[Action, ...] = (),
     ) -> StepDecision:
         self.optimizer.zero_grad(set_to_none=True)
         detail = f"optimizer step {step} skipped, gradients zeroed"
         self._publish(step, RecoveryAction.SKIP_STEP, detail, "applied")
-        self.engine.publish(StepSkipped(source=SOURCE, step=step, reason=reason))
+        self.engine.bus.publish_nowait(StepSkipped(source=SOURCE, step=step, reason=reason))
         return StepDecision(
             step=step,
             should_step=False,
             actions=(*actions, RecoveryAction.SKIP_STEP),
             details=(*details, detail),
             lr_factor=lr_factor,
+            decided=decided,
         )
 
     def _stop(self, step: int, reason: str) -> NoReturn:
@@ -330,6 +338,6 @@ class SafePoint:
         raise TrainingStopped(reason)
 
     def _publish(self, step: int, action: RecoveryAction, detail: str, outcome: str) -> None:
-        self.engine.publish(
+        self.engine.bus.publish_nowait(
             RecoveryApplied(source=SOURCE, step=step, action=action, detail=detail, outcome=outcome)
         )

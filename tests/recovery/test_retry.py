@@ -23,6 +23,7 @@ from eventbus_debug import (
 )
 from eventbus_debug.events import (
     Anomaly,
+    CallSettings,
     ErrorCategory,
     ErrorRaised,
     RecoveryAction,
@@ -31,7 +32,15 @@ from eventbus_debug.events import (
     StepChecked,
     StepSkipped,
 )
-from eventbus_debug.recovery import Decision, ScalerStepWatcher, ShrinkBatchOnOOM, StrategyHistory
+from eventbus_debug.recovery import (
+    Decision,
+    Retry,
+    ScalerStepWatcher,
+    ShrinkBatch,
+    ShrinkBatchOnOOM,
+    StrategyHistory,
+    report_error,
+)
 from eventbus_debug.testing import RecordingSink
 
 from ._loop import all_finite, make
@@ -68,10 +77,10 @@ class TestOutOfMemory:
         errors = recorder.of_type(ErrorRaised)
         assert [e.category for e in errors] == [ErrorCategory.MEMORY] * 2
         assert [e.attempt for e in errors] == [1, 2]
-        assert errors[0].context["batch_size"] == "64"
+        assert errors[0].settings is not None and errors[0].settings.batch_size == 64
         assert "torch.OutOfMemoryError" in errors[0].exception_types
         decided = recorder.of_type(RecoveryDecided)
-        assert [d.parameters["batch_size"] for d in decided] == [32.0, 16.0]
+        assert [d.decided for d in decided] == [ShrinkBatch(size=32), ShrinkBatch(size=16)]
         final = [a for a in recorder.of_type(RecoveryApplied) if "succeeded" in a.detail]
         assert len(final) == 1 and "batch_size=16" in final[0].detail
         assert losses[-1] < losses[0]
@@ -153,28 +162,26 @@ class TestCustomStrategies:
 
         def free_and_retry(incident: Anomaly, history: StrategyHistory) -> Decision:
             seen.append(incident.message)  # type: ignore[attr-defined]
-            return Decision(action=RecoveryAction.RETRY, reason="custom")
+            return Decision(action=Retry(), reason="custom")
 
         engine.register(free_and_retry, on="cuda OUT of memory", max_attempts=2)
-        decided = await engine.report_error(torch.OutOfMemoryError("CUDA out of memory. x"))
-        assert [(d.strategy, d.action) for d in decided] == [
-            ("free_and_retry", RecoveryAction.RETRY)
-        ]
+        decided = await report_error(engine, torch.OutOfMemoryError("CUDA out of memory. x"))
+        assert [(d.strategy, d.kind) for d in decided] == [("free_and_retry", RecoveryAction.RETRY)]
         assert seen == ["CUDA out of memory. x"]
 
     async def test_registered_by_exception_type_matches_subclasses(self, bus: EventBus) -> None:
         """A strategy on LookupError answers a KeyError; max_attempts bounds it, then STOP."""
         engine = RecoveryEngine(bus)
         engine.register(
-            lambda i, h: Decision(action=RecoveryAction.RETRY, reason="lookup"),
+            lambda i, h: Decision(action=Retry(), reason="lookup"),
             on=LookupError,
             name="lookup",
             max_attempts=1,
         )
-        first = await engine.report_error(KeyError("k"))
-        second = await engine.report_error(KeyError("k"))
+        first = await report_error(engine, KeyError("k"))
+        second = await report_error(engine, KeyError("k"))
         assert [d.strategy for d in first] == ["lookup"]
-        assert [d.action for d in second] == [RecoveryAction.STOP]
+        assert [d.kind for d in second] == [RecoveryAction.STOP]
 
     async def test_a_raising_strategy_is_reported_and_the_next_one_decides(
         self, bus: EventBus, recorder: RecordingSink
@@ -187,7 +194,7 @@ class TestCustomStrategies:
             raise ValueError("strategy bug")
 
         engine.register(broken, on=ErrorCategory.MEMORY)
-        decided = await engine.report_error(MemoryError(), context={"batch_size": "8"})
+        decided = await report_error(engine, MemoryError(), settings=CallSettings(batch_size=8))
         await bus.drain()
         assert [d.strategy for d in decided] == ["shrink_batch_on_oom"]
         failures = [e for e in recorder.of_type(ErrorRaised) if e.source == "recovery"]
