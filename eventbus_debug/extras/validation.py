@@ -38,6 +38,7 @@ __all__ = (
 Publish = Callable[[Event], object]
 
 _RULES: Final = ("non_finite", "range", "shape", "dtype")
+_OUTPUT_SOURCE: Final = "output_checker"
 
 
 class InputValidationError(EventBusError, ValueError):
@@ -398,7 +399,7 @@ class OutputChecker:
         """
         if isinstance(outputs, torch.Tensor):
             tensors: list[tuple[str, torch.Tensor]] = [(self.name, outputs)]
-            found = self._tensor(self.name, outputs)
+            found = self._tensor(self.name, outputs, step)
         else:
             counts = non_finite_counts(outputs, name=self.name)  # TypeError for the unknown
             tensors = list(_tensor_leaves(outputs, self.name))
@@ -407,7 +408,9 @@ class OutputChecker:
             loose = [p for p in counts.non_finite if p not in tensor_paths]
             if loose:
                 found.append(
-                    _Finding(
+                    OutputAnomalyDetected(
+                        step=step,
+                        source=_OUTPUT_SOURCE,
                         name=self.name,
                         rule="non_finite",
                         message=f"{self.name} hold NaN or infinite numbers at {', '.join(loose)}",
@@ -416,28 +419,16 @@ class OutputChecker:
                     )
                 )
             for path, t in tensors:
-                found.extend(self._tensor(path, t))
-        events = tuple(
-            OutputAnomalyDetected(
-                step=step,
-                source="output_checker",
-                severity=f.severity,
-                name=f.name,
-                rule=f.rule,
-                message=f.message,
-                min_value=f.min_value,
-                max_value=f.max_value,
-                std=f.std,
-                nonfinite_count=f.nonfinite_count,
-            )
-            for f in found
-        )
+                found.extend(self._tensor(path, t, step))
+        events = tuple(found)
         if publish is not None:
             for ev in events:
                 publish(ev)
         return events
 
-    def _tensor(self, name: str, outputs: torch.Tensor) -> list[_Finding]:
+    def _tensor(
+        self, name: str, outputs: torch.Tensor, step: int | None
+    ) -> list[OutputAnomalyDetected]:
         """The anomalies of one output tensor (one device-to-host transfer)."""
         if outputs.is_meta:
             msg = f"{name} is a meta tensor: it has a shape and a dtype but no values to check"
@@ -469,9 +460,16 @@ class OutputChecker:
         hi_f = float(hi_v) if has_finite else None
         std_f = float(std_v) if has_finite and math.isfinite(std_v) else None
         finding = functools.partial(
-            _Finding, name=name, min_value=lo_f, max_value=hi_f, std=std_f, nonfinite_count=n_bad
+            OutputAnomalyDetected,
+            step=step,
+            source=_OUTPUT_SOURCE,
+            name=name,
+            min_value=lo_f,
+            max_value=hi_f,
+            std=std_f,
+            nonfinite_count=n_bad,
         )
-        found: list[_Finding] = []
+        found: list[OutputAnomalyDetected] = []
         if n_bad:
             found.append(
                 finding(
@@ -499,18 +497,6 @@ class OutputChecker:
                 )
             )
         return found
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Finding:
-    name: str
-    rule: str
-    message: str
-    severity: Severity
-    min_value: float | None = None
-    max_value: float | None = None
-    std: float | None = None
-    nonfinite_count: int = 0
 
 
 def _tensor_leaves(value: object, path: str) -> Iterator[tuple[str, torch.Tensor]]:
