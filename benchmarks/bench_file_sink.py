@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eventbus_debug import Event, EventBus, encode_event, read_events
 from eventbus_debug.events import SinkFailed, StepCompleted
 from eventbus_debug.log.files import ReadStatistics
-from eventbus_debug.sinks import RotatingFileSink, rotating_file
+from eventbus_debug.sinks import RotatingFileSink, _jsonl_writer
 
 BURST = 1000
 BATCH = 4096
@@ -232,7 +232,7 @@ async def _paced(n: int, rate: float, directory: Path, *, legacy: bool) -> int:
 async def _close_time(directory: Path, *, stuck: bool) -> float:
     """Seconds from leaving ``async with EventBus(close_timeout=1)`` to its return."""
     release = threading.Event()
-    original = rotating_file._write_some
+    original = _jsonl_writer._write_some
 
     def hung(fd: int, data: bytes | bytearray) -> int:
         release.wait()
@@ -242,14 +242,14 @@ async def _close_time(directory: Path, *, stuck: bool) -> float:
         async with EventBus(close_timeout=1.0) as bus:
             bus.subscribe(RotatingFileSink(directory))
             if stuck:
-                rotating_file._write_some = hung
+                _jsonl_writer._write_some = hung
             for event in _events(1000):
                 bus.publish_nowait(event)
             await anyio.sleep(0.05)
             t0 = time.perf_counter()
         return time.perf_counter() - t0
     finally:
-        rotating_file._write_some = original
+        _jsonl_writer._write_some = original
         release.set()
 
 

@@ -33,7 +33,7 @@ from eventbus_debug.events import (
     TensorRole,
 )
 from eventbus_debug.sinks import AlertSink, RunAggregator, rules, summarize
-from eventbus_debug.sinks.report_html import render_html
+from eventbus_debug.sinks.report import render_html
 
 
 def stream(steps: int) -> list[Event]:

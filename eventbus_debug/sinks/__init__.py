@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 # The sinks' own event kind (AlertHandlerFailed) is registered whenever the package is
 # imported, so that any log written with alerts on can be read back; this module is light.
-from .alerts import alert as _alert  # noqa: F401
+from . import _events  # noqa: F401
 
 if TYPE_CHECKING:
     from .alerts import (

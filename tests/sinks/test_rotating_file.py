@@ -21,7 +21,7 @@ from eventbus_debug.sinks import (
     LogDirectoryError,
     LogWriteError,
     RotatingFileSink,
-    rotating_file as rf,
+    _jsonl_writer as jw,
 )
 from eventbus_debug.testing import RecordingSink
 
@@ -368,7 +368,7 @@ class TestFailures:
             bus.subscribe(recorder, SinkFailed)
             sub = bus.subscribe(sink)
             await _publish_all(bus, _steps(0, 5))
-            monkeypatch.setattr(rf, "_write_some", _DiskFull(times=1, partial=30))
+            monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1, partial=30))
             for event in _steps(5, 5):  # the training loop goes on publishing
                 bus.publish_nowait(event)
                 published += 1
@@ -393,11 +393,11 @@ class TestFailures:
     ) -> None:
         """Many failures in one outage raise once; retries back off; nothing is lost."""
         clock = [1000.0]
-        monkeypatch.setattr(rf, "_clock", lambda: clock[0])
+        monkeypatch.setattr(jw, "_clock", lambda: clock[0])
         sink = RotatingFileSink(tmp_path)
         await sink.handle_batch(_steps(0, 2))
         disk = _DiskFull(times=4, partial=45)
-        monkeypatch.setattr(rf, "_write_some", disk)
+        monkeypatch.setattr(jw, "_write_some", disk)
         with pytest.raises(LogWriteError, match="No space left"):
             await sink.handle_batch(_steps(2, 3))
         calls = disk.calls
@@ -423,7 +423,7 @@ class TestFailures:
         """Beyond max_pending_bytes the oldest pending lines are given up, and counted."""
         line = _line_size()
         sink = RotatingFileSink(tmp_path, max_pending_bytes=line * 5)
-        monkeypatch.setattr(rf, "_write_some", _DiskFull(times=1))
+        monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
         with pytest.raises(LogWriteError):
             await sink.handle_batch(_steps(10, 3))
         await sink.handle_batch(_steps(13, 4))  # 7 pending > 5 lines' worth
@@ -439,13 +439,13 @@ class TestFailures:
         """A failed write leaves no torn line in the file, even if no write ever succeeds."""
         sink = RotatingFileSink(tmp_path)
         await sink.handle_batch(_steps(0, 2))
-        monkeypatch.setattr(rf, "_write_some", _DiskFull(times=10, partial=45))
+        monkeypatch.setattr(jw, "_write_some", _DiskFull(times=10, partial=45))
         with pytest.raises(LogWriteError):
             await sink.handle_batch(_steps(2, 3))
         data = sink.path.read_bytes()
         assert data.endswith(b"\n") and data.count(b"\n") == 2
         assert _step_numbers(tmp_path) == [0, 1]
-        sink._stop_flusher.set()  # the sink is abandoned without a close: no more writes
+        sink._writer._stop.set()  # the sink is abandoned without a close: no more writes
 
     async def test_file_removed_under_the_sink(self, tmp_path: Path) -> None:
         """A removed live file fails one batch, then a new file holds that batch and the next."""
@@ -480,7 +480,7 @@ class TestFailures:
         """If the last write at close fails, aclose raises and the lines are counted lost."""
         sink = RotatingFileSink(tmp_path, flush_interval=3600.0)
         await sink.handle_batch(_steps(0, 4))
-        monkeypatch.setattr(rf, "_write_some", _DiskFull(times=1))
+        monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
         with pytest.raises(LogWriteError):
             await sink.aclose()
         assert sink.statistics().lines_lost == 4

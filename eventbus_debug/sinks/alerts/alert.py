@@ -6,17 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import orjson
 
 from eventbus_debug.events import (
     Event,
     Severity,
-    event_type,
 )
 from eventbus_debug.log.encoding import encode_event
 
+from .._events import AlertHandlerFailed as AlertHandlerFailed
 from ..lines import describe
 
 __all__ = (
@@ -33,32 +33,6 @@ DEFAULT_COOLDOWN: Final = 60.0
 
 AlertHandler: TypeAlias = Callable[["Alert"], "Awaitable[None] | None"]
 """A sync or async callable receiving an :class:`Alert`; its return value is ignored."""
-
-
-@event_type
-class AlertHandlerFailed(Event):
-    """An alert handler raised or exceeded the sink's timeout; the other handlers ran anyway.
-
-    Attributes:
-        handler: the handler's name.
-        rule: the name of the rule that triggered it.
-        error_type: the exception's class name (``"TimeoutError"`` when it timed out).
-        message: the exception's message.
-        timed_out: whether the handler was cancelled by the timeout.
-        event_kind: the kind of the event being alerted on.
-        event_seq: the sequence number of that event.
-    """
-
-    kind: ClassVar[str] = "sinks.alert_handler_failed"
-    severity: Severity = Severity.ERROR
-    handler: str
-    rule: str
-    error_type: str
-    message: str
-    timed_out: bool = False
-    traceback: str = ""
-    event_kind: str = ""
-    event_seq: int = -1
 
 
 def _default_key(event: Event) -> Hashable:

@@ -48,7 +48,7 @@ from eventbus_debug.sinks.report import _stats, aggregate
 T0 = 1_700_000_000_000_000_000
 STEP_NS = 20_000_000
 STEPS = 30
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
 def rank_events(rank: int, steps: int = STEPS, *, lead: int = 0) -> list[Event]:

@@ -39,6 +39,7 @@ from eventbus_debug.events import (
     StepSkipped,
     TensorRole,
 )
+from eventbus_debug.events.recovery import ClipGradients
 from eventbus_debug.sinks import build_report, render_html, summarize
 from tests.sinks._chromium import dump_dom, needs_chromium
 
@@ -94,7 +95,7 @@ def crafted_events(payload: str) -> list[Event]:
             strategy=p,
             trigger_kind=p,
             trigger_seq=5,
-            parameters={p: 1.0},
+            decided=ClipGradients(max_norm=1.0, total_norm=2.0),
         ),
         RecoveryApplied(
             seq=7, step=1, source=p, action=RecoveryAction.CLIP_GRADIENTS, detail=p, outcome=p

@@ -31,6 +31,7 @@ from eventbus_debug.events import (
     SystemSampled,
     TensorRole,
 )
+from eventbus_debug.events.recovery import ClipGradients
 from eventbus_debug.sinks import (
     ReportWriter,
     RunAggregator,
@@ -99,7 +100,7 @@ def scripted_events(steps: int = 20) -> list[Event]:
                 strategy="clip",
                 trigger_kind="gradient_exploded",
                 trigger_seq=seq,
-                parameters={"max_norm": 1.0},
+                decided=ClipGradients(max_norm=1.0, total_norm=5.0),
             )
             add(
                 RecoveryApplied, step, action=RecoveryAction.CLIP_GRADIENTS, detail="clipped to 1.0"
@@ -520,7 +521,7 @@ async def test_memory_for_both_session_kinds(tmp_path: Path, kind: str) -> None:
         with SyncSession(model, optimizer, **options) as sync:
             for step in range(6):
                 loss = step_once()
-                sync.check_step_nowait(step, loss=loss)
+                sync.check_step(step, loss=loss)
                 optimizer.step()
                 sync.step_completed(step, loss=loss)
     s = report.summary()
