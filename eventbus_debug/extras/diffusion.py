@@ -24,6 +24,7 @@ import anyio.lowlevel
 import torch
 from torch import nn
 
+from .._validate import positive_number
 from ..events import (
     ComponentInfo,
     Event,
@@ -128,11 +129,8 @@ class LatentMonitor:
         if not max_norm_ratio > 1.0:
             msg = f"max_norm_ratio must be > 1, got {max_norm_ratio!r}"
             raise ValueError(msg)
-        if max_norm is not None and not max_norm > 0:
-            msg = f"max_norm must be > 0, got {max_norm!r}"
-            raise ValueError(msg)
         self.max_norm_ratio = max_norm_ratio
-        self.max_norm = max_norm
+        self.max_norm = None if max_norm is None else positive_number("max_norm", max_norm)
         self._w = _Window()
 
     @property

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eventbus_debug.diagnostics import get_logger
+from .._validate import positive_int
+from ..diagnostics import get_logger
 
 __all__ = (
     "OptimizationMode",
@@ -260,9 +261,7 @@ class OptimizedStep:
         amp_dtype: torch.dtype | None = None,
         device_type: str | None = None,
     ) -> None:
-        if isinstance(accumulation_steps, bool) or accumulation_steps < 1:
-            msg = f"accumulation_steps must be >= 1, got {accumulation_steps!r}"
-            raise ValueError(msg)
+        accumulation_steps = positive_int("accumulation_steps", accumulation_steps)
         self.modes = _expand(mode)
         self.model = model
         self.optimizer = optimizer

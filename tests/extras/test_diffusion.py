@@ -80,3 +80,17 @@ class TestLatentMonitor:
         """max_norm_ratio must be above 1."""
         with pytest.raises(ValueError, match="max_norm_ratio must be > 1"):
             LatentMonitor(max_norm_ratio=1.0)
+
+    @pytest.mark.parametrize("bad", [0.0, -2.0, math.nan, math.inf])
+    def test_bad_ceiling(self, bad: float) -> None:
+        """max_norm must be a finite number > 0, named with the value."""
+        with pytest.raises(ValueError, match="max_norm must be a finite number > 0"):
+            LatentMonitor(max_norm=bad)
+
+    def test_ceiling_alone_is_an_incident(self) -> None:
+        """With a ceiling, an RMS above it is norm drift even when the ratio is normal."""
+        monitor = LatentMonitor(max_norm=0.5)
+        (checked, incident) = monitor.check(torch.ones(2, 4), denoising_step=0)
+        assert isinstance(checked, LatentChecked) and checked.norm == pytest.approx(1.0)
+        assert isinstance(incident, LatentAnomalyDetected) and incident.rule == "norm_drift"
+        assert "exceeds 0.5" in incident.message

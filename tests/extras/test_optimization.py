@@ -156,15 +156,16 @@ class TestOptimizedStep:
         for a, b in zip(before, model.parameters(), strict=True):
             assert torch.equal(a, b)
 
-    def test_bad_accumulation_steps(self) -> None:
-        """accumulation_steps < 1 is rejected with the value."""
+    @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+    def test_bad_accumulation_steps(self, bad: object) -> None:
+        """accumulation_steps must be an int >= 1 (no fractions, no bools); the value is named."""
         model = _model()
-        with pytest.raises(ValueError, match="accumulation_steps must be >= 1, got 0"):
+        with pytest.raises(ValueError, match=f"accumulation_steps must be an int >= 1, got {bad}"):
             OptimizedStep(
                 model,
                 torch.optim.SGD(model.parameters(), lr=0.1),
                 nn.functional.mse_loss,
-                accumulation_steps=0,
+                accumulation_steps=bad,  # type: ignore[arg-type]
             )
 
     def test_compile_returns_module_sharing_parameters(self) -> None:
