@@ -141,6 +141,17 @@ def test_nothing_below_the_session_imports_sinks() -> None:
     assert not core, "\n".join(core)
 
 
+def test_compat_is_a_leaf() -> None:
+    """The seeds' names are importable, never re-exported: nothing outside compat imports it."""
+    users = [
+        f"{src} imports {dst}, line {line}"
+        for (src, dst), line in sorted(_edges().items())
+        if dst.startswith("eventbus_debug.compat") and not src.startswith("eventbus_debug.compat")
+    ]
+    assert not users, "\n".join(users)
+    assert not [n for n, home in _FRONT_DOOR.items() if home.startswith("eventbus_debug.compat")]
+
+
 def _cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
     graph: dict[str, list[str]] = {}
     for src, dst in edges:
