@@ -18,7 +18,7 @@ from typing import Any, Final, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
-__all__ = ("DaemonWorker", "run_in_daemon_thread")
+__all__ = ("DaemonWorker", "run_in_daemon_thread", "threadsafe_scheduler")
 
 T = TypeVar("T")
 
@@ -58,8 +58,9 @@ class _Job(Generic[T]):
         self.wake()
 
 
-def _scheduler() -> Callable[[Callable[[], object]], object]:
-    """``call_soon_threadsafe`` of the running event loop (asyncio or trio)."""
+def threadsafe_scheduler() -> Callable[[Callable[[], object]], object]:
+    """The running event loop's "run this soon" for other threads: asyncio's
+    ``call_soon_threadsafe`` or trio's ``run_sync_soon``. Call it inside the loop."""
     token = anyio.lowlevel.current_token().native_token
     call_soon = getattr(token, "call_soon_threadsafe", None)  # asyncio loop
     if call_soon is None:
@@ -100,7 +101,7 @@ class DaemonWorker:
     async def run(self, fn: Callable[..., T], /, *args: Any) -> T:
         """Run ``fn(*args)`` in the thread after the calls submitted before; cancellable."""
         event = anyio.Event()
-        schedule = _scheduler()
+        schedule = threadsafe_scheduler()
         job: _Job[T] = _Job(fn, args, lambda: schedule(event.set))
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
@@ -134,7 +135,7 @@ async def run_in_daemon_thread(fn: Callable[..., T], /, *args: Any, name: str = 
     a handler that never returns neither blocks the caller's cancellation nor the process's exit.
     """
     event = anyio.Event()
-    schedule = _scheduler()
+    schedule = threadsafe_scheduler()
     job: _Job[T] = _Job(fn, args, lambda: schedule(event.set))
     thread = threading.Thread(target=job.run_and_wake, name=name or "eventbus-daemon", daemon=True)
     thread.start()

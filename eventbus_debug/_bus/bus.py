@@ -2,49 +2,39 @@
 
 Publishing appends to one list and wakes the dispatcher at most once per burst; the dispatcher
 stamps sequence numbers and offers each event to the bounded queue of every matching
-subscription; one task per subscription drains its queue into the sink. A slow, raising or
-hanging sink therefore only ever affects its own queue.
+subscription (see :mod:`.subscription`); one task per subscription drains its queue into the
+sink. A slow, raising or hanging sink therefore only ever affects its own queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import functools
-import inspect
-import math
 import time
-import traceback
 import warnings
-from collections.abc import Awaitable, Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from types import TracebackType
-from typing import Any, Final, Protocol, final
+from typing import Final, final
 
 import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 from typing_extensions import Self
 
-from eventbus_debug.diagnostics import get_logger
-
-from ..events import (
-    SELF_EXCLUDING,
-    Delivery,
-    Event,
-    EventsDropped,
-    EventsUndelivered,
-    LoopStalled,
-    SinkCloseFailed,
-    SinkDisabled,
-    SinkFailed,
-    SinkUnresponsive,
-    refresh_rank,
-)
+from .._validate import positive_int, positive_seconds
+from ..diagnostics import get_logger
+from ..events import SELF_EXCLUDING, Delivery, Event, refresh_rank
 from ..exceptions import BusClosedError, SubscriptionError
+from ..threads import threadsafe_scheduler
+from . import subscription as _subscription
+from ._adapter import SinkAdapter, default_name
+from ._waiters import AnyioWaiter, Waiter, waiter_factory
+from .statistics import BusStatistics
+from .subscription import Subscription
 
-__all__ = ("BusStatistics", "EventBus", "Subscription", "SubscriptionStatistics")
+__all__ = ("EventBus",)
 
 _log = get_logger(__name__)
 
@@ -53,19 +43,8 @@ DEFAULT_CLOSE_TIMEOUT: Final = 30.0
 DEFAULT_MAX_CONSECUTIVE_FAILURES: Final = 5
 DEFAULT_DROP_REPORT_INTERVAL: Final = 1.0
 DEFAULT_STALL_THRESHOLD: Final = 0.25
-MAX_BATCH: Final = 4096
-HANDLE_ROUND: Final = 64
-"""A ``handle(event)`` sink yields to the event loop at least once per this many events."""
 DISPATCH_ROUND: Final = 4096
 """The dispatcher yields to the event loop after fanning out at most this many events."""
-FLOW_STALL_TIMEOUT: Final = 1.0
-"""A flow-controlled sink that completes no batch for this long stops holding publishers back."""
-CLOSE_GRACE: Final = 1.0
-"""Seconds granted to each sink's close (and to the last reports) once the deadline passed."""
-STALL_WINDOW: Final = 1.0
-"""Loop holds by one sink are summed over windows of this many seconds (see LoopStalled)."""
-STALL_SHARE: Final = 0.2
-"""A sink holding the loop this share of a window is reported even without one long hold."""
 
 
 class _State(Enum):
@@ -75,57 +54,12 @@ class _State(Enum):
     CLOSED = "closed"
 
 
-@dataclass(frozen=True, slots=True)
-class SubscriptionStatistics:
-    """A snapshot of one subscription's counters.
-
-    Attributes:
-        name: the subscription's name.
-        capacity: its queue bound (incidents may exceed it; they are never shed).
-        queued: events waiting in its queue now.
-        delivered: events its sink handled without raising.
-        failed: events whose handling raised.
-        shed: telemetry events dropped from its full queue.
-        discarded: events not delivered because the sink was disabled.
-        undelivered: events lost because the sink did not finish within the close timeout.
-        disabled: whether the sink was disabled after repeated failures.
-    """
-
-    name: str
-    capacity: int
-    queued: int
-    delivered: int
-    failed: int
-    shed: int
-    discarded: int
-    undelivered: int
-    disabled: bool
-
-
-@dataclass(frozen=True, slots=True)
-class BusStatistics:
-    """A snapshot of the bus: ``published`` counts every accepted event."""
-
-    published: int
-    dispatched: int
-    pending: int
-    closed: bool
-    subscriptions: tuple[SubscriptionStatistics, ...]
-
-    @property
-    def shed(self) -> int:
-        """Total telemetry shed over all subscriptions."""
-        return sum(s.shed for s in self.subscriptions)
-
-
-_QueueItem = Event
-"""Queues hold the events themselves (stamped with ``seq``): no allocation per subscriber.
-
-An object allocated per event and subscriber would also drive the garbage collector, whose
-full passes were the longest loop stalls in a burst of 50,000 incidents."""
-
 _SET_SEQ: Final[Callable[[Event, int], None]] = Event.__dict__["seq"].__set__
-"""Writes the (frozen) ``seq`` slot directly: the bus stamps it once, at dispatch."""
+"""Writes the (frozen) ``seq`` slot directly: the bus stamps it once, at dispatch.
+
+Queues hold the events themselves (stamped with ``seq``): no allocation per subscriber. An
+object allocated per event and subscriber would also drive the garbage collector, whose full
+passes were the longest loop stalls in a burst of 50,000 incidents."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,314 +67,9 @@ class _Route:
     """Where events of one class go, resolved on first dispatch of that class."""
 
     subs: tuple[Subscription, ...]
-    appends: tuple[Callable[[_QueueItem], None], ...]  # each sub's staged list's append
+    appends: tuple[Callable[[Event], None], ...]  # each sub's staged list's append
     incident: bool
     self_excluding: bool
-
-
-class _Adapter:
-    """How the bus talks to one sink, resolved once at subscribe time."""
-
-    __slots__ = ("aclose", "handle", "handle_batch", "start")
-
-    def __init__(self, sink: object, name: str) -> None:
-        self.handle: Callable[[Event], Awaitable[Any]] | None = None
-        self.handle_batch: Callable[[Sequence[Event]], Awaitable[Any]] | None = None
-        self.start: Callable[[], Awaitable[Any]] | None = None
-        self.aclose: Callable[[], Any] | None = None
-        if inspect.isclass(sink):
-            msg = f"sink {name!r} is a class ({sink.__qualname__}); pass an instance of it"
-            raise SubscriptionError(msg)
-        batch = getattr(sink, "handle_batch", None)
-        single = getattr(sink, "handle", None)
-        if batch is not None or single is not None:
-            for attr, fn in (("handle_batch", batch), ("handle", single)):
-                if fn is not None and not _is_async_callable(fn):
-                    msg = (
-                        f"sink {name!r}: {attr} must be an `async def` method, got {fn!r}; "
-                        "blocking work belongs in a worker thread (anyio.to_thread.run_sync)"
-                    )
-                    raise SubscriptionError(msg)
-            self.handle_batch = batch
-            self.handle = single
-            start = getattr(sink, "start", None)
-            if start is not None:
-                if not _is_async_callable(start):
-                    msg = f"sink {name!r}: start must be an `async def` method, got {start!r}"
-                    raise SubscriptionError(msg)
-                self.start = start
-            self.aclose = getattr(sink, "aclose", None) or getattr(sink, "close", None)
-            return
-        if callable(sink):
-            if not _is_async_callable(sink):
-                msg = (
-                    f"{sink!r} is not an async function; pass an `async def handler(event)` or "
-                    "an object with an async handle(event) / handle_batch(events) method"
-                )
-                raise SubscriptionError(msg)
-            self.handle = sink  # type: ignore[assignment]
-            return
-        msg = (
-            f"{sink!r} is not a sink: pass an `async def handler(event)` or an object with an "
-            "async handle(event) / handle_batch(events) method"
-        )
-        raise SubscriptionError(msg)
-
-
-def _is_async_callable(fn: object) -> bool:
-    if inspect.iscoroutinefunction(fn):
-        return True
-    call = getattr(fn, "__call__", None)  # noqa: B004 - instances with an async __call__
-    return call is not None and inspect.iscoroutinefunction(call)
-
-
-@final
-class Subscription:
-    """One sink's connection to a bus: its filter, bounded queue, task and counters.
-
-    Returned by :meth:`EventBus.subscribe`. Cancel it with :meth:`cancel` (or use it as a
-    context manager) to stop delivery; events already queued are dropped and counted.
-
-    The queue is two FIFOs, incidents and telemetry, merged by sequence number when the sink
-    reads them: shedding the oldest telemetry is one ``popleft`` whatever the queue holds, so
-    a burst of any size is queued in linear time.
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "_adapter",
-        "_bus",
-        "_cancel_scope",
-        "_consecutive",
-        "_done",
-        "_high_water",
-        "_incidents",
-        "_inflight_min_seq",
-        "_inflight_n",
-        "_input_closed",
-        "_last_progress",
-        "_low_water",
-        "_pressing",
-        "_sink_closed",
-        "_staged_incidents",
-        "_staged_telemetry",
-        "_stall_blocked",
-        "_stall_longest",
-        "_stall_window_start",
-        "_stalled",
-        "_telemetry",
-        "_waiter",
-        "backpressure",
-        "capacity",
-        "delivered",
-        "disabled",
-        "discarded",
-        "event_types",
-        "failed",
-        "name",
-        "shed",
-        "shed_by_kind",
-        "shed_unreported",
-        "sink",
-        "undelivered",
-    )
-
-    def __init__(
-        self,
-        bus: EventBus,
-        sink: object,
-        adapter: _Adapter,
-        event_types: tuple[type[Event], ...],
-        name: str,
-        capacity: int,
-        backpressure: bool = False,
-    ) -> None:
-        self._bus: EventBus | None = bus
-        self.sink = sink
-        self._adapter = adapter
-        self.event_types = event_types
-        self.name = name
-        self.capacity = capacity
-        self.backpressure = backpressure
-        self._high_water = max(1, capacity // 2)
-        self._low_water = capacity // 4
-        self._incidents: collections.deque[_QueueItem] = collections.deque()
-        self._telemetry: collections.deque[_QueueItem] = collections.deque()
-        # Filled by the dispatcher during one dispatch round, then moved into the queues at once.
-        self._staged_incidents: list[_QueueItem] = []
-        self._staged_telemetry: list[_QueueItem] = []
-        self._waiter: _Waiter | None = None
-        self._input_closed = False
-        self._inflight_min_seq = -1
-        self._inflight_n = 0
-        self._consecutive = 0
-        self._cancel_scope: anyio.CancelScope | None = None
-        self._done: anyio.Event | None = None
-        self._sink_closed = False
-        self._pressing = False  # holding back `await publish` (flow control)
-        self._stalled = False  # made no progress while pressing: released until it does
-        self._last_progress = 0.0
-        self._stall_window_start = 0.0
-        self._stall_blocked = 0.0
-        self._stall_longest = 0.0
-        self.delivered = 0
-        self.failed = 0
-        self.shed = 0
-        self.shed_unreported = 0
-        self.shed_by_kind: dict[str, int] = {}
-        self.discarded = 0
-        self.undelivered = 0
-        self.disabled = False
-
-    def __repr__(self) -> str:
-        return f"<Subscription {self.name!r} types={[t.__name__ for t in self.event_types]}>"
-
-    def accepts(self, cls: type[Event]) -> bool:
-        """Whether events of class *cls* are routed to this subscription."""
-        return not self.event_types or issubclass(cls, self.event_types)
-
-    def statistics(self) -> SubscriptionStatistics:
-        """A snapshot of this subscription's counters."""
-        return SubscriptionStatistics(
-            name=self.name,
-            capacity=self.capacity,
-            queued=self._queued() + self._inflight_n,
-            delivered=self.delivered,
-            failed=self.failed,
-            shed=self.shed,
-            discarded=self.discarded,
-            undelivered=self.undelivered,
-            disabled=self.disabled,
-        )
-
-    def cancel(self) -> None:
-        """Stop delivering to this sink; queued events are discarded (and counted). Idempotent.
-
-        The sink's ``aclose`` is not called: the caller owns a sink it unsubscribed.
-        """
-        bus = self._bus
-        if bus is not None:
-            bus._unsubscribe(self)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.cancel()
-
-    # -- internals used by the bus ----------------------------------------------------------
-
-    def _queued(self) -> int:
-        return len(self._incidents) + len(self._telemetry)
-
-    def _clear(self) -> int:
-        """Empty the queues; returns how many events they held."""
-        n = self._queued()
-        self._incidents.clear()
-        self._telemetry.clear()
-        return n
-
-    def _take_staged(self) -> int:
-        """Move the events staged by the dispatcher into the queues; returns how many were shed.
-
-        Incidents are always queued. Telemetry beyond the room the incidents leave is shed,
-        oldest first: queued telemetry before staged, one ``popleft`` per shed event.
-        """
-        staged_inc = self._staged_incidents
-        staged_tel = self._staged_telemetry
-        incidents = self._incidents
-        telemetry = self._telemetry
-        if staged_inc:
-            incidents.extend(staged_inc)
-            staged_inc.clear()
-        shed = 0
-        excess = len(incidents) + len(telemetry) + len(staged_tel) - self.capacity
-        if excess <= 0:
-            if staged_tel:
-                telemetry.extend(staged_tel)
-                staged_tel.clear()
-        else:
-            while excess and telemetry:
-                self._count_shed(telemetry.popleft())
-                excess -= 1
-                shed += 1
-            if staged_tel:
-                cut = min(excess, len(staged_tel))
-                for event in staged_tel[:cut]:
-                    self._count_shed(event)
-                shed += cut
-                telemetry.extend(staged_tel[cut:] if cut else staged_tel)
-                staged_tel.clear()
-        if self.backpressure and not self._pressing and not self._stalled:
-            if len(incidents) + len(telemetry) >= self._high_water:
-                self._press()
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            waiter.set()
-        return shed
-
-    def _press(self) -> None:
-        bus = self._bus
-        if bus is not None:
-            self._pressing = True
-            self._last_progress = time.monotonic()
-            bus._pressing += 1
-
-    def _release(self) -> None:
-        if self._pressing:
-            self._pressing = False
-            bus = self._bus
-            if bus is not None:
-                bus._pressing -= 1
-                bus._signal_progress()
-
-    def _pop(self) -> _QueueItem:
-        """The queued item with the lowest sequence number (the queues must not be empty)."""
-        incidents = self._incidents
-        telemetry = self._telemetry
-        if incidents and (not telemetry or incidents[0].seq < telemetry[0].seq):
-            return incidents.popleft()
-        return telemetry.popleft()
-
-    def _take_batch(self, n: int) -> list[_QueueItem]:
-        """Up to *n* queued items in sequence order (a merge of the two queues)."""
-        incidents = self._incidents
-        telemetry = self._telemetry
-        if not incidents:
-            pop = telemetry.popleft
-            return [pop() for _ in range(min(n, len(telemetry)))]
-        if not telemetry:
-            pop = incidents.popleft
-            return [pop() for _ in range(min(n, len(incidents)))]
-        out: list[_QueueItem] = []
-        append = out.append
-        while incidents and telemetry and len(out) < n:
-            if incidents[0].seq < telemetry[0].seq:
-                append(incidents.popleft())
-            else:
-                append(telemetry.popleft())
-        rest = incidents or telemetry
-        for _ in range(min(n - len(out), len(rest))):
-            append(rest.popleft())
-        return out
-
-    def _count_shed(self, event: Event) -> None:
-        self.shed += 1
-        self.shed_unreported += 1
-        kind = event.kind
-        self.shed_by_kind[kind] = self.shed_by_kind.get(kind, 0) + 1
-
-    def _idle_up_to(self, target: int) -> bool:
-        if self.disabled:
-            return True
-        if self._inflight_n and self._inflight_min_seq <= target:
-            return False
-        incidents = self._incidents
-        telemetry = self._telemetry
-        if incidents and incidents[0].seq <= target:
-            return False
-        return not telemetry or telemetry[0].seq > target
 
 
 @final
@@ -484,18 +113,16 @@ class EventBus:
         drop_report_interval: float = DEFAULT_DROP_REPORT_INTERVAL,
         stall_threshold: float | None = DEFAULT_STALL_THRESHOLD,
     ) -> None:
-        _check_positive_int("capacity", capacity)
-        _check_positive_int("max_consecutive_failures", max_consecutive_failures)
-        _check_positive_float("close_timeout", close_timeout)
-        _check_positive_float("drop_report_interval", drop_report_interval)
-        if stall_threshold is not None:
-            _check_positive_float("stall_threshold", stall_threshold)
-        self._stall_threshold = None if stall_threshold is None else float(stall_threshold)
+        self._capacity = positive_int("capacity", capacity)
+        self._max_failures = positive_int("max_consecutive_failures", max_consecutive_failures)
+        self._close_timeout = positive_seconds("close_timeout", close_timeout)
+        self._drop_interval = positive_seconds("drop_report_interval", drop_report_interval)
+        self._stall_threshold = (
+            None
+            if stall_threshold is None
+            else positive_seconds("stall_threshold", stall_threshold)
+        )
         self._pressing = 0  # flow-controlled subscriptions above their high-water mark
-        self._capacity = capacity
-        self._close_timeout = float(close_timeout)
-        self._max_failures = max_consecutive_failures
-        self._drop_interval = float(drop_report_interval)
 
         self._state = _State.NEW
         # The publisher's path touches only these three attributes (see publish_nowait).
@@ -503,15 +130,15 @@ class EventBus:
         self._buffer: list[Event] = []
         self._wake_pending = False
         self._seq = 0
-        self._wake: Callable[[], object] | None = None  # a waiter's trigger, see _Waiter
-        self._new_waiter: Callable[[], _Waiter] = _AnyioWaiter
+        self._wake: Callable[[], object] | None = None  # a waiter's trigger, see Waiter
+        self._new_waiter: Callable[[], Waiter] = AnyioWaiter
         self._thread_queue: collections.deque[Event] = collections.deque()
         self._thread_wake_pending = False
         self._call_soon_threadsafe: Callable[[Callable[[], object]], object] | None = None
         self._subs: list[Subscription] = []
         self._routes: dict[type[Event], _Route] = {}
         self._tg: TaskGroup | None = None
-        self._progress: _Waiter | None = None
+        self._progress: Waiter | None = None
         self._last_drop_report = 0.0
         self._dispatcher_done: anyio.Event | None = None
         self._names: set[str] = set()
@@ -525,8 +152,8 @@ class EventBus:
             msg = "an EventBus can be entered once; create a new one"
             raise RuntimeError(msg)
         refresh_rank()
-        self._call_soon_threadsafe = _threadsafe_scheduler()
-        self._new_waiter = _waiter_factory()
+        self._call_soon_threadsafe = threadsafe_scheduler()
+        self._new_waiter = waiter_factory()
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
@@ -536,7 +163,7 @@ class EventBus:
         self._dispatcher_scope = anyio.CancelScope(shield=True)
         tg.start_soon(self._dispatch_loop, name="eventbus-dispatcher")
         for sub in self._subs:
-            self._start_pump(sub)
+            sub._start(tg, self._new_waiter)
         return self
 
     async def __aexit__(
@@ -585,7 +212,7 @@ class EventBus:
             self._stop_dispatcher = True
             self._wake_dispatcher()
             if self._dispatcher_done is not None:
-                with anyio.move_on_after(CLOSE_GRACE):
+                with anyio.move_on_after(_subscription.CLOSE_GRACE):
                     await self._dispatcher_done.wait()
                 if not self._dispatcher_done.is_set() and self._dispatcher_scope is not None:
                     self._dispatcher_scope.cancel()
@@ -669,7 +296,7 @@ class EventBus:
             msg = f"capacity must be a positive integer, got {capacity!r}"
             raise SubscriptionError(msg)
         if name is None:
-            name = _default_name(sink)
+            name = default_name(sink)
             base, n = name, 2
             while name in self._names:
                 name, n = f"{base}-{n}", n + 1
@@ -679,16 +306,28 @@ class EventBus:
         elif name in self._names:
             msg = f"a subscription named {name!r} already exists; pass another name"
             raise SubscriptionError(msg)
-        adapter = _Adapter(sink, name)
+        adapter = SinkAdapter(sink, name)
         types = tuple(t for t in event_types if t is not Event)
         if len(types) < len(event_types):
             types = ()
-        sub = Subscription(self, sink, adapter, types, name, capacity, backpressure)
+        sub = Subscription(
+            self,
+            sink,
+            adapter,
+            types,
+            name,
+            capacity,
+            backpressure,
+            max_failures=self._max_failures,
+            close_timeout=self._close_timeout,
+            stall_threshold=self._stall_threshold,
+        )
         self._subs.append(sub)
         self._names.add(name)
         self._routes.clear()
         if self._state is _State.RUNNING:
-            self._start_pump(sub)
+            assert self._tg is not None
+            sub._start(self._tg, self._new_waiter)
         return sub
 
     def _unsubscribe(self, sub: Subscription) -> None:
@@ -699,13 +338,7 @@ class EventBus:
         self._subs.remove(sub)
         self._names.discard(sub.name)
         self._routes.clear()
-        sub.discarded += sub._clear()
-        sub._release()
-        sub._bus = None
-        sub._input_closed = True
-        if sub._cancel_scope is not None:
-            sub._cancel_scope.cancel()
-        self._wake_sub(sub)
+        sub._detach()
 
     @property
     def subscriptions(self) -> tuple[Subscription, ...]:
@@ -775,18 +408,10 @@ class EventBus:
         """Wait while a flow-controlled sink is over its high-water mark and making progress."""
         while self._pressing and self._state is _State.RUNNING:
             now = time.monotonic()
-            oldest = now
-            for sub in self._subs:
-                if sub._pressing:
-                    if now - sub._last_progress >= FLOW_STALL_TIMEOUT:
-                        sub._release()
-                        sub._stalled = True  # until it completes a batch
-                        _log.warning("flow_control_released", sink=sub.name)
-                    else:
-                        oldest = min(oldest, sub._last_progress)
-            if not self._pressing:
+            deadlines = [d for s in self._subs if (d := s._flow_deadline(now)) is not None]
+            if not self._pressing or not deadlines:
                 return
-            with anyio.move_on_after(oldest + FLOW_STALL_TIMEOUT - now):
+            with anyio.move_on_after(min(deadlines) - now):
                 await self._await_progress()
 
     def publish_threadsafe(self, event: Event, /, *, wake: bool = True) -> None:
@@ -844,11 +469,7 @@ class EventBus:
             while not self._drained_up_to(target, subs):
                 if self._state is _State.CLOSED:
                     return
-                progress = self._progress
-                if progress is None:
-                    progress = self._progress = _AnyioWaiter()  # shared by many waiters
-                self._wake_dispatcher()
-                await progress.wait()
+                await self._await_progress()
         await anyio.lowlevel.checkpoint()
 
     def _drained_up_to(self, target: int, subs: tuple[Subscription, ...] | None) -> bool:
@@ -897,12 +518,6 @@ class EventBus:
                     wake()
                 except asyncio.InvalidStateError:  # the dispatcher's wait was just cancelled
                     pass
-
-    def _wake_sub(self, sub: Subscription) -> None:
-        waiter = sub._waiter
-        if waiter is not None:
-            sub._waiter = None
-            waiter.set()
 
     def _signal_progress(self) -> None:
         progress = self._progress
@@ -993,8 +608,7 @@ class EventBus:
         self._seq = seq
         shed = 0
         for sub in self._subs:
-            if sub._staged_incidents or sub._staged_telemetry:
-                shed += sub._take_staged()
+            shed += sub._commit_staged()
         if shed:
             self._report_drops(force=False)
 
@@ -1003,9 +617,7 @@ class EventBus:
         incident = cls.delivery is Delivery.INCIDENT
         route = _Route(
             subs=subs,
-            appends=tuple(
-                (s._staged_incidents if incident else s._staged_telemetry).append for s in subs
-            ),
+            appends=tuple(s._stager(incident) for s in subs),
             incident=incident,
             self_excluding=issubclass(cls, SELF_EXCLUDING),
         )
@@ -1026,193 +638,21 @@ class EventBus:
         return False
 
     def _publish_drop_report(self, sub: Subscription) -> None:
-        if sub.shed == sub.shed_unreported:
-            _log.warning("events_shed", sink=sub.name, capacity=sub.capacity)
-        self._publish_internal(
-            EventsDropped(
-                source="eventbus",
-                sink=sub.name,
-                dropped=sub.shed_unreported,
-                total_dropped=sub.shed,
-                by_kind=dict(sub.shed_by_kind),
-            )
-        )
-        sub.shed_unreported = 0
-        sub.shed_by_kind.clear()
+        self._publish_internal(sub._drop_report())
 
-    # -- the pumps -----------------------------------------------------------------------------
+    # -- the subscriptions' side (see subscription._Owner) -----------------------------------
 
-    def _start_pump(self, sub: Subscription) -> None:
-        assert self._tg is not None
-        sub._done = anyio.Event()
-        sub._stall_window_start = time.monotonic()
-        self._tg.start_soon(self._pump, sub, name=f"eventbus-sink-{sub.name}")
+    def _forget_routes(self) -> None:
+        """A subscription was disabled: resolve the routes again without it."""
+        self._routes.clear()
 
-    async def _pump(self, sub: Subscription) -> None:
-        adapter = sub._adapter
-        timed = self._stall_threshold is not None
-        try:
-            # Shielded: cancelling the scope around the bus must not kill delivery; only the
-            # bus cancels a pump (a sink still busy at the close deadline, an unsubscribe).
-            with anyio.CancelScope(shield=True) as scope:
-                sub._cancel_scope = scope
-                if adapter.start is not None:
-                    try:
-                        if timed:
-                            await _Timed(adapter.start(), self, sub)
-                        else:
-                            await adapter.start()
-                    except Exception as exc:
-                        self._record_failure(sub, exc, None)
-                while True:
-                    if sub.disabled or not (sub._incidents or sub._telemetry):
-                        if sub.disabled:
-                            sub.discarded += sub._clear()
-                            sub._release()
-                        self._signal_progress()
-                        if sub._input_closed:
-                            break
-                        waiter = sub._waiter = self._new_waiter()
-                        await waiter.wait()
-                        continue
-                    if adapter.handle_batch is not None:
-                        items = sub._take_batch(MAX_BATCH)
-                        n = len(items)
-                        sub._inflight_min_seq = items[0].seq
-                        sub._inflight_n = n
-                        events = items
-                        try:
-                            if timed:
-                                await _Timed(adapter.handle_batch(events), self, sub)
-                            else:
-                                await adapter.handle_batch(events)
-                        except Exception as exc:
-                            sub.failed += n
-                            self._record_failure(sub, exc, events[0])
-                        else:
-                            sub.delivered += n
-                            sub._consecutive = 0
-                        sub._inflight_n = 0
-                        self._after_batch(sub)
-                    else:
-                        handle = adapter.handle
-                        assert handle is not None
-                        # One event at a time, up to a round of HANDLE_ROUND before yielding.
-                        for _ in range(min(sub._queued(), HANDLE_ROUND)):
-                            if sub.disabled or not (sub._incidents or sub._telemetry):
-                                break
-                            event = sub._pop()
-                            sub._inflight_min_seq = event.seq
-                            sub._inflight_n = 1
-                            try:
-                                if timed:
-                                    await _Timed(handle(event), self, sub)
-                                else:
-                                    await handle(event)
-                            except Exception as exc:
-                                sub.failed += 1
-                                self._record_failure(sub, exc, event)
-                            else:
-                                sub.delivered += 1
-                                sub._consecutive = 0
-                            sub._inflight_n = 0
-                            if self._progress is not None:
-                                self._signal_progress()
-                        self._after_batch(sub)
-                    # A sink that never awaits must still let the loop breathe.
-                    await anyio.lowlevel.checkpoint()
-        finally:
-            sub._inflight_n = 0
-            sub._release()
-            if sub._done is not None:
-                sub._done.set()
+    def _flow_changed(self, pressing: bool) -> None:
+        """A flow-controlled subscription went over its high-water mark, or back under."""
+        if pressing:
+            self._pressing += 1
+        else:
+            self._pressing -= 1
             self._signal_progress()
-
-    def _after_batch(self, sub: Subscription) -> None:
-        """Flow control bookkeeping after a batch; wakes drains and held-back publishers."""
-        sub._stalled = False
-        if sub._pressing:
-            sub._last_progress = time.monotonic()
-            if sub._queued() <= sub._low_water:
-                sub._release()
-        if self._progress is not None:
-            self._signal_progress()
-
-    def _note_holds(self, sub: Subscription, longest: float, total: float) -> None:
-        """Account for how long one call of *sub* held the loop; report a stall if due."""
-        threshold = self._stall_threshold
-        if threshold is None:
-            return
-        now = time.monotonic()
-        sub._stall_blocked += total
-        if longest > sub._stall_longest:
-            sub._stall_longest = longest
-        window = now - sub._stall_window_start
-        if longest >= threshold or (
-            window >= STALL_WINDOW and sub._stall_blocked >= STALL_SHARE * window
-        ):
-            _log.warning(
-                "sink_stalled_loop",
-                sink=sub.name,
-                stall_s=round(sub._stall_longest, 4),
-                blocked_s=round(sub._stall_blocked, 4),
-            )
-            self._publish_internal(
-                LoopStalled(
-                    source="eventbus",
-                    sink=sub.name,
-                    stall_s=sub._stall_longest,
-                    blocked_s=sub._stall_blocked,
-                    window_s=max(window, longest),
-                    threshold_s=threshold,
-                )
-            )
-        elif window < STALL_WINDOW:
-            return
-        sub._stall_window_start = now
-        sub._stall_blocked = 0.0
-        sub._stall_longest = 0.0
-
-    def _record_failure(self, sub: Subscription, exc: Exception, event: Event | None) -> None:
-        sub._consecutive += 1
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        if sub._consecutive == 1:
-            _log.warning(
-                "sink_failed",
-                sink=sub.name,
-                error=f"{type(exc).__name__}: {exc}",
-                event_kind=event.kind if event is not None else "start",
-            )
-        self._publish_internal(
-            SinkFailed(
-                source="eventbus",
-                step=event.step if event is not None else None,
-                sink=sub.name,
-                error_type=type(exc).__qualname__,
-                message=str(exc),
-                traceback=tb,
-                event_kind=event.kind if event is not None else "",
-                event_seq=event.seq if event is not None else -1,
-                consecutive_failures=sub._consecutive,
-            )
-        )
-        if sub._consecutive >= self._max_failures and not sub.disabled:
-            sub.disabled = True
-            discarded = sub._clear()
-            sub.discarded += discarded
-            sub._release()
-            self._routes.clear()
-            reason = f"{sub._consecutive} consecutive failures, last: {type(exc).__name__}: {exc}"
-            _log.error("sink_disabled", sink=sub.name, reason=reason)
-            self._publish_internal(
-                SinkDisabled(
-                    source="eventbus",
-                    sink=sub.name,
-                    reason=reason,
-                    consecutive_failures=sub._consecutive,
-                    discarded=discarded,
-                )
-            )
 
     # -- closing -------------------------------------------------------------------------------
 
@@ -1234,119 +674,28 @@ class EventBus:
     async def _await_progress(self) -> None:
         progress = self._progress
         if progress is None:
-            progress = self._progress = _AnyioWaiter()  # shared by many waiters
+            progress = self._progress = AnyioWaiter()  # shared by many waiters
         self._wake_dispatcher()
         await progress.wait()
 
     def _report_undelivered(self, hung: list[Subscription]) -> None:
         """Abandon the sinks still busy at the deadline and report what they lost."""
         for sub in hung:
-            lost = sub._clear() + sub._inflight_n
-            sub.undelivered += lost
-            sub._release()
-            sub._input_closed = True
-            if sub._cancel_scope is not None:
-                sub._cancel_scope.cancel()
-            abandoned = bool(getattr(sub.sink, "thread_busy", False))
-            _log.error(
-                "close_timed_out",
-                sink=sub.name,
-                undelivered=lost,
-                timeout_s=self._close_timeout,
-                thread_abandoned=abandoned,
-            )
-            self._publish_internal(
-                EventsUndelivered(
-                    source="eventbus",
-                    sink=sub.name,
-                    undelivered=lost,
-                    timeout_s=self._close_timeout,
-                )
-            )
-            self._publish_internal(
-                SinkUnresponsive(
-                    source="eventbus",
-                    sink=sub.name,
-                    phase="drain",
-                    waited_s=self._close_timeout,
-                    thread_abandoned=abandoned,
-                )
-            )
+            sub._abandon()
 
     async def _close_one(self, sub: Subscription, deadline: float, hung: bool) -> None:
         """Deliver what is left to *sub* (the reports about the sinks closed before it), stop
         its task and close it, each step bounded by the deadline (at least CLOSE_GRACE)."""
         if not hung and not sub.disabled:
-            with anyio.move_on_after(max(deadline - time.monotonic(), CLOSE_GRACE)):
+            grace = _subscription.CLOSE_GRACE
+            with anyio.move_on_after(max(deadline - time.monotonic(), grace)):
                 while True:
                     self._pull_thread_events()
                     target = self._seq + len(self._buffer)
                     if self._drained_up_to(target, (sub,)):
                         break
                     await self._await_progress()
-        sub._input_closed = True
-        self._wake_sub(sub)
-        done = sub._done
-        if done is not None and not done.is_set():
-            with anyio.move_on_after(CLOSE_GRACE):
-                await done.wait()
-            if not done.is_set() and sub._cancel_scope is not None:
-                lost = sub._clear() + sub._inflight_n
-                if lost:
-                    sub.undelivered += lost
-                    self._publish_internal(
-                        EventsUndelivered(
-                            source="eventbus",
-                            sink=sub.name,
-                            undelivered=lost,
-                            timeout_s=self._close_timeout,
-                        )
-                    )
-                sub._cancel_scope.cancel()
-                with anyio.move_on_after(CLOSE_GRACE):
-                    await done.wait()
-        aclose = sub._adapter.aclose
-        if aclose is None or sub._sink_closed:
-            return
-        sub._sink_closed = True
-        budget = max(deadline - time.monotonic(), CLOSE_GRACE)
-        with anyio.move_on_after(budget) as scope:
-            try:
-                result = aclose()
-                if inspect.isawaitable(result):
-                    await result
-            except Exception as exc:
-                _log.warning(
-                    "sink_close_failed",
-                    sink=sub.name,
-                    error=f"{type(exc).__name__}: {exc}",
-                    exc_info=True,
-                )
-                self._publish_internal(
-                    SinkCloseFailed(
-                        source="eventbus",
-                        sink=sub.name,
-                        error_type=type(exc).__qualname__,
-                        message=str(exc),
-                    )
-                )
-        if scope.cancelled_caught:
-            abandoned = bool(getattr(sub.sink, "thread_busy", False))
-            _log.error(
-                "sink_close_timed_out",
-                sink=sub.name,
-                timeout_s=round(budget, 3),
-                thread_abandoned=abandoned,
-            )
-            self._publish_internal(
-                SinkUnresponsive(
-                    source="eventbus",
-                    sink=sub.name,
-                    phase="close",
-                    waited_s=budget,
-                    thread_abandoned=abandoned,
-                )
-            )
+        await sub._shutdown(deadline)
 
     def _closed_message(self) -> str:
         if self._state is _State.NEW:
@@ -1354,163 +703,8 @@ class EventBus:
         return "the bus is closed; events can no longer be published to it"
 
 
-class _Timed:
-    """Awaits a sink's coroutine, timing each synchronous slice of it (between two awaits).
-
-    A slice is time the event loop was held by the sink: nothing else (training included) ran.
-    The longest slice and their total go to :meth:`EventBus._note_holds` when the call ends.
-    """
-
-    __slots__ = ("_bus", "_coro", "_sub")
-
-    def __init__(self, coro: Awaitable[Any], bus: EventBus, sub: Subscription) -> None:
-        self._coro = coro
-        self._bus = bus
-        self._sub = sub
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro = self._coro
-        if not inspect.iscoroutine(coro):  # an awaitable object: not timed
-            return (yield from coro.__await__())
-        send = coro.send
-        clock = time.perf_counter
-        longest = 0.0
-        total = 0.0
-        value: Any = None
-        error: BaseException | None = None
-        try:
-            while True:
-                t0 = clock()
-                try:
-                    if error is None:
-                        yielded = send(value)
-                    else:
-                        err, error = error, None
-                        yielded = coro.throw(err)
-                except StopIteration as stop:
-                    dt = clock() - t0
-                    total += dt
-                    longest = max(longest, dt)
-                    return stop.value
-                dt = clock() - t0
-                total += dt
-                if dt > longest:
-                    longest = dt
-                try:
-                    value = yield yielded
-                except GeneratorExit:
-                    coro.close()
-                    raise
-                except BaseException as exc:  # a cancellation: hand it to the sink
-                    error = exc
-                    value = None
-        finally:
-            self._bus._note_holds(self._sub, longest, total)
-
-
-class _Waiter(Protocol):
-    """A one-shot wake-up: ``set()`` from the loop's thread, ``await wait()`` in one task.
-
-    ``trigger`` is ``set`` without its safety check: the cheapest call that wakes the waiter,
-    which may raise :class:`asyncio.InvalidStateError` if the wait was cancelled.
-    """
-
-    @property
-    def trigger(self) -> Callable[[], object]: ...
-
-    def set(self) -> None: ...
-
-    def wait(self) -> Awaitable[Any]: ...
-
-
-class _AnyioWaiter:
-    """The portable waiter (any anyio backend)."""
-
-    __slots__ = ("_event", "trigger")
-
-    def __init__(self) -> None:
-        self._event = anyio.Event()
-        self.trigger = self._event.set
-
-    def set(self) -> None:
-        self._event.set()
-
-    def wait(self) -> Awaitable[Any]:
-        return self._event.wait()
-
-
-class _FutureWaiter:
-    """The asyncio waiter: a bare future, about 20x cheaper to create than ``anyio.Event``.
-
-    Awaiting a future inside an anyio task keeps cancel-scope semantics (a cancelled task
-    cancels the future it awaits). Only for a waiter awaited by ONE task (the dispatcher, a
-    pump) and never reused after a wait: a cancelled waiter of a shared future would wake
-    every other waiter with the cancellation.
-    """
-
-    __slots__ = ("_future", "trigger")
-
-    def __init__(self, future: asyncio.Future[None]) -> None:
-        self._future = future
-        self.trigger = functools.partial(future.set_result, None)
-
-    def set(self) -> None:
-        future = self._future
-        if not future.done():
-            future.set_result(None)
-
-    def wait(self) -> Awaitable[Any]:
-        return self._future
-
-
-def _waiter_factory() -> Callable[[], _Waiter]:
-    """The cheapest waiter for the running backend."""
-    token = anyio.lowlevel.current_token().native_token
-    if isinstance(token, asyncio.AbstractEventLoop):
-        create_future = token.create_future
-        return lambda: _FutureWaiter(create_future())
-    return _AnyioWaiter
-
-
-def _threadsafe_scheduler() -> Callable[[Callable[[], object]], object] | None:
-    """A non-blocking "run this on the bus's event loop soon" for the running backend."""
-    token = anyio.lowlevel.current_token().native_token
-    call_soon = getattr(token, "call_soon_threadsafe", None)  # asyncio loop
-    if call_soon is not None:
-        return call_soon  # type: ignore[no-any-return]
-    run_soon = getattr(token, "run_sync_soon", None)  # trio token
-    return run_soon  # type: ignore[no-any-return]
-
-
-def _default_name(sink: object) -> str:
-    name = getattr(sink, "name", None)
-    if isinstance(name, str) and name:
-        return name
-    qualname = getattr(sink, "__qualname__", None)
-    if isinstance(qualname, str):
-        return qualname
-    return type(sink).__name__
-
-
 def _not_event_message(obj: object) -> str:
     return (
         f"only Event instances can be published, got {type(obj).__name__}; "
         "build a typed event (e.g. StepCompleted(step=..., loss=...))"
     )
-
-
-def _check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        msg = f"{name} must be a positive integer, got {value!r}"
-        raise ValueError(msg)
-
-
-def _check_positive_float(name: str, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        msg = f"{name} must be a positive number of seconds, got {value!r}"
-        raise ValueError(msg)

@@ -10,9 +10,12 @@ from typing import Any, TypeVar, final
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from typing_extensions import Self
 
+from .._validate import positive_int
 from ..events import Delivery, Event
 from ..exceptions import BusClosedError
-from .bus import BusStatistics, EventBus, Subscription
+from .bus import EventBus
+from .statistics import BusStatistics
+from .subscription import Subscription
 
 __all__ = ("SyncEventBus",)
 
@@ -43,11 +46,8 @@ class SyncEventBus:
     """
 
     def __init__(self, *, max_pending: int = 1024, **bus_options: Any) -> None:
-        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or max_pending < 1:
-            msg = f"max_pending must be a positive integer, got {max_pending!r}"
-            raise ValueError(msg)
+        self._max_pending = positive_int("max_pending", max_pending)
         self._bus = EventBus(**bus_options)
-        self._max_pending = max_pending
         self._pending = 0
         self._stack: contextlib.ExitStack | None = None
         self._portal: BlockingPortal | None = None

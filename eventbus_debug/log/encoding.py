@@ -26,6 +26,7 @@ import orjson
 
 from ..events import Event, event_types
 from ..exceptions import EventDecodeError
+from ._codegen import make_encoder
 
 __all__ = ("decode_event", "encode_event", "encode_events")
 
@@ -60,38 +61,6 @@ def _sanitize(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _sanitize(getattr(value, f.name)) for f in dataclasses.fields(value)}
     return value
-
-
-def _has_nonfinite(value: Any) -> bool:
-    if isinstance(value, float):
-        return value - value != 0.0
-    if isinstance(value, (tuple, list)):
-        return any(_has_nonfinite(v) for v in value)
-    if isinstance(value, Mapping):
-        return any(_has_nonfinite(v) for v in value.values())
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return any(_has_nonfinite(getattr(value, f.name)) for f in dataclasses.fields(value))
-    return False
-
-
-def _may_hold_float(tp: Any) -> bool:
-    if tp is float or tp is Any or tp is object:
-        return True
-    origin = typing.get_origin(tp)
-    if origin is not None:
-        return any(_may_hold_float(a) for a in typing.get_args(tp) if a is not Ellipsis)
-    if dataclasses.is_dataclass(tp):
-        return any(_may_hold_float(t) for t in typing.get_type_hints(tp).values())
-    return False
-
-
-def _is_plain_float(tp: Any) -> bool:
-    if tp is float:
-        return True
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args == [float]
-    return False
 
 
 def _to_float(value: Any) -> float:
@@ -242,60 +211,9 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def _nonfinite_check(tp: Any) -> _Check | None:
-    """A cheap test "may this value hold NaN/±Inf?" for a field of type *tp* (None: never).
-
-    Sums stand in for element-wise checks: a sum of floats is non-finite when any term is (or
-    when finite terms overflow, a false alarm that only costs the careful path). Anything the
-    sum cannot handle falls back to the exact recursive walk.
-    """
-    if not _may_hold_float(tp):
-        return None
-    if tp is float:
-        return _check_float
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        non_none = [a for a in args if a is not type(None)]
-        if non_none == [float]:
-            return _check_optional_float
-    elif origin is tuple and len(args) == 2 and args[1] is Ellipsis and args[0] is float:
-        return _check_float_sum
-    elif origin in (dict, collections.abc.Mapping) and len(args) == 2 and args[1] is float:
-        return _check_mapping_sum
-    return _has_nonfinite
-
-
-def _check_float(value: Any) -> bool:
-    return bool(value - value != 0.0) if isinstance(value, float) else _has_nonfinite(value)
-
-
-def _check_optional_float(value: Any) -> bool:
-    return value is not None and _check_float(value)
-
-
-def _check_float_sum(value: Any) -> bool:
-    try:
-        total = sum(value, 0.0)
-    except TypeError:
-        return _has_nonfinite(value)
-    return bool(total - total != 0.0)
-
-
-def _check_mapping_sum(value: Any) -> bool:
-    try:
-        total = sum(value.values(), 0.0)
-    except (TypeError, AttributeError):
-        return _has_nonfinite(value)
-    return bool(total - total != 0.0)
-
-
-_Check = Callable[[Any], bool]
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Codec:
-    encode: Callable[[Event], bytes]  # generated per class: see _make_encoder
+    encode: Callable[[Event], bytes]  # generated per class: see _codegen.make_encoder
     converters: Mapping[str, _Convert]
     required: frozenset[str]
 
@@ -307,7 +225,7 @@ def _codec(cls: type[Event]) -> _Codec:
     codec = _CODECS.get(cls)
     if codec is None:
         hints = typing.get_type_hints(cls)
-        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        fields = dataclasses.fields(cls)
         converters = {f.name: _converter(hints[f.name]) for f in fields if f.init}
         required = frozenset(
             f.name
@@ -316,60 +234,10 @@ def _codec(cls: type[Event]) -> _Codec:
             and f.default is dataclasses.MISSING
             and f.default_factory is dataclasses.MISSING
         )
-        encode = _make_encoder(cls, [(f.name, hints[f.name]) for f in fields])
+        encode = make_encoder(cls.kind, [(f.name, hints[f.name]) for f in fields], _encode_careful)
         codec = _Codec(encode, converters, required)
         _CODECS[cls] = codec
     return codec
-
-
-def _make_encoder(cls: type[Event], fields: list[tuple[str, Any]]) -> Callable[[Event], bytes]:
-    """Generate the encoder of one event class: read each field once, check, one dumps.
-
-    orjson serializes a dict faster than a slotted dataclass, and a generated function avoids
-    a loop over field names per event. The generated code is, for ``StepCompleted``::
-
-        def encode(ev):
-            v0 = ev.seq; ...; v6 = ev.loss; ...
-            if (v6 is not None and v6 - v6 != 0.0) or ...:
-                return _careful(ev)
-            return _dumps({"kind": "step_completed", "seq": v0, ...}, option=_OPT)
-    """
-    closure: dict[str, object] = {
-        "_dumps": orjson.dumps,
-        "_OPT": orjson.OPT_APPEND_NEWLINE,
-        "_careful": _encode_careful,
-        "_kind": cls.kind,
-    }
-    reads: list[str] = []
-    tests: list[str] = []
-    items: list[str] = ['"kind": _kind']
-    for i, (name, tp) in enumerate(fields):
-        reads.append(f"    v{i} = ev.{name}")
-        if isinstance(tp, type) and issubclass(tp, enum.Enum):
-            # orjson reads an enum's value through Python-level descriptors: a dict is faster.
-            closure[f"_values{i}"] = {member: member.value for member in tp}
-            items.append(f"{name!r}: _values{i}.get(v{i}, v{i})")
-        else:
-            items.append(f"{name!r}: v{i}")
-        check = _nonfinite_check(tp)
-        if check is _check_float:
-            tests.append(f"(v{i}.__class__ is float and v{i} - v{i} != 0.0)")
-        elif check is _check_optional_float:
-            tests.append(f"(v{i}.__class__ is float and v{i} - v{i} != 0.0)")
-        elif check is not None:
-            closure[f"_check{i}"] = check
-            tests.append(f"_check{i}(v{i})")
-    lines = [f"def __create__({', '.join(closure)}):", "  def encode(ev):"]
-    lines += ["  " + r for r in reads]
-    if tests:
-        lines.append(f"      if {' or '.join(tests)}:")
-        lines.append("          return _careful(ev)")
-    lines.append(f"      return _dumps({{{', '.join(items)}}}, option=_OPT)")
-    lines.append("  return encode")
-    namespace: dict[str, Any] = {}
-    exec("\n".join(lines), {}, namespace)  # field names (identifiers) only
-    encode: Callable[[Event], bytes] = namespace["__create__"](**closure)
-    return encode
 
 
 def _encode_careful(event: Event) -> bytes:

@@ -358,12 +358,13 @@ class TestLifecycleErrors:
     @pytest.mark.parametrize(
         ("kwargs", "match"),
         [
-            ({"capacity": 0}, "capacity must be a positive integer, got 0"),
-            ({"capacity": True}, "capacity must be a positive integer, got True"),
-            ({"close_timeout": 0}, "close_timeout must be a positive number"),
-            ({"close_timeout": float("nan")}, "close_timeout must be a positive number"),
-            ({"max_consecutive_failures": -1}, "max_consecutive_failures must be a positive"),
-            ({"drop_report_interval": -1.0}, "drop_report_interval must be a positive number"),
+            ({"capacity": 0}, "capacity must be an int >= 1, got 0"),
+            ({"capacity": True}, "capacity must be an int >= 1, got True"),
+            ({"close_timeout": 0}, "close_timeout must be a finite number of seconds > 0"),
+            ({"close_timeout": float("nan")}, "close_timeout must be a finite number of seconds"),
+            ({"max_consecutive_failures": -1}, "max_consecutive_failures must be an int >= 1"),
+            ({"drop_report_interval": -1.0}, "drop_report_interval must be a finite number of"),
+            ({"stall_threshold": 0.0}, "stall_threshold must be a finite number of seconds > 0"),
         ],
     )
     def test_bad_bus_options(self, kwargs: dict[str, object], match: str) -> None:

@@ -7,7 +7,6 @@ import os
 import random
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Sequence
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from eventbus_debug import EventBus, Session, read_events
-from eventbus_debug._bus import bus as _bus
+from eventbus_debug._bus import bus as _bus, subscription as _subscription
 from eventbus_debug.events import (
     Event,
     EventsDropped,
@@ -34,7 +33,6 @@ from eventbus_debug.events import (
 from eventbus_debug.log.files import ReadStatistics
 from eventbus_debug.sinks import ConsoleSink, RotatingFileSink, rotating_file as rf
 from eventbus_debug.testing import RecordingSink
-from eventbus_debug.threads import DaemonWorker, run_in_daemon_thread
 
 
 def _incident(i: int) -> SinkFailed:
@@ -109,9 +107,9 @@ class TestLosslessLog:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A flow-controlled sink that makes no progress is released; shedding is the last resort."""
-        monkeypatch.setattr(_bus, "FLOW_STALL_TIMEOUT", 0.05)
+        monkeypatch.setattr(_subscription, "FLOW_STALL_TIMEOUT", 0.05)
         gate = _Gate()
-        gate_sub: _bus.Subscription | None = None
+        gate_sub: _subscription.Subscription | None = None
         async with EventBus(capacity=8) as bus:
             gate_sub = bus.subscribe(gate, StepCompleted, backpressure=True)
             with anyio.fail_after(10):
@@ -269,7 +267,7 @@ class TestSinkHealth:
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A file sink stuck in write(2): close is bounded, the loss is reported as events."""
-        monkeypatch.setattr(_bus, "CLOSE_GRACE", 0.1)
+        monkeypatch.setattr(_subscription, "CLOSE_GRACE", 0.1)
         release = threading.Event()
 
         def hung_write(fd: int, data: bytes | bytearray) -> int:
@@ -298,7 +296,7 @@ class TestSinkHealth:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A console whose stream blocks forever (a full pipe): the close is still bounded."""
-        monkeypatch.setattr(_bus, "CLOSE_GRACE", 0.05)
+        monkeypatch.setattr(_subscription, "CLOSE_GRACE", 0.05)
         release = threading.Event()
 
         class _FullPipe(io.StringIO):
@@ -324,7 +322,7 @@ class TestSinkHealth:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A sink whose aclose hangs is abandoned; a SinkUnresponsive(phase='close') says so."""
-        monkeypatch.setattr(_bus, "CLOSE_GRACE", 0.05)
+        monkeypatch.setattr(_subscription, "CLOSE_GRACE", 0.05)
         recorder = RecordingSink()
         with anyio.fail_after(10):
             async with EventBus(close_timeout=0.1) as bus:
@@ -400,73 +398,6 @@ class TestSinkHealth:
         )
 
 
-class TestDaemonThreads:
-    async def test_worker_returns_and_raises_in_order(self) -> None:
-        """DaemonWorker runs calls in order and hands back results and exceptions."""
-        worker = DaemonWorker("test-worker")
-        order: list[int] = []
-
-        def first() -> int:
-            order.append(1)
-            return 41
-
-        assert await worker.run(first) == 41
-        with pytest.raises(ZeroDivisionError):
-            await worker.run(lambda: 1 // 0)
-        worker.stop()
-        assert order == [1] and not worker.busy
-
-    async def test_cancelling_abandons_a_hung_call(self) -> None:
-        """Cancelling the caller returns at once; the thread stays busy until the call ends."""
-        worker = DaemonWorker("test-worker")
-        release = threading.Event()
-        with anyio.fail_after(5):
-            with anyio.move_on_after(0.05):
-                await worker.run(release.wait, 30)
-        assert worker.busy
-        release.set()
-        worker.stop()
-
-    async def test_one_off_daemon_thread(self) -> None:
-        """run_in_daemon_thread runs a call in a new daemon thread."""
-        name = await run_in_daemon_thread(lambda: threading.current_thread().name, name="x1")
-        assert name == "x1"
-
-    def test_hung_sync_alert_handler_does_not_keep_the_process_alive(self) -> None:
-        """A synchronous alert handler that never returns: the process still exits."""
-        script = textwrap.dedent(
-            """
-            import threading, anyio
-            from eventbus_debug import EventBus
-            from eventbus_debug.events import SinkFailed
-            from eventbus_debug.sinks import AlertRule, AlertSink
-
-            async def main():
-                async with EventBus(close_timeout=0.2) as bus:
-                    alerts = AlertSink(bus, timeout=0.2, flush_interval=None)
-                    alerts.add_rule(AlertRule(event_types=(SinkFailed,)),
-                                    lambda alert: threading.Event().wait())
-                    bus.subscribe(alerts)
-                    bus.publish_nowait(SinkFailed(sink="x", error_type="E", message="m"))
-                    await bus.drain()
-                    await anyio.sleep(0.3)
-                print("done")
-
-            anyio.run(main)
-            """
-        )
-        result = subprocess.run(
-            [sys.executable, "-c", script],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=Path(__file__).resolve().parent.parent,
-            check=False,
-        )
-        assert result.returncode == 0, result.stderr[-2000:]
-        assert result.stdout.strip() == "done"
-
-
 _KILLED_WRITER = """
 import sys, anyio
 from eventbus_debug import EventBus, StepCompleted
@@ -494,7 +425,7 @@ def test_kill_9_then_restart_leaves_a_readable_log(tmp_path: Path, seed: int) ->
         proc = subprocess.Popen(
             [sys.executable, "-c", _KILLED_WRITER, str(tmp_path)],
             stdout=subprocess.PIPE,
-            cwd=Path(__file__).resolve().parent.parent,
+            cwd=Path(__file__).resolve().parents[2],
         )
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == b"ready"

@@ -121,9 +121,9 @@ def test_lifecycle_errors() -> None:
 
 def test_bad_options() -> None:
     """Options are validated at construction."""
-    with pytest.raises(ValueError, match="max_pending must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="max_pending must be an int >= 1, got 0"):
         SyncEventBus(max_pending=0)
-    with pytest.raises(ValueError, match="capacity must be a positive integer"):
+    with pytest.raises(ValueError, match="capacity must be an int >= 1"):
         SyncEventBus(capacity=-1)
 
 

@@ -92,7 +92,7 @@ class TestSeverity:
     def test_not_comparable_with_other_types(self) -> None:
         """Comparing with a non-severity raises TypeError."""
         with pytest.raises(TypeError):
-            _ = Severity.INFO < 3  # type: ignore[operator]
+            _ = Severity.INFO < 3
 
 
 class TestRegistry:

@@ -1,0 +1,730 @@
+"""One subscriber: its bounded queue and shedding policy, its pump task and its failure count.
+
+The bus (the subscription's *owner*) stages events for it, starts its pump, and asks it to
+stop; everything about one sink's delivery (flow control, stalls of the event loop, failures,
+disabling, the close of the sink) lives here.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import time
+import traceback
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, Final, Protocol, final
+
+import anyio
+import anyio.lowlevel
+from anyio.abc import TaskGroup
+from typing_extensions import Self
+
+from ..diagnostics import get_logger
+from ..events import (
+    Event,
+    EventsDropped,
+    EventsUndelivered,
+    LoopStalled,
+    SinkCloseFailed,
+    SinkDisabled,
+    SinkFailed,
+    SinkUnresponsive,
+)
+from ._adapter import SinkAdapter
+from ._waiters import Waiter
+from .statistics import SubscriptionStatistics
+
+__all__ = ("Subscription",)
+
+_log = get_logger(__name__)
+
+MAX_BATCH: Final = 4096
+"""A ``handle_batch`` sink receives at most this many events per call."""
+HANDLE_ROUND: Final = 64
+"""A ``handle(event)`` sink yields to the event loop at least once per this many events."""
+FLOW_STALL_TIMEOUT: Final = 1.0
+"""A flow-controlled sink that completes no batch for this long stops holding publishers back."""
+CLOSE_GRACE: Final = 1.0
+"""Seconds granted to each sink's close (and to the last reports) once the deadline passed."""
+STALL_WINDOW: Final = 1.0
+"""Loop holds by one sink are summed over windows of this many seconds (see LoopStalled)."""
+STALL_SHARE: Final = 0.2
+"""A sink holding the loop this share of a window is reported even without one long hold."""
+
+
+class _Owner(Protocol):
+    """The bus, as seen by its subscriptions: where their reports go and whom they wake."""
+
+    def _publish_internal(self, event: Event) -> None: ...
+
+    def _signal_progress(self) -> None: ...
+
+    def _unsubscribe(self, sub: Subscription) -> None: ...
+
+    def _forget_routes(self) -> None: ...
+
+    def _flow_changed(self, pressing: bool) -> None: ...
+
+
+@final
+class Subscription:
+    """One sink's connection to a bus: its filter, bounded queue, task and counters.
+
+    Returned by :meth:`EventBus.subscribe`. Cancel it with :meth:`cancel` (or use it as a
+    context manager) to stop delivery; events already queued are dropped and counted.
+
+    The queue is two FIFOs, incidents and telemetry, merged by sequence number when the sink
+    reads them: shedding the oldest telemetry is one ``popleft`` whatever the queue holds, so
+    a burst of any size is queued in linear time.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_adapter",
+        "_bus",
+        "_cancel_scope",
+        "_close_timeout",
+        "_consecutive",
+        "_done",
+        "_high_water",
+        "_incidents",
+        "_inflight_min_seq",
+        "_inflight_n",
+        "_input_closed",
+        "_last_progress",
+        "_low_water",
+        "_max_failures",
+        "_pressing",
+        "_sink_closed",
+        "_staged_incidents",
+        "_staged_telemetry",
+        "_stall_blocked",
+        "_stall_longest",
+        "_stall_threshold",
+        "_stall_window_start",
+        "_stalled",
+        "_telemetry",
+        "_waiter",
+        "backpressure",
+        "capacity",
+        "delivered",
+        "disabled",
+        "discarded",
+        "event_types",
+        "failed",
+        "name",
+        "shed",
+        "shed_by_kind",
+        "shed_unreported",
+        "sink",
+        "undelivered",
+    )
+
+    def __init__(
+        self,
+        bus: _Owner,
+        sink: object,
+        adapter: SinkAdapter,
+        event_types: tuple[type[Event], ...],
+        name: str,
+        capacity: int,
+        backpressure: bool = False,
+        *,
+        max_failures: int,
+        close_timeout: float,
+        stall_threshold: float | None,
+    ) -> None:
+        self._bus: _Owner | None = bus
+        self.sink = sink
+        self._adapter = adapter
+        self.event_types = event_types
+        self.name = name
+        self.capacity = capacity
+        self.backpressure = backpressure
+        self._max_failures = max_failures
+        self._close_timeout = close_timeout
+        self._stall_threshold = stall_threshold
+        self._high_water = max(1, capacity // 2)
+        self._low_water = capacity // 4
+        self._incidents: collections.deque[Event] = collections.deque()
+        self._telemetry: collections.deque[Event] = collections.deque()
+        # Filled by the dispatcher during one dispatch round, then moved into the queues at once.
+        self._staged_incidents: list[Event] = []
+        self._staged_telemetry: list[Event] = []
+        self._waiter: Waiter | None = None
+        self._input_closed = False
+        self._inflight_min_seq = -1
+        self._inflight_n = 0
+        self._consecutive = 0
+        self._cancel_scope: anyio.CancelScope | None = None
+        self._done: anyio.Event | None = None
+        self._sink_closed = False
+        self._pressing = False  # holding back `await publish` (flow control)
+        self._stalled = False  # made no progress while pressing: released until it does
+        self._last_progress = 0.0
+        self._stall_window_start = 0.0
+        self._stall_blocked = 0.0
+        self._stall_longest = 0.0
+        self.delivered = 0
+        self.failed = 0
+        self.shed = 0
+        self.shed_unreported = 0
+        self.shed_by_kind: dict[str, int] = {}
+        self.discarded = 0
+        self.undelivered = 0
+        self.disabled = False
+
+    def __repr__(self) -> str:
+        return f"<Subscription {self.name!r} types={[t.__name__ for t in self.event_types]}>"
+
+    def accepts(self, cls: type[Event]) -> bool:
+        """Whether events of class *cls* are routed to this subscription."""
+        return not self.event_types or issubclass(cls, self.event_types)
+
+    @property
+    def pending(self) -> int:
+        """Events queued for the sink or in its hands now (0: it has caught up). O(1).
+
+        Events published but not dispatched yet are not counted: see
+        :meth:`EventBus.has_undispatched`.
+        """
+        return len(self._incidents) + len(self._telemetry) + self._inflight_n
+
+    def statistics(self) -> SubscriptionStatistics:
+        """A snapshot of this subscription's counters."""
+        return SubscriptionStatistics(
+            name=self.name,
+            capacity=self.capacity,
+            queued=self.pending,
+            delivered=self.delivered,
+            failed=self.failed,
+            shed=self.shed,
+            discarded=self.discarded,
+            undelivered=self.undelivered,
+            disabled=self.disabled,
+        )
+
+    def cancel(self) -> None:
+        """Stop delivering to this sink; queued events are discarded (and counted). Idempotent.
+
+        The sink's ``aclose`` is not called: the caller owns a sink it unsubscribed.
+        """
+        bus = self._bus
+        if bus is not None:
+            bus._unsubscribe(self)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.cancel()
+
+    # -- the queue -------------------------------------------------------------------------
+
+    def _queued(self) -> int:
+        return len(self._incidents) + len(self._telemetry)
+
+    def _clear(self) -> int:
+        """Empty the queues; returns how many events they held."""
+        n = self._queued()
+        self._incidents.clear()
+        self._telemetry.clear()
+        return n
+
+    def _stager(self, incident: bool) -> Callable[[Event], None]:
+        """The append the dispatcher uses to stage an event for this subscription."""
+        return (self._staged_incidents if incident else self._staged_telemetry).append
+
+    def _commit_staged(self) -> int:
+        """Move the events staged by the dispatcher into the queues; returns how many were shed.
+
+        Incidents are always queued. Telemetry beyond the room the incidents leave is shed,
+        oldest first: queued telemetry before staged, one ``popleft`` per shed event. Wakes the
+        pump if it waits (once per dispatch round).
+        """
+        staged_inc = self._staged_incidents
+        staged_tel = self._staged_telemetry
+        if not staged_inc and not staged_tel:
+            return 0
+        incidents = self._incidents
+        telemetry = self._telemetry
+        if staged_inc:
+            incidents.extend(staged_inc)
+            staged_inc.clear()
+        shed = 0
+        excess = len(incidents) + len(telemetry) + len(staged_tel) - self.capacity
+        if excess <= 0:
+            if staged_tel:
+                telemetry.extend(staged_tel)
+                staged_tel.clear()
+        else:
+            while excess and telemetry:
+                self._count_shed(telemetry.popleft())
+                excess -= 1
+                shed += 1
+            if staged_tel:
+                cut = min(excess, len(staged_tel))
+                for event in staged_tel[:cut]:
+                    self._count_shed(event)
+                shed += cut
+                telemetry.extend(staged_tel[cut:] if cut else staged_tel)
+                staged_tel.clear()
+        if self.backpressure and not self._pressing and not self._stalled:
+            if len(incidents) + len(telemetry) >= self._high_water:
+                self._press()
+        self._wake()
+        return shed
+
+    def _count_shed(self, event: Event) -> None:
+        self.shed += 1
+        self.shed_unreported += 1
+        kind = event.kind
+        self.shed_by_kind[kind] = self.shed_by_kind.get(kind, 0) + 1
+
+    def _drop_report(self) -> EventsDropped:
+        """The report of the telemetry shed since the last one; resets the unreported count."""
+        if self.shed == self.shed_unreported:
+            _log.warning("events_shed", sink=self.name, capacity=self.capacity)
+        report = EventsDropped(
+            source="eventbus",
+            sink=self.name,
+            dropped=self.shed_unreported,
+            total_dropped=self.shed,
+            by_kind=dict(self.shed_by_kind),
+        )
+        self.shed_unreported = 0
+        self.shed_by_kind.clear()
+        return report
+
+    def _pop(self) -> Event:
+        """The queued item with the lowest sequence number (the queues must not be empty)."""
+        incidents = self._incidents
+        telemetry = self._telemetry
+        if incidents and (not telemetry or incidents[0].seq < telemetry[0].seq):
+            return incidents.popleft()
+        return telemetry.popleft()
+
+    def _take_batch(self, n: int) -> list[Event]:
+        """Up to *n* queued items in sequence order (a merge of the two queues)."""
+        incidents = self._incidents
+        telemetry = self._telemetry
+        if not incidents:
+            pop = telemetry.popleft
+            return [pop() for _ in range(min(n, len(telemetry)))]
+        if not telemetry:
+            pop = incidents.popleft
+            return [pop() for _ in range(min(n, len(incidents)))]
+        out: list[Event] = []
+        append = out.append
+        while incidents and telemetry and len(out) < n:
+            if incidents[0].seq < telemetry[0].seq:
+                append(incidents.popleft())
+            else:
+                append(telemetry.popleft())
+        rest = incidents or telemetry
+        for _ in range(min(n - len(out), len(rest))):
+            append(rest.popleft())
+        return out
+
+    def _idle_up_to(self, target: int) -> bool:
+        """Whether every event numbered up to *target* was handled (or will never be)."""
+        if self.disabled:
+            return True
+        if self._inflight_n and self._inflight_min_seq <= target:
+            return False
+        incidents = self._incidents
+        telemetry = self._telemetry
+        if incidents and incidents[0].seq <= target:
+            return False
+        return not telemetry or telemetry[0].seq > target
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            waiter.set()
+
+    # -- flow control ----------------------------------------------------------------------
+
+    def _press(self) -> None:
+        bus = self._bus
+        if bus is not None:
+            self._pressing = True
+            self._last_progress = time.monotonic()
+            bus._flow_changed(True)
+
+    def _release(self) -> None:
+        if self._pressing:
+            self._pressing = False
+            bus = self._bus
+            if bus is not None:
+                bus._flow_changed(False)
+
+    def _flow_deadline(self, now: float) -> float | None:
+        """When this sink stops holding publishers back (None: it does not hold them now).
+
+        A sink that completed no batch for ``FLOW_STALL_TIMEOUT`` is released at once, until
+        it completes one.
+        """
+        if not self._pressing:
+            return None
+        if now - self._last_progress >= FLOW_STALL_TIMEOUT:
+            self._release()
+            self._stalled = True
+            _log.warning("flow_control_released", sink=self.name)
+            return None
+        return self._last_progress + FLOW_STALL_TIMEOUT
+
+    def _after_batch(self) -> None:
+        """Flow control bookkeeping after a batch; wakes drains and held-back publishers."""
+        self._stalled = False
+        if self._pressing:
+            self._last_progress = time.monotonic()
+            if self._queued() <= self._low_water:
+                self._release()
+        bus = self._bus
+        if bus is not None:
+            bus._signal_progress()
+
+    # -- the pump --------------------------------------------------------------------------
+
+    def _start(self, tg: TaskGroup, new_waiter: Callable[[], Waiter]) -> None:
+        """Start the pump task that feeds the sink."""
+        self._done = anyio.Event()
+        self._stall_window_start = time.monotonic()
+        tg.start_soon(self._pump, new_waiter, name=f"eventbus-sink-{self.name}")
+
+    def _call(self, coro: Awaitable[Any]) -> Awaitable[Any]:
+        return coro if self._stall_threshold is None else _Timed(coro, self)
+
+    async def _pump(self, new_waiter: Callable[[], Waiter]) -> None:
+        adapter = self._adapter
+        call = self._call
+        try:
+            # Shielded: cancelling the scope around the bus must not kill delivery; only the
+            # bus cancels a pump (a sink still busy at the close deadline, an unsubscribe).
+            with anyio.CancelScope(shield=True) as scope:
+                self._cancel_scope = scope
+                if adapter.start is not None:
+                    try:
+                        await call(adapter.start())
+                    except Exception as exc:
+                        self._fail(exc, None)
+                while True:
+                    if self.disabled or not (self._incidents or self._telemetry):
+                        if self.disabled:
+                            self.discarded += self._clear()
+                            self._release()
+                        self._signal_owner()
+                        if self._input_closed:
+                            break
+                        waiter = self._waiter = new_waiter()
+                        await waiter.wait()
+                        continue
+                    if adapter.handle_batch is not None:
+                        await self._deliver_batch(adapter.handle_batch)
+                    else:
+                        handle = adapter.handle
+                        assert handle is not None
+                        await self._deliver_each(handle)
+                    # A sink that never awaits must still let the loop breathe.
+                    await anyio.lowlevel.checkpoint()
+        finally:
+            self._inflight_n = 0
+            self._release()
+            if self._done is not None:
+                self._done.set()
+            self._signal_owner()
+
+    async def _deliver_batch(self, handle_batch: Callable[[list[Event]], Awaitable[Any]]) -> None:
+        events = self._take_batch(MAX_BATCH)
+        n = len(events)
+        self._inflight_min_seq = events[0].seq
+        self._inflight_n = n
+        try:
+            await self._call(handle_batch(events))
+        except Exception as exc:
+            self.failed += n
+            self._fail(exc, events[0])
+        else:
+            self.delivered += n
+            self._consecutive = 0
+        self._inflight_n = 0
+        self._after_batch()
+
+    async def _deliver_each(self, handle: Callable[[Event], Awaitable[Any]]) -> None:
+        """One event at a time, up to a round of ``HANDLE_ROUND`` before yielding."""
+        for _ in range(min(self._queued(), HANDLE_ROUND)):
+            if self.disabled or not (self._incidents or self._telemetry):
+                break
+            event = self._pop()
+            self._inflight_min_seq = event.seq
+            self._inflight_n = 1
+            try:
+                await self._call(handle(event))
+            except Exception as exc:
+                self.failed += 1
+                self._fail(exc, event)
+            else:
+                self.delivered += 1
+                self._consecutive = 0
+            self._inflight_n = 0
+            self._signal_owner()
+        self._after_batch()
+
+    def _signal_owner(self) -> None:
+        bus = self._bus
+        if bus is not None:
+            bus._signal_progress()
+
+    def _report(self, event: Event) -> None:
+        bus = self._bus
+        if bus is not None:
+            bus._publish_internal(event)
+
+    # -- failures and stalls ---------------------------------------------------------------
+
+    def _fail(self, exc: Exception, event: Event | None) -> None:
+        """Count a failure of the sink (*event* None: its ``start``); disable it if due."""
+        self._consecutive += 1
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        if self._consecutive == 1:
+            _log.warning(
+                "sink_failed",
+                sink=self.name,
+                error=f"{type(exc).__name__}: {exc}",
+                event_kind=event.kind if event is not None else "start",
+            )
+        self._report(
+            SinkFailed(
+                source="eventbus",
+                step=event.step if event is not None else None,
+                sink=self.name,
+                error_type=type(exc).__qualname__,
+                message=str(exc),
+                traceback=tb,
+                event_kind=event.kind if event is not None else "",
+                event_seq=event.seq if event is not None else -1,
+                consecutive_failures=self._consecutive,
+            )
+        )
+        if self._consecutive >= self._max_failures and not self.disabled:
+            self.disabled = True
+            discarded = self._clear()
+            self.discarded += discarded
+            self._release()
+            bus = self._bus
+            if bus is not None:
+                bus._forget_routes()
+            reason = f"{self._consecutive} consecutive failures, last: {type(exc).__name__}: {exc}"
+            _log.error("sink_disabled", sink=self.name, reason=reason)
+            self._report(
+                SinkDisabled(
+                    source="eventbus",
+                    sink=self.name,
+                    reason=reason,
+                    consecutive_failures=self._consecutive,
+                    discarded=discarded,
+                )
+            )
+
+    def _note_holds(self, longest: float, total: float) -> None:
+        """Account for how long one call of the sink held the loop; report a stall if due."""
+        threshold = self._stall_threshold
+        if threshold is None:
+            return
+        now = time.monotonic()
+        self._stall_blocked += total
+        if longest > self._stall_longest:
+            self._stall_longest = longest
+        window = now - self._stall_window_start
+        if longest >= threshold or (
+            window >= STALL_WINDOW and self._stall_blocked >= STALL_SHARE * window
+        ):
+            _log.warning(
+                "sink_stalled_loop",
+                sink=self.name,
+                stall_s=round(self._stall_longest, 4),
+                blocked_s=round(self._stall_blocked, 4),
+            )
+            self._report(
+                LoopStalled(
+                    source="eventbus",
+                    sink=self.name,
+                    stall_s=self._stall_longest,
+                    blocked_s=self._stall_blocked,
+                    window_s=max(window, longest),
+                    threshold_s=threshold,
+                )
+            )
+        elif window < STALL_WINDOW:
+            return
+        self._stall_window_start = now
+        self._stall_blocked = 0.0
+        self._stall_longest = 0.0
+
+    # -- leaving the bus -------------------------------------------------------------------
+
+    def _detach(self) -> None:
+        """Unsubscribed: discard the queue, stop the pump, forget the bus."""
+        self.discarded += self._clear()
+        self._release()
+        self._bus = None
+        self._input_closed = True
+        if self._cancel_scope is not None:
+            self._cancel_scope.cancel()
+        self._wake()
+
+    def _abandon(self) -> None:
+        """Still busy at the close deadline: cancel the pump and report what is lost."""
+        lost = self._clear() + self._inflight_n
+        self.undelivered += lost
+        self._release()
+        self._input_closed = True
+        if self._cancel_scope is not None:
+            self._cancel_scope.cancel()
+        abandoned = self._thread_busy()
+        _log.error(
+            "close_timed_out",
+            sink=self.name,
+            undelivered=lost,
+            timeout_s=self._close_timeout,
+            thread_abandoned=abandoned,
+        )
+        self._report_undelivered(lost)
+        self._report(
+            SinkUnresponsive(
+                source="eventbus",
+                sink=self.name,
+                phase="drain",
+                waited_s=self._close_timeout,
+                thread_abandoned=abandoned,
+            )
+        )
+
+    def _report_undelivered(self, lost: int) -> None:
+        self._report(
+            EventsUndelivered(
+                source="eventbus", sink=self.name, undelivered=lost, timeout_s=self._close_timeout
+            )
+        )
+
+    def _thread_busy(self) -> bool:
+        return bool(getattr(self.sink, "thread_busy", False))
+
+    async def _shutdown(self, deadline: float) -> None:
+        """Stop the pump (within ``CLOSE_GRACE``, then cancelled) and close the sink, bounded
+        by what is left until *deadline* but at least ``CLOSE_GRACE``."""
+        self._input_closed = True
+        self._wake()
+        done = self._done
+        if done is not None and not done.is_set():
+            with anyio.move_on_after(CLOSE_GRACE):
+                await done.wait()
+            if not done.is_set() and self._cancel_scope is not None:
+                lost = self._clear() + self._inflight_n
+                if lost:
+                    self.undelivered += lost
+                    self._report_undelivered(lost)
+                self._cancel_scope.cancel()
+                with anyio.move_on_after(CLOSE_GRACE):
+                    await done.wait()
+        await self._close_sink(deadline)
+
+    async def _close_sink(self, deadline: float) -> None:
+        aclose = self._adapter.aclose
+        if aclose is None or self._sink_closed:
+            return
+        self._sink_closed = True
+        budget = max(deadline - time.monotonic(), CLOSE_GRACE)
+        with anyio.move_on_after(budget) as scope:
+            try:
+                result = aclose()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception as exc:
+                _log.warning(
+                    "sink_close_failed",
+                    sink=self.name,
+                    error=f"{type(exc).__name__}: {exc}",
+                    exc_info=True,
+                )
+                self._report(
+                    SinkCloseFailed(
+                        source="eventbus",
+                        sink=self.name,
+                        error_type=type(exc).__qualname__,
+                        message=str(exc),
+                    )
+                )
+        if scope.cancelled_caught:
+            abandoned = self._thread_busy()
+            _log.error(
+                "sink_close_timed_out",
+                sink=self.name,
+                timeout_s=round(budget, 3),
+                thread_abandoned=abandoned,
+            )
+            self._report(
+                SinkUnresponsive(
+                    source="eventbus",
+                    sink=self.name,
+                    phase="close",
+                    waited_s=budget,
+                    thread_abandoned=abandoned,
+                )
+            )
+
+
+class _Timed:
+    """Awaits a sink's coroutine, timing each synchronous slice of it (between two awaits).
+
+    A slice is time the event loop was held by the sink: nothing else (training included) ran.
+    The longest slice and their total go to :meth:`Subscription._note_holds` when the call
+    ends.
+    """
+
+    __slots__ = ("_coro", "_sub")
+
+    def __init__(self, coro: Awaitable[Any], sub: Subscription) -> None:
+        self._coro = coro
+        self._sub = sub
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro = self._coro
+        if not inspect.iscoroutine(coro):  # an awaitable object: not timed
+            return (yield from coro.__await__())
+        send = coro.send
+        clock = time.perf_counter
+        longest = 0.0
+        total = 0.0
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                t0 = clock()
+                try:
+                    if error is None:
+                        yielded = send(value)
+                    else:
+                        err, error = error, None
+                        yielded = coro.throw(err)
+                except StopIteration as stop:
+                    dt = clock() - t0
+                    total += dt
+                    longest = max(longest, dt)
+                    return stop.value
+                dt = clock() - t0
+                total += dt
+                if dt > longest:
+                    longest = dt
+                try:
+                    value = yield yielded
+                except GeneratorExit:
+                    coro.close()
+                    raise
+                except BaseException as exc:  # a cancellation: hand it to the sink
+                    error = exc
+                    value = None
+        finally:
+            self._sub._note_holds(longest, total)
