@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,6 +140,49 @@ def test_nothing_below_the_session_imports_sinks() -> None:
         if dst.startswith("eventbus_debug.sinks") and _layer_of(src) < _layer_of(dst)
     ]
     assert not core, "\n".join(core)
+
+
+# typing's backport, imported on Python 3.10 only (events/_base.py's dataclass_transform)
+_STDLIB_BACKPORTS: frozenset[str] = frozenset({"typing_extensions"})
+
+
+def _foreign_imports(path: Path) -> list[str]:
+    """The imports of *path* that are neither the standard library nor relative."""
+    foreign = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        foreign += [
+            f"{n}, line {node.lineno}"
+            for n in names
+            if n.partition(".")[0] not in {*sys.stdlib_module_names, *_STDLIB_BACKPORTS}
+        ]
+    return foreign
+
+
+def test_events_import_only_the_standard_library() -> None:
+    """The vocabulary (every module of events/) needs nothing but Python: no torch, no anyio."""
+    paths = sorted((PACKAGE / "events").rglob("*.py"))
+    assert len(paths) > 5
+    foreign = [f"{p.relative_to(PACKAGE)}: {imp}" for p in paths for imp in _foreign_imports(p)]
+    assert not foreign, "\n".join(foreign)
+
+
+def test_foreign_import_finder(tmp_path: Path) -> None:
+    """The finder flags third-party and absolute package imports, not stdlib or relative ones."""
+    module = tmp_path / "m.py"
+    module.write_text(
+        "import os, torch\nfrom anyio import run\nfrom . import x\nfrom eventbus_debug import y\n"
+    )
+    assert _foreign_imports(module) == [
+        "torch, line 1",
+        "anyio, line 2",
+        "eventbus_debug, line 4",
+    ]
 
 
 def test_compat_is_a_leaf() -> None:
