@@ -121,6 +121,21 @@ def test_reading_a_log_needs_no_torch(name: str) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_extras_events_decode_without_the_extras() -> None:
+    """A log line of an opt-in feature's event decodes with neither torch nor the extras loaded."""
+    code = (
+        "import sys\n"
+        "from eventbus_debug.events import LatentAnomalyDetected, OperationCompleted\n"
+        "from eventbus_debug.log import decode_event, encode_event\n"
+        "for event in (OperationCompleted(name='fwd', duration_s=0.5, step=3),\n"
+        "              LatentAnomalyDetected(denoising_step=2, rule='norm_drift', message='m')):\n"
+        "    assert decode_event(encode_event(event)) == event, event\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('eventbus_debug.extras'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def _violations(source: str, filename: str) -> list[str]:
     """Imports of *source* that reach past eventbus_debug's public API."""
     problems = []
