@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
-from eventbus_debug.events import Event, current_rank
+from eventbus_debug.events import Delivery, Event, current_rank
 from eventbus_debug.log.files import log_file_name
 from eventbus_debug.threads import DaemonWorker
 
@@ -180,7 +180,7 @@ class RotatingFileSink:
         name: str = "rotating_file",
         queue_capacity: int = DEFAULT_QUEUE_CAPACITY,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-        wake_interval: float = 0.0,
+        wake_interval: float = DEFAULT_WAKE_INTERVAL,
         high_water: int = DEFAULT_HIGH_WATER,
     ) -> None:
         _check_int("max_bytes", max_bytes, minimum=0)
@@ -353,8 +353,9 @@ class RotatingFileSink:
 
 
 def _has_incident(events: Sequence[Event]) -> bool:
+    incident = Delivery.INCIDENT
     for event in events:
-        if event.is_incident:
+        if type(event).delivery is incident:
             return True
     return False
 

@@ -5,6 +5,7 @@ import gzip
 import math
 import os
 import shutil
+import threading
 from collections.abc import Mapping
 from dataclasses import field
 from pathlib import Path
@@ -13,8 +14,14 @@ from typing import ClassVar
 import anyio
 import pytest
 
-from eventbus_debug import Event, EventBus, encode_event, event_type, read_events
-from eventbus_debug.events import LogWriteResumed, SinkFailed, StepCompleted
+from eventbus_debug import Delivery, Event, EventBus, encode_event, event_type, read_events
+from eventbus_debug.events import (
+    LogWriteResumed,
+    NonFiniteDetected,
+    SinkFailed,
+    StepCompleted,
+    TensorRole,
+)
 from eventbus_debug.exceptions import EventDecodeError
 from eventbus_debug.sinks import (
     FileSinkStatistics,
@@ -42,6 +49,15 @@ class _Opaque(Event):
     """An event holding something JSON cannot carry (a user bug the sink must survive)."""
 
     kind: ClassVar[str] = "tests.file_sink.opaque"
+    payload: object = None
+
+
+@event_type
+class _OpaqueTelemetry(Event):
+    """Telemetry holding something JSON cannot carry: written by the writer thread, not awaited."""
+
+    kind: ClassVar[str] = "tests.file_sink.opaque_telemetry"
+    delivery: ClassVar[Delivery] = Delivery.TELEMETRY
     payload: object = None
 
 
@@ -104,6 +120,9 @@ class TestConstruction:
             ({"backup_count": 0}, "backup_count must be >= 1 when max_bytes > 0, got 0"),
             ({"flush_interval": math.nan}, "flush_interval must be a finite number"),
             ({"buffer_size": 0}, "buffer_size must be an integer >= 1, got 0"),
+            ({"wake_interval": -0.1}, "wake_interval must be a finite number of seconds >= 0"),
+            ({"wake_interval": math.inf}, "wake_interval must be a finite number of seconds"),
+            ({"high_water": 0}, "high_water must be an integer >= 1, got 0"),
         ],
     )
     def test_bad_options(self, tmp_path: Path, kwargs: dict[str, object], message: str) -> None:
@@ -197,6 +216,7 @@ class TestRotation:
         sink = RotatingFileSink(tmp_path, max_bytes=1000, backup_count=1)
         assert not sink.should_rotate(5000)  # an empty file takes any line
         await sink.handle_batch(_steps(0, 1))
+        await sink.flush()  # the batch was handed to the writer; now it is in the file
         size = sink.statistics().current_size
         assert not sink.should_rotate(1000 - size)
         assert sink.should_rotate(1001 - size)
@@ -357,11 +377,13 @@ class _DiskFull:
 
 
 class TestFailures:
+    """The synchronous writer (``wake_interval=0``): each batch is written, or fails, in turn."""
+
     async def test_disk_full_becomes_sink_failed_and_recovers(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """ENOSPC mid-line: SinkFailed on the bus, the publisher unaffected, nothing lost."""
-        sink = RotatingFileSink(tmp_path)
+        sink = RotatingFileSink(tmp_path, wake_interval=0)
         recorder = RecordingSink()
         published = 0
         async with EventBus() as bus:
@@ -394,7 +416,7 @@ class TestFailures:
         """Many failures in one outage raise once; retries back off; nothing is lost."""
         clock = [1000.0]
         monkeypatch.setattr(jw, "_clock", lambda: clock[0])
-        sink = RotatingFileSink(tmp_path)
+        sink = RotatingFileSink(tmp_path, wake_interval=0)
         await sink.handle_batch(_steps(0, 2))
         disk = _DiskFull(times=4, partial=45)
         monkeypatch.setattr(jw, "_write_some", disk)
@@ -422,7 +444,7 @@ class TestFailures:
     ) -> None:
         """Beyond max_pending_bytes the oldest pending lines are given up, and counted."""
         line = _line_size()
-        sink = RotatingFileSink(tmp_path, max_pending_bytes=line * 5)
+        sink = RotatingFileSink(tmp_path, max_pending_bytes=line * 5, wake_interval=0)
         monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
         with pytest.raises(LogWriteError):
             await sink.handle_batch(_steps(10, 3))
@@ -437,7 +459,7 @@ class TestFailures:
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A failed write leaves no torn line in the file, even if no write ever succeeds."""
-        sink = RotatingFileSink(tmp_path)
+        sink = RotatingFileSink(tmp_path, wake_interval=0)
         await sink.handle_batch(_steps(0, 2))
         monkeypatch.setattr(jw, "_write_some", _DiskFull(times=10, partial=45))
         with pytest.raises(LogWriteError):
@@ -449,7 +471,7 @@ class TestFailures:
 
     async def test_file_removed_under_the_sink(self, tmp_path: Path) -> None:
         """A removed live file fails one batch, then a new file holds that batch and the next."""
-        sink = RotatingFileSink(tmp_path)
+        sink = RotatingFileSink(tmp_path, wake_interval=0)
         recorder = RecordingSink()
         async with EventBus() as bus:
             bus.subscribe(recorder, SinkFailed)
@@ -465,7 +487,7 @@ class TestFailures:
     async def test_directory_removed_under_the_sink(self, tmp_path: Path) -> None:
         """A removed directory is recreated at the next batch."""
         logs = tmp_path / "logs"
-        sink = RotatingFileSink(logs)
+        sink = RotatingFileSink(logs, wake_interval=0)
         await sink.handle_batch(_steps(0, 1))
         shutil.rmtree(logs)
         with pytest.raises(LogWriteError, match="removed while open"):
@@ -478,7 +500,7 @@ class TestFailures:
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """If the last write at close fails, aclose raises and the lines are counted lost."""
-        sink = RotatingFileSink(tmp_path, flush_interval=3600.0)
+        sink = RotatingFileSink(tmp_path, flush_interval=3600.0, wake_interval=0)
         await sink.handle_batch(_steps(0, 4))
         monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
         with pytest.raises(LogWriteError):
@@ -492,6 +514,141 @@ class TestFailures:
         assert isinstance(stats, FileSinkStatistics)
         with pytest.raises(AttributeError):
             stats.lines_written = 1  # type: ignore[misc]
+
+
+class _HungWrite:
+    """Stands in for write(2): blocks until released (a dead network disk)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def __call__(self, fd: int, data: bytes | bytearray) -> int:
+        self.release.wait(30)
+        return os.write(fd, data)
+
+
+class TestWriteBehind:
+    """The default: batches are handed to the writer thread; the event loop does not wait."""
+
+    async def test_telemetry_is_handed_over_without_writing(self, tmp_path: Path) -> None:
+        """A telemetry batch returns at once (pending, file empty); flush writes it in order."""
+        sink = RotatingFileSink(tmp_path, wake_interval=3600.0)
+        await sink.start()
+        await sink.handle_batch(_steps(0, 5))
+        await sink.handle_batch(_steps(5, 5))
+        stats = sink.statistics()
+        assert (stats.lines_pending, stats.lines_written) == (10, 0)
+        assert sink.path.stat().st_size == 0
+        await sink.flush()
+        assert _step_numbers(tmp_path) == list(range(10))
+        assert sink.statistics().lines_pending == 0
+        await sink.aclose()
+
+    async def test_the_timer_writes_the_backlog(self, tmp_path: Path) -> None:
+        """Without flush or close, the writer thread writes the backlog on its timer."""
+        sink = RotatingFileSink(tmp_path, wake_interval=0.01)
+        await sink.handle_batch(_steps(0, 3))
+        with anyio.fail_after(5):
+            while sink.statistics().lines_written < 3:
+                await anyio.sleep(0.01)
+        assert _step_numbers(tmp_path) == [0, 1, 2]
+        await sink.aclose()
+
+    async def test_an_incident_is_written_before_handle_batch_returns(self, tmp_path: Path) -> None:
+        """A batch holding an incident is written at once, after the telemetry before it."""
+        sink = RotatingFileSink(tmp_path, wake_interval=3600.0)
+        await sink.handle_batch(_steps(0, 4))
+        incident = NonFiniteDetected(role=TensorRole.LOSS, names=("loss",), step=4)
+        await sink.handle_batch([incident])
+        kinds = [(e.kind, e.step) for e in read_events(tmp_path)]
+        assert kinds == [*(("step_completed", i) for i in range(4)), ("non_finite_detected", 4)]
+        await sink.aclose()
+
+    async def test_high_water_makes_the_batch_wait(self, tmp_path: Path) -> None:
+        """Past high_water events waiting, handle_batch writes them all before returning."""
+        sink = RotatingFileSink(tmp_path, wake_interval=3600.0, high_water=10)
+        await sink.handle_batch(_steps(0, 6))
+        assert sink.statistics().lines_written == 0
+        await sink.handle_batch(_steps(6, 6))
+        assert sink.statistics().lines_written == 12
+        assert _step_numbers(tmp_path) == list(range(12))
+        await sink.aclose()
+
+    async def test_close_writes_the_backlog_and_rotates(self, tmp_path: Path) -> None:
+        """Closing writes every handed-over event, rotating at line ends; nothing is lost."""
+        line = _line_size()
+        sink = RotatingFileSink(tmp_path, max_bytes=line * 20, backup_count=10, wake_interval=60.0)
+        for start in range(0, 100, 7):
+            await sink.handle_batch(_steps(start, min(7, 100 - start)))
+        await sink.aclose()
+        assert _step_numbers(tmp_path) == list(range(100))
+        assert sink.statistics().rotations >= 4
+        assert all(p.stat().st_size <= line * 20 for p in tmp_path.iterdir())
+
+    async def test_order_holds_between_the_timer_and_incidents(self, tmp_path: Path) -> None:
+        """Batches written by the timer thread and by the worker (incidents) stay in order."""
+        sink = RotatingFileSink(tmp_path, wake_interval=0.001)
+        events: list[Event] = []
+        for i in range(300):
+            batch: list[Event] = [StepCompleted(step=i)]
+            if i % 37 == 0:
+                batch.append(NonFiniteDetected(role=TensorRole.LOSS, names=("loss",), step=i))
+            events += batch
+            await sink.handle_batch(batch)
+            if i % 50 == 0:
+                await anyio.sleep(0.002)
+        await sink.aclose()
+        assert [(e.kind, e.step) for e in read_events(tmp_path)] == [
+            (e.kind, e.step) for e in events
+        ]
+
+    async def test_a_background_failure_is_raised_once_and_nothing_is_lost(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Disk full met by the writer thread: the next batch raises it once; close writes all."""
+        sink = RotatingFileSink(tmp_path, wake_interval=0.005)
+        await sink.start()
+        monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
+        await sink.handle_batch(_steps(0, 3))
+        with anyio.fail_after(5):
+            while not sink.statistics().failing:
+                await anyio.sleep(0.005)
+        with pytest.raises(LogWriteError, match="No space left"):
+            await sink.handle_batch(_steps(3, 1))
+        await sink.handle_batch(_steps(4, 1))  # the outage is reported once
+        await sink.aclose()
+        assert _step_numbers(tmp_path) == list(range(5))
+        stats = sink.statistics()
+        assert (stats.write_errors, stats.lines_lost) == (1, 0)
+        assert len(_resumed(tmp_path)) == 1
+
+    async def test_unencodable_event_is_reported_by_the_next_batch(self, tmp_path: Path) -> None:
+        """An event JSON cannot carry, met by the writer thread: the next batch raises it."""
+        sink = RotatingFileSink(tmp_path, wake_interval=3600.0)
+        await sink.handle_batch([StepCompleted(step=1), _OpaqueTelemetry(payload={1, 2})])
+        with pytest.raises(LogWriteError, match=r"1 event.*could not be encoded"):
+            await sink.flush()
+        await sink.handle_batch(_steps(2, 1))
+        await sink.aclose()
+        assert _step_numbers(tmp_path) == [1, 2]
+        assert sink.statistics().encode_errors == 1
+
+    async def test_hung_disk_at_close_is_bounded_and_counted(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A write that hangs at close: the bus's close is bounded; the lines show as pending."""
+        hung = _HungWrite()
+        sink = RotatingFileSink(tmp_path, wake_interval=3600.0)
+        try:
+            with anyio.fail_after(10):
+                async with EventBus(close_timeout=0.2) as bus:
+                    bus.subscribe(sink)
+                    monkeypatch.setattr(jw, "_write_some", hung)
+                    await _publish_all(bus, _steps(0, 10))
+            assert sink.thread_busy
+            assert sink.statistics().lines_pending == 10
+        finally:
+            hung.release.set()
 
 
 def test_decode_error_is_raised_for_a_corrupt_middle_line(tmp_path: Path) -> None:
