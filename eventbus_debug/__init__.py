@@ -6,9 +6,11 @@ training loop.
 
 The names below are the front door; everything else is one dot away, in
 :mod:`eventbus_debug.events`, :mod:`~eventbus_debug.probes`, :mod:`~eventbus_debug.recovery`,
-:mod:`~eventbus_debug.sinks`, :mod:`~eventbus_debug.log`, :mod:`~eventbus_debug.testing`,
-:mod:`~eventbus_debug.extras` and :mod:`~eventbus_debug.compat`. Names are imported on first
-use (PEP 562), so ``import eventbus_debug`` and reading a log never import torch.
+:mod:`~eventbus_debug.session`, :mod:`~eventbus_debug.sinks`, :mod:`~eventbus_debug.log`,
+:mod:`~eventbus_debug.testing`, :mod:`~eventbus_debug.extras` (opt-in features) and
+:mod:`~eventbus_debug.compat` (the seed documents' names, never re-exported here). Names are
+imported on first use (PEP 562), so ``import eventbus_debug`` and reading a log never import
+torch; type checkers read the explicit imports below.
 """
 
 from __future__ import annotations
