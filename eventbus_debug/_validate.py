@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import math
 
-__all__ = ("fraction", "non_negative", "positive_int", "positive_number", "positive_seconds")
+from .typing import Publisher
+
+__all__ = (
+    "fraction",
+    "non_negative",
+    "positive_int",
+    "positive_number",
+    "positive_seconds",
+    "publisher",
+)
 
 
 def _is_number(value: object) -> bool:
@@ -77,3 +86,19 @@ def fraction(name: str, value: object, *, inclusive: bool = True) -> float:
         msg = f"{name} must be a number {bounds}, got {value!r}"
         raise ValueError(msg)
     return float(value)  # type: ignore[arg-type]
+
+
+def publisher(name: str, value: object) -> Publisher | None:
+    """*value* as a :class:`~eventbus_debug.typing.Publisher` (either bus, or a test double), or None.
+
+    Raises:
+        TypeError: if *value* is neither None nor has ``publish_nowait`` and
+            ``publish_many_nowait``.
+    """
+    if value is None or isinstance(value, Publisher):
+        return value
+    msg = (
+        f"{name} must be an EventBus, a SyncEventBus, another Publisher "
+        f"(publish_nowait/publish_many_nowait) or None, got {value!r}"
+    )
+    raise TypeError(msg)

@@ -22,19 +22,27 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 import anyio.lowlevel
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .._bus import EventBus, Subscription, SyncEventBus
+from .._bus import Subscription
 from ..diagnostics import get_logger
-from ..events import AnomalyLocalized, NonFiniteDetected
+from ..events import AnomalyLocalized, Event, NonFiniteDetected
+from ..typing import Publisher
 from .localize import FirstNonFiniteLocator
 
-__all__ = ("DEFAULT_COOLDOWN", "DEFAULT_PASSES", "AnomalyArming", "RngState", "arm_on_incidents")
+__all__ = (
+    "DEFAULT_COOLDOWN",
+    "DEFAULT_PASSES",
+    "AnomalyArming",
+    "RngState",
+    "Subscribable",
+    "arm_on_incidents",
+)
 
 _log = get_logger(__name__)
 
@@ -239,9 +247,18 @@ class AnomalyArming:
             self.answered(step)
 
 
+class Subscribable(Publisher, Protocol):
+    """**Protocol:** a publisher that also takes subscriptions: either bus."""
+
+    def subscribe(
+        self, sink: object, /, *event_types: type[Event], name: str | None = None
+    ) -> Subscription:
+        """Deliver events of *event_types* to *sink*."""
+
+
 def arm_on_incidents(
     model: nn.Module,
-    bus: EventBus | SyncEventBus,
+    bus: Subscribable,
     *,
     step: StepSource,
     name: str,

@@ -12,9 +12,9 @@ import torch
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._bus import EventBus, SyncEventBus
+from .._validate import publisher
 from ..events import AutogradAnomalyDetected
-from ._publish import publisher_for
+from ..typing import Publisher
 
 __all__ = ("AnomalyCapture", "capture_autograd_anomaly", "replay_with_anomaly_detection")
 
@@ -33,7 +33,7 @@ class AnomalyCapture:
 
 @contextmanager
 def capture_autograd_anomaly(
-    bus: EventBus | SyncEventBus | None = None,
+    bus: Publisher | None = None,
     *,
     check_nan: bool = True,
     reraise: bool = True,
@@ -58,7 +58,7 @@ def capture_autograd_anomaly(
     Raises:
         RuntimeError: autograd's own error, when *reraise*.
     """
-    publish = publisher_for(bus)
+    target = publisher("bus", bus)
     capture = AnomalyCapture()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -77,7 +77,8 @@ def capture_autograd_anomaly(
                 forward_stack=stack,
                 message=message,
             )
-            publish(capture.event)
+            if target is not None:
+                target.publish_nowait(capture.event)
             _log.warning("autograd_anomaly", backward_fn=capture.event.backward_fn, step=step)
             if reraise:
                 raise
@@ -85,7 +86,7 @@ def capture_autograd_anomaly(
 
 def replay_with_anomaly_detection(
     step_fn: Callable[[], object],
-    bus: EventBus | SyncEventBus | None = None,
+    bus: Publisher | None = None,
     *,
     check_nan: bool = True,
     step: int | None = None,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Final
+
+from .._validate import non_negative, positive_int, positive_number
 
 __all__ = ("Cadence", "Checks", "DebugLevel", "Thresholds", "checks_due")
 
@@ -40,25 +42,6 @@ _LEVEL_RANKS: dict[DebugLevel, int] = {
     DebugLevel.ADVANCED: 2,
     DebugLevel.EXTREME: 3,
 }
-
-
-def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        msg = f"{name} must be an int >= 1, got {value!r}"
-        raise ValueError(msg)
-
-
-def _positive_float(name: str, value: object, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        msg = f"{name} must be a finite number > 0, got {value!r}"
-        raise ValueError(msg)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,16 +113,10 @@ class Thresholds:
             "update_ratio_low",
             "update_ratio_high",
         ):
-            _positive_float(name, getattr(self, name))
-        _positive_float("explosion", self.explosion, allow_none=True)
-        atol = self.spike_atol
-        if (
-            isinstance(atol, bool)
-            or not isinstance(atol, int | float)
-            or not (math.isfinite(atol) and atol >= 0)
-        ):
-            msg = f"spike_atol must be a finite number >= 0, got {atol!r}"
-            raise ValueError(msg)
+            positive_number(name, getattr(self, name))
+        if self.explosion is not None:
+            positive_number("explosion", self.explosion)
+        non_negative("spike_atol", self.spike_atol)
         for name in (
             "vanishing_patience",
             "explosion_window",
@@ -148,7 +125,7 @@ class Thresholds:
             "spike_patience",
             "top_k",
         ):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if not isinstance(self.vanishing_per_layer, bool):
             msg = f"vanishing_per_layer must be a bool, got {self.vanishing_per_layer!r}"
             raise TypeError(msg)
@@ -194,7 +171,7 @@ class Cadence:
             "activation_every",
             "vanishing_every",
         ):
-            _positive_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +192,9 @@ class Checks:
         return self.loss or self.grads or self.params or self.updates or self.activations
 
 
-_NONE = Checks()
+_NONE: Final = Checks()
+_DUE: dict[tuple[object, ...], Checks] = {}
+"""The few distinct ``Checks`` a run meets, built once each (a frozen dataclass costs ~2 µs)."""
 
 
 def checks_due(level: DebugLevel, cadence: Cadence, step: int) -> Checks:
@@ -223,17 +202,33 @@ def checks_due(level: DebugLevel, cadence: Cadence, step: int) -> Checks:
     if level is DebugLevel.OFF:
         return _NONE
     if level is DebugLevel.EXTREME:
-        return Checks(
-            True, True, True, True, True, step % cadence.activation_every == 0, vanishing=True
+        key: tuple[object, ...] = (level, step % cadence.activation_every == 0)
+    else:
+        key = (
+            level,
+            step % cadence.loss_every == 0,
+            step % cadence.grad_every == 0,
+            step % cadence.param_every == 0,
+            step % cadence.update_every == 0,
+            step % cadence.vanishing_every == 0,
         )
-    advanced = level is DebugLevel.ADVANCED
-    grads = step % cadence.grad_every == 0
+    due = _DUE.get(key)
+    if due is None:
+        due = _DUE[key] = _build(key)
+    return due
+
+
+def _build(key: tuple[object, ...]) -> Checks:
+    if key[0] is DebugLevel.EXTREME:
+        return Checks(True, True, True, True, True, bool(key[1]), vanishing=True)
+    _, loss, grads, params, updates, vanishing = key
+    advanced = key[0] is DebugLevel.ADVANCED
     return Checks(
-        loss=step % cadence.loss_every == 0,
-        grads=grads,
-        params=step % cadence.param_every == 0,
-        layers=advanced and grads,
-        updates=advanced and step % cadence.update_every == 0,
+        loss=bool(loss),
+        grads=bool(grads),
+        params=bool(params),
+        layers=advanced and bool(grads),
+        updates=advanced and bool(updates),
         activations=False,
-        vanishing=grads and step % cadence.vanishing_every == 0,
+        vanishing=bool(grads) and bool(vanishing),
     )

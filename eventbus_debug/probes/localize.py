@@ -22,9 +22,9 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._bus import EventBus, SyncEventBus
+from .._validate import publisher
 from ..events import AnomalyLocalized, TensorRole
-from ._publish import publisher_for
+from ..typing import Publisher
 from .finite import stored_values
 
 __all__ = (
@@ -149,7 +149,7 @@ class FirstNonFiniteLocator:
     def __init__(
         self,
         model: nn.Module,
-        bus: EventBus | SyncEventBus | None = None,
+        bus: Publisher | None = None,
         *,
         backward: bool = True,
         source: str = "localizer",
@@ -158,7 +158,7 @@ class FirstNonFiniteLocator:
             msg = f"model must be a torch.nn.Module, got {type(model).__qualname__}"
             raise TypeError(msg)
         self._model = model
-        self._publish = publisher_for(bus)
+        self._bus = publisher("bus", bus)
         self.backward = backward
         self.source = source
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -281,7 +281,8 @@ class FirstNonFiniteLocator:
 
     def publish(self, found: AnomalyLocalized) -> None:
         """Publish *found* on the locator's bus and log it."""
-        self._publish(found)
+        if self._bus is not None:
+            self._bus.publish_nowait(found)
         _log.info(
             "anomaly_localized",
             module=found.module,

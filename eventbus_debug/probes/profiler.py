@@ -34,9 +34,9 @@ from typing_extensions import Self
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._bus import EventBus, SyncEventBus
+from .._validate import publisher
 from ..events import Event, ProfileCaptured
-from ._publish import Publish, publisher_for
+from ..typing import Publisher
 
 __all__ = ("ProfileSchedule", "StepProfiler", "TraceStore", "profiling")
 
@@ -208,13 +208,13 @@ class profiling:
         source: the event's source.
 
     Raises:
-        TypeError: if *bus* is not an EventBus, a SyncEventBus or None.
+        TypeError: if *bus* is not a Publisher (either bus) or None.
     """
 
     def __init__(
         self,
         directory: str | Path | TraceStore | None,
-        bus: EventBus | SyncEventBus | None = None,
+        bus: Publisher | None = None,
         *,
         max_traces: int = DEFAULT_MAX_TRACES,
         max_bytes: int = DEFAULT_MAX_BYTES,
@@ -226,7 +226,7 @@ class profiling:
         source: str = "profiler",
     ) -> None:
         self._store = _store(directory, max_traces, max_bytes)
-        self._publish: Publish = publisher_for(bus)
+        self._bus = publisher("bus", bus)
         self._top = top
         self._step = step
         self._trigger = trigger
@@ -234,6 +234,10 @@ class profiling:
         self._prof = profile(activities=_activities(activities), record_shapes=record_shapes)
         self._steps = 0
         self._captured: ProfileCaptured | None = None
+
+    def _publish(self, event: Event) -> None:
+        if self._bus is not None:
+            self._bus.publish_nowait(event)
 
     def step(self) -> None:
         """Mark the end of a step in the trace."""
@@ -307,12 +311,12 @@ class StepProfiler:
         source: the events' source.
 
     Raises:
-        TypeError: if *bus* is not an EventBus, a SyncEventBus or None.
+        TypeError: if *bus* is not a Publisher (either bus) or None.
     """
 
     def __init__(
         self,
-        bus: EventBus | SyncEventBus | None,
+        bus: Publisher | None,
         directory: str | Path | TraceStore | None,
         *,
         schedule: ProfileSchedule | None = None,
@@ -323,7 +327,7 @@ class StepProfiler:
         record_shapes: bool = False,
         source: str = "profiler",
     ) -> None:
-        self._publish: Publish = publisher_for(bus)
+        self._bus = publisher("bus", bus)
         self.store = _store(directory, max_traces, max_bytes)
         self.schedule = schedule or ProfileSchedule()
         self._top = top
@@ -337,6 +341,10 @@ class StepProfiler:
         self._tg: anyio.abc.TaskGroup | None = None
         self.captures: list[ProfileCaptured] = []
         """Every capture published so far, oldest first."""
+
+    def _publish(self, event: Event) -> None:
+        if self._bus is not None:
+            self._bus.publish_nowait(event)
 
     @property
     def armed(self) -> bool:

@@ -25,9 +25,9 @@ from typing_extensions import Self
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._bus import EventBus, SyncEventBus
-from ..events import MemorySampled, ResourceThresholdExceeded, SystemSampled
-from ._publish import Publish, publisher_for
+from .._validate import publisher
+from ..events import Event, MemorySampled, ResourceThresholdExceeded, SystemSampled
+from ..typing import Publisher
 from .memory import MemorySnapshot, memory_snapshot
 
 __all__ = (
@@ -263,12 +263,12 @@ class SystemSampler:
 
     Raises:
         ValueError: if *interval* is not a positive finite number.
-        TypeError: if *bus* is not an EventBus, a SyncEventBus or None.
+        TypeError: if *bus* is not a Publisher (either bus) or None.
     """
 
     def __init__(
         self,
-        bus: EventBus | SyncEventBus | None = None,
+        bus: Publisher | None = None,
         *,
         interval: float = 10.0,
         thresholds: ResourceThresholds | None = None,
@@ -282,7 +282,7 @@ class SystemSampler:
             raise ValueError(msg)
         self.interval = float(interval)
         self.thresholds = thresholds or ResourceThresholds()
-        self._publish: Publish = publisher_for(bus)
+        self._bus = publisher("bus", bus)
         self._sample = sample
         self._disk_path = disk_path
         self._step = step
@@ -300,6 +300,10 @@ class SystemSampler:
         self._stopped = False
         self.last: SystemReading | None = None
         """The latest reading (None before the first)."""
+
+    def _publish(self, event: Event) -> None:
+        if self._bus is not None:
+            self._bus.publish_nowait(event)
 
     def _read(self) -> SystemReading:
         if self._sample is not None:

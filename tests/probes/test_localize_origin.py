@@ -279,7 +279,7 @@ class TestArmedByAnomalyDetection:
                     if step < 2:
                         pad[1] = False  # healthy first steps
                     loss = model(x, pad).sum()
-                    loss.backward()  # type: ignore[no-untyped-call]
+                    loss.backward()
                     verdict = await s.check_step(step, loss=loss)
                     if verdict.should_step:
                         opt.step()
@@ -308,7 +308,7 @@ class TestArmedByAnomalyDetection:
             step["now"] = i
             if i in (1, 4):
                 arming.request(i)
-            model(torch.randn(2, 4)).sum().backward()  # type: ignore[no-untyped-call]
+            model(torch.randn(2, 4)).sum().backward()
             armed.append(arming.locator.is_armed)
         arming.close()
         # armed at the forward of 2 and 3 (request at 1), judged twice, cool-down 3 passes

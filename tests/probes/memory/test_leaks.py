@@ -1,4 +1,4 @@
-"""Memory probes: snapshots, before/after tracking, the memory profile and leak detection."""
+"""Leak detection: graph-retaining losses, clean loops, samples and incidents."""
 
 from __future__ import annotations
 
@@ -12,18 +12,10 @@ from torch import nn
 from eventbus_debug import EventBus, read_events
 from eventbus_debug.demo import DemoFaults, run_demo
 from eventbus_debug.events import MemoryLeakSuspected, MemorySampled
-from eventbus_debug.probes import (
-    LeakDetector,
-    LeakThresholds,
-    cuda_memory_history,
-    memory_snapshot,
-    memory_tracking,
-    profile_memory,
-    tensor_census,
-)
+from eventbus_debug.probes import LeakDetector, LeakThresholds
 from eventbus_debug.testing import RecordingSink
 
-from .conftest import batch, make_mlp
+from ..conftest import batch, make_mlp
 
 
 def _train(steps: int, *, leak: bool, detector: LeakDetector) -> list[MemoryLeakSuspected]:
@@ -42,65 +34,6 @@ def _train(steps: int, *, leak: bool, detector: LeakDetector) -> list[MemoryLeak
         fired.extend(detector.observe(step))
     kept.clear()
     return fired
-
-
-def test_snapshot_reads_rss_and_counts_tensors() -> None:
-    """RSS is positive; counting finds at least the tensor we hold; no CUDA here means None."""
-    keep = torch.ones(3, requires_grad=True) * 2
-    snap = memory_snapshot(count_tensors=True)
-    assert snap.rss_bytes > 0
-    assert snap.live_tensors is not None and snap.live_tensors >= 1
-    assert snap.graph_tensors is not None and snap.graph_tensors >= 1
-    if not torch.cuda.is_available():
-        assert snap.cuda_allocated is None and snap.cuda_ooms is None
-    del keep
-
-
-def test_census_groups_graph_tensors_by_grad_fn_and_shape() -> None:
-    """Tensors holding a graph are grouped by grad_fn name and shape."""
-    w = torch.ones(2, 3, requires_grad=True)
-    held = [(w * i).sum() for i in range(5)]
-    census = tensor_census()
-    assert (("SumBackward0", ()), 5) in census.graph_groups or any(
-        name == "SumBackward0" and n >= 5 for (name, _), n in census.graph_groups
-    )
-    del held
-
-
-async def test_memory_tracking_reports_the_delta_of_an_allocating_block(
-    bus: EventBus, recorder: RecordingSink
-) -> None:
-    """A block that allocates 64 MiB and 10 tensors shows them in the delta and the events."""
-    sub = bus.subscribe(recorder, MemorySampled)
-    async with memory_tracking("alloc", bus, step=3, count_tensors=True) as tracked:
-        big = torch.ones(16 << 20)  # 64 MiB, touched
-        small = [torch.zeros(1) for _ in range(10)]
-    assert tracked.delta.rss_bytes >= 32 << 20
-    assert tracked.delta.live_tensors is not None and tracked.delta.live_tensors >= 11
-    await bus.drain(sub)
-    labels = [e.label for e in recorder.of_type(MemorySampled)]
-    assert labels == ["alloc:before", "alloc:after"]
-    assert all(e.step == 3 for e in recorder.of_type(MemorySampled))
-    del big, small
-
-
-def test_memory_tracking_sync_and_delta_before_exit() -> None:
-    """The sync form works; asking for the delta inside the block is a clear error."""
-    with memory_tracking("block") as tracked:
-        with pytest.raises(RuntimeError, match="once the block exited"):
-            _ = tracked.delta
-    assert tracked.delta.name == "block" and tracked.delta.duration_s >= 0
-
-
-def test_profile_memory_reports_initial_forward_final() -> None:
-    """The profile holds the three snapshots, the peak and the output shapes."""
-    model = make_mlp()
-    profile = profile_memory(model, torch.randn(4, 8))
-    assert profile.output_shapes == ((4, 1),)
-    assert profile.peak_rss_bytes >= max(profile.initial.rss_bytes, profile.final.rss_bytes)
-    assert all(p.grad is None for p in model.parameters())
-    with pytest.raises(TypeError, match=r"torch\.nn\.Module"):
-        profile_memory("model", torch.randn(1))  # type: ignore[arg-type]
 
 
 def test_a_graph_retaining_leak_is_detected_with_what_it_retains() -> None:
@@ -146,16 +79,6 @@ async def test_detector_publishes_samples_and_incidents(
     assert any(e.resource == "graph" for e in recorder.of_type(MemoryLeakSuspected))
 
 
-def test_cuda_memory_history_is_a_no_op_without_cuda(tmp_path: Path) -> None:
-    """Without CUDA nothing is recorded; max_entries must be bounded."""
-    with pytest.raises(ValueError, match="max_entries"):
-        with cuda_memory_history(str(tmp_path / "s.pickle"), max_entries=0):
-            pass
-    if not torch.cuda.is_available():
-        with cuda_memory_history(str(tmp_path / "s.pickle")) as recording:
-            assert recording is False
-
-
 async def test_demo_leak_becomes_an_incident(tmp_path: Path) -> None:
     """The demo's leaking list of losses is reported as a MemoryLeakSuspected (graph)."""
     faults = DemoFaults(
@@ -189,19 +112,3 @@ def test_sync_session_runs_the_leak_detector(tmp_path: Path) -> None:
     assert any(e.resource == "graph" for e in leaks)
     assert Session(model, mode="memory_profiling").leak_detector is not None
     assert Session(model).leak_detector is None
-
-
-def test_profile_memory_peak_sees_a_transient_allocation() -> None:
-    """A forward that allocates and frees 128 MiB inside shows it in the peak, not after."""
-
-    class Transient(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            scratch = torch.ones(32 << 20)  # 128 MiB, touched, freed before returning
-            total = scratch.sum()
-            for _ in range(10):  # keep it alive long enough for the 1 ms poller
-                total = total + scratch.sum()
-            del scratch
-            return x * (total > 0)
-
-    profile = profile_memory(Transient(), torch.ones(2))
-    assert profile.peak_rss_bytes - profile.initial.rss_bytes >= 64 << 20

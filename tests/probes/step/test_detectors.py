@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from eventbus_debug.probes.detectors import ExplosionDetector, LossSpikeDetector, SpikeRule
 from eventbus_debug.probes.levels import Thresholds
+from eventbus_debug.probes.step._detectors import ExplosionDetector, LossSpikeDetector, SpikeRule
 
 
 def spikes() -> LossSpikeDetector:

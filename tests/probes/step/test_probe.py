@@ -18,7 +18,7 @@ from eventbus_debug.events import (
 )
 from eventbus_debug.testing import capture_events
 
-from .conftest import batch, grad_of, grads_of, linear_at, make_mlp
+from ..conftest import batch, grad_of, grads_of, linear_at, make_mlp
 
 
 def mse_step(model: nn.Module, seed: int) -> torch.Tensor:
@@ -248,7 +248,7 @@ class TestModes:
         assert (
             set(checked[2].dead_fractions) == {"1"} and 0.0 <= checked[2].dead_fractions["1"] <= 1.0
         )
-        assert not probe._act_handles  # BASIC removed the EXTREME hooks
+        assert not probe.activation_hooks_armed  # BASIC removed the EXTREME hooks
 
 
 class TestModelShapes:

@@ -1,0 +1,478 @@
+"""The host side of a step check: one step's numbers -> a :class:`StepVerdict` and its events.
+
+:class:`Judge` reads the values :class:`~._launch.Launcher` put in the step's vector and
+decides: non-finite values, gradient explosion, vanishing gradients and dead layers, loss
+spikes, weight-update ratios and activation statistics. It publishes nothing itself: it returns
+the incidents and the step's :class:`~eventbus_debug.events.StepChecked` telemetry for the
+probe to publish. The only device work it may ask for runs on a fire (NaN/Inf counts, the
+parameters' norms when they were not due).
+
+Everything per step is C-level iteration over Python floats (``math.fsum``, ``map``,
+``itertools.compress``); per-parameter Python work happens only for parameters whose state
+changes (a layer going quiet, or coming back).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import compress, repeat
+from typing import Final
+
+import torch
+
+from eventbus_debug.diagnostics import get_logger
+
+from ...events import (
+    Event,
+    GradientExploded,
+    GradientVanished,
+    LossSpiked,
+    NonFiniteDetected,
+    StepChecked,
+    TensorRole,
+)
+from ..levels import Thresholds
+from ._detectors import ExplosionDetector, LossSpikeDetector
+from ._launch import Layout, Pending
+from .verdict import StepVerdict
+
+__all__ = ("Judge", "Judgement")
+
+_log = get_logger(__name__)
+
+_CONVERGED: Final = 1e-6
+"""A loss within this fraction of the largest loss the run had has converged: gradients near
+zero are then the optimum, not a vanishing problem."""
+
+RecheckState = Callable[[], tuple[list[float], tuple[int, ...]]]
+"""Reads every parameter's and buffer's norm now (one transfer); only called on a fire."""
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """What the judge decided for one step: the verdict and the events to publish, in order."""
+
+    verdict: StepVerdict
+    events: tuple[Event, ...]
+
+
+class _Slots:
+    """Per-layout constants of the dead-layer check, built once per gradient plan."""
+
+    __slots__ = ("inv_sqrt", "present", "slots")
+
+    def __init__(self, slots: tuple[int, ...], numels: tuple[int, ...]) -> None:
+        self.slots = slots
+        # 1/sqrt(n); nan for empty tensors, which are then never "low" (and skipped below)
+        self.inv_sqrt = [1.0 / math.sqrt(n) if n else math.nan for n in numels]
+        self.present = frozenset(s for s, n in zip(slots, numels, strict=True) if n)
+
+
+class Judge:
+    """Judges the steps of one model's probe, keeping the state the detectors need.
+
+    Args:
+        names: the checked parameters' names, by slot.
+        state_names: the parameters' then the floating buffers' names, by slot.
+        thresholds: when the checks fire.
+        scaler: the AMP ``GradScaler`` (its overflow steps are not incidents).
+        source: the ``source`` stamped on events.
+        global_spikes: loss spikes are judged only in :meth:`spike`, on the ranks' mean loss.
+    """
+
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        state_names: tuple[str, ...],
+        thresholds: Thresholds,
+        *,
+        scaler: torch.amp.GradScaler | None,
+        source: str,
+        global_spikes: bool,
+    ) -> None:
+        self._names = names
+        self._state_names = state_names
+        self._n_params = len(names)
+        self._scaler = scaler
+        self.source = source
+        self.global_spikes = global_spikes
+        """Loss spikes are judged only in :meth:`spike`, on the ranks' mean loss."""
+        self._loss_scale = 0.0
+        self._converged = False
+        self.l1_wanted = True
+        """Whether the next vanishing-due step needs the mean ``|grad|`` pass: decided from the
+        last judged gradients (``mean|g| >= Σ‖g‖₂ / n``, so while that bound clears the
+        threshold no gradient can have vanished) and never while the loss has converged."""
+        n = len(names)
+        self._alive = [False] * n  # the parameter once had a gradient worth the name
+        self._dead_streak = [0] * n
+        self._dead_reported: set[int] = set()
+        self._unsettled: set[int] = set(range(n))  # not (alive, streak 0, unreported)
+        self._slots: _Slots | None = None
+        self._vanish_streak = 0
+        self._vanish_reported = False
+        self._param_base: tuple[int, tuple[int, ...], Sequence[float]] = (-1, (), ())
+        self._spikes: LossSpikeDetector
+        self._explosions: ExplosionDetector
+        self.thresholds = thresholds
+
+    @property
+    def thresholds(self) -> Thresholds:
+        """The thresholds; assigning new ones restarts the detectors."""
+        return self._thresholds
+
+    @thresholds.setter
+    def thresholds(self, th: Thresholds) -> None:
+        self._thresholds = th
+        self._spikes = LossSpikeDetector(
+            window=th.spike_window,
+            warmup=th.spike_warmup,
+            rtol=th.spike_rtol,
+            atol=th.spike_atol,
+            mad_factor=th.spike_mad,
+            scale_tol=th.spike_scale_tol,
+            patience=th.spike_patience,
+        )
+        self._explosions = ExplosionDetector(
+            window=th.explosion_window, factor=th.explosion_factor, cap=th.explosion
+        )
+
+    def rebaseline(self) -> None:
+        """Restart the loss-spike and explosion windows (after a restore)."""
+        self._spikes.reset()
+        self._explosions.reset()
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def judge(
+        self, pending: Pending, values: list[float], *, deferred: bool, recheck: RecheckState
+    ) -> Judgement:
+        """Decide *pending*'s step from its *values*; *recheck* reads the state norms on a fire."""
+        lay = pending.layout
+        step = lay.step
+        incidents: list[Event] = []
+        pos = 0
+        loss_value: float | None = lay.host_loss
+        if lay.has_loss:
+            loss_value = values[0]
+            pos = 1
+        loss_finite = loss_value is None or math.isfinite(loss_value)
+        finite = loss_finite
+        if loss_value is not None:
+            if loss_finite:
+                self._loss_scale = max(self._loss_scale, abs(loss_value))
+                self._converged = abs(loss_value) <= _CONVERGED * self._loss_scale
+            else:
+                incidents.append(
+                    NonFiniteDetected(
+                        step=step,
+                        source=self.source,
+                        role=TensorRole.LOSS,
+                        names=("loss",),
+                        nan_count=int(math.isnan(loss_value)),
+                        inf_count=int(math.isinf(loss_value)),
+                    )
+                )
+        grad_norm: float | None = None
+        overflow = False
+        layer_norms: dict[str, float] = {}
+        k = len(lay.grad_slots)
+        if k:
+            l2 = values[pos : pos + k]
+            pos += k
+            l1: list[float] = []
+            if lay.with_l1:
+                l1 = values[pos : pos + k]
+                pos += k
+            grad_norm, grad_finite, found = self._judge_grads(
+                pending, l2, l1, step, loss_finite=loss_finite
+            )
+            overflow = not grad_finite and not found and loss_finite
+            finite = finite and grad_finite
+            incidents += found
+            if lay.checks.layers:
+                layer_norms = dict(
+                    zip(map(self._names.__getitem__, lay.grad_slots), l2, strict=True)
+                )
+        if loss_value is not None and loss_finite and not overflow and not self.global_spikes:
+            spike = self.spike(step, loss_value)
+            if spike is not None:
+                incidents.append(spike)
+        param_norm: float | None = None
+        m = len(lay.param_slots)
+        if m:
+            p2 = values[pos : pos + m]
+            pos += m
+            param_norm, bad = self._param_norm(lay.param_slots, p2)
+            self._param_base = (step, lay.param_slots, p2)
+        elif not finite and not overflow and len(self._state_names):
+            # The loss or the gradients are not finite and the parameters were not due: look
+            # at them now (one more transfer, only on a fire) so that a NaN parameter or
+            # buffer is restored at this step, not up to param_every steps later.
+            norms, slots = recheck()
+            bad = [s for s, v in zip(slots, norms, strict=True) if not math.isfinite(v)]
+        else:
+            bad = []
+        if bad:
+            finite = False
+            n_params = self._n_params
+            params = [s for s in bad if s < n_params]
+            buffers = [s for s in bad if s >= n_params]
+            if params:
+                incidents.append(self._non_finite(TensorRole.PARAMETER, params, None, step))
+            if buffers:
+                incidents.append(self._non_finite(TensorRole.BUFFER, buffers, None, step))
+        ratios: dict[str, float] = {}
+        u = len(lay.update_slots)
+        if u:
+            ratios = self._ratios(lay, values[pos : pos + u])
+            pos += u
+        dead: dict[str, float] = {}
+        saturated: dict[str, float] = {}
+        for slot, v in zip(lay.activations, values[pos:], strict=False):
+            (dead if slot.kind == "dead" else saturated)[slot.name] = slot.fraction(v)
+        fired = tuple(e.kind for e in incidents)
+        incidents.append(
+            StepChecked(
+                step=step,
+                source=self.source,
+                loss=loss_value,
+                grad_norm=grad_norm,
+                param_norm=param_norm,
+                finite=finite,
+                fired=fired,
+                layer_grad_norms=layer_norms,
+                update_ratios=ratios,
+                dead_fractions=dead,
+                saturated_fractions=saturated,
+                deferred=deferred,
+            )
+        )
+        verdict = StepVerdict(
+            step=step,
+            finite=finite,
+            loss=loss_value,
+            grad_norm=grad_norm,
+            param_norm=param_norm,
+            fired=fired,
+            deferred=deferred,
+            overflow=overflow,
+        )
+        return Judgement(verdict, tuple(incidents))
+
+    def spike(self, step: int, loss: float) -> LossSpiked | None:
+        """Judge one finite loss for spikes; the incident, or ``None``."""
+        verdict = self._spikes.observe(loss)
+        if verdict is None:
+            return None
+        base = verdict.baseline
+        return LossSpiked(
+            step=step,
+            source=self.source,
+            loss=loss,
+            running_mean=base,
+            ratio=loss / base if base else math.inf,
+            rule=verdict.rule.value,
+            tolerance=verdict.tolerance,
+            streak=verdict.streak,
+        )
+
+    # -- parts ----------------------------------------------------------------------------------
+
+    def _param_norm(self, slots: tuple[int, ...], p2: list[float]) -> tuple[float, list[int]]:
+        """The parameters' total norm (buffers left out) and the non-finite slots."""
+        n_params = self._n_params
+        everything = math.fsum(map(operator.mul, p2, p2))
+        if len(self._state_names) == n_params:
+            squares = everything
+        else:
+            squares = math.fsum(v * v for s, v in zip(slots, p2, strict=True) if s < n_params)
+        if math.isfinite(everything):  # then no value is NaN or Inf
+            return math.sqrt(squares), []
+        return math.sqrt(squares), [
+            s for s, v in zip(slots, p2, strict=True) if not math.isfinite(v)
+        ]
+
+    def _ratios(self, lay: Layout, d2: list[float]) -> dict[str, float]:
+        """‖Δw‖/‖w‖ per parameter, ‖w‖ being the norms judged at the snapshot step."""
+        base_step, base_slots, base_values = self._param_base
+        if base_step != lay.update_base:
+            return {}  # the snapshot step's norms were not judged (restarted in between)
+        w = dict(zip(base_slots, base_values, strict=True))
+        names = self._names
+        ratios: dict[str, float] = {}
+        for s, d in zip(lay.update_slots, d2, strict=True):
+            norm = w.get(s, math.nan)
+            ratios[names[s]] = d / norm if norm > 0 else (0.0 if d == 0 else math.inf)
+        th = self._thresholds
+        low = [n for n, r in ratios.items() if r < th.update_ratio_low]
+        high = [n for n, r in ratios.items() if r > th.update_ratio_high]
+        if low or high:
+            _log.warning(
+                "weight_update_ratio_out_of_bounds",
+                step=lay.step,
+                stalled=low[:10],
+                too_large=high[:10],
+            )
+        return ratios
+
+    def _judge_grads(
+        self,
+        pending: Pending,
+        l2: list[float],
+        l1: list[float],
+        step: int,
+        *,
+        loss_finite: bool,
+    ) -> tuple[float, bool, list[Event]]:
+        lay = pending.layout
+        th = self._thresholds
+        incidents: list[Event] = []
+        total = math.sqrt(math.fsum(map(operator.mul, l2, l2)))
+        if not math.isfinite(total):
+            bad = [j for j, v in enumerate(l2) if not math.isfinite(v)]
+            counts = pending.count_non_finite(bad)
+            really_bad = [j for j, (n, i) in zip(bad, counts, strict=True) if n or i or n is None]
+            if really_bad:
+                if self._scaler is not None and self._scaler.is_enabled() and loss_finite:
+                    # A GradScaler overflow: scaler.step() skips the update and halves the
+                    # scale. Routine in fp16 training, not an incident (the session reports
+                    # a StepSkipped with the scales once scaler.update() ran).
+                    return total, False, []
+                known = [c for c in counts if c[0] is not None]
+                nan = sum(c[0] or 0 for c in known) if known else None
+                inf = sum(c[1] or 0 for c in known) if known else None
+                slots = [lay.grad_slots[j] for j in really_bad]
+                incidents.append(self._non_finite(TensorRole.GRADIENT, slots, (nan, inf), step))
+                return total, False, incidents
+            # finite values whose fp32 sum of squares overflowed: judge the float64 norm
+            total = math.sqrt(math.fsum(float(v) ** 2 for v in l2 if math.isfinite(v)))
+            if not math.isfinite(total):
+                total = math.inf
+        exploded = self._explosions.observe(total) if math.isfinite(total) else None
+        if exploded is not None or total == math.inf:
+            top = sorted(
+                zip((self._names[s] for s in lay.grad_slots), l2, strict=True),
+                key=lambda kv: -kv[1] if not math.isnan(kv[1]) else 0.0,
+            )[: th.top_k]
+            incidents.append(
+                GradientExploded(
+                    step=step,
+                    source=self.source,
+                    total_norm=total,
+                    threshold=exploded.threshold if exploded else math.inf,
+                    top=tuple(top),
+                    baseline=exploded.baseline if exploded else math.nan,
+                    largest=exploded.largest if exploded else self._explosions.largest,
+                    rule=exploded.rule if exploded else "cap",
+                )
+            )
+        incidents += self._vanishing(lay, l2, l1, total, step)
+        return total, True, incidents
+
+    def _vanishing(
+        self, lay: Layout, l2: list[float], l1: list[float], total: float, step: int
+    ) -> list[Event]:
+        """Dead layers and vanishing gradients: persistent, relative, never on a converged run.
+
+        A parameter is a dead layer when its gradient RMS falls below ``vanishing_relative``
+        times the model's for ``vanishing_patience`` checks in a row, having once been above
+        it: gradients that are zero by construction never were. Each is reported once, when it
+        dies. The whole model vanished when its mean ``|grad|`` stays below ``vanishing`` (or
+        every gradient is exactly zero) while the loss has not converged.
+        """
+        th = self._thresholds
+        total_numel = sum(lay.grad_numels)
+        if self._converged:
+            self._vanish_streak = 0
+            for slot in self._dead_streak_slots():
+                self._dead_streak[slot] = 0
+                self._settle_if_quiet(slot)
+            self.l1_wanted = False
+            return []
+        self.l1_wanted = bool(total_numel) and math.fsum(l2) / total_numel < th.vanishing
+        all_zero = bool(l2) and not any(l2)
+        dead: list[int] = []
+        if th.vanishing_per_layer and total_numel and not all_zero:
+            floor = th.vanishing_relative * total / math.sqrt(total_numel)
+            dead = self._dead_layers(lay, l2, floor)
+        mean_abs = math.fsum(l1) / total_numel if l1 and total_numel else math.nan
+        vanished = all_zero or (bool(l1) and mean_abs < th.vanishing)
+        if l1 or all_zero:
+            self._vanish_streak = self._vanish_streak + 1 if vanished else 0
+            if not vanished:
+                self._vanish_reported = False
+        model_fired = (
+            vanished
+            and (all_zero or self._vanish_streak >= th.vanishing_patience)
+            and not self._vanish_reported
+        )
+        if model_fired:
+            self._vanish_reported = True
+        if not (model_fired or dead):
+            return []
+        layers = tuple(self._names[s] for s in (lay.grad_slots if all_zero else dead))
+        return [
+            GradientVanished(
+                step=step,
+                source=self.source,
+                mean_abs=0.0 if all_zero else mean_abs,
+                threshold=th.vanishing if model_fired else th.vanishing_relative,
+                layers=layers,
+                all_zero=all_zero,
+            )
+        ]
+
+    def _dead_layers(self, lay: Layout, l2: list[float], floor: float) -> list[int]:
+        """The slots that just died; per-slot work only for slots whose state changes."""
+        info = self._slots
+        if info is None or info.slots is not lay.grad_slots:
+            info = self._slots = _Slots(lay.grad_slots, lay.grad_numels)
+        rms = map(operator.mul, l2, info.inv_sqrt)
+        low_slots = list(compress(lay.grad_slots, map(operator.lt, rms, repeat(floor))))
+        patience = self._thresholds.vanishing_patience
+        alive, streak, reported = self._alive, self._dead_streak, self._dead_reported
+        dead: list[int] = []
+        low = set(low_slots)
+        for slot in list(self._unsettled):
+            if slot in info.present and slot not in low:
+                alive[slot] = True
+                streak[slot] = 0
+                reported.discard(slot)
+                self._unsettled.discard(slot)
+        for slot in low_slots:
+            if not alive[slot]:
+                continue
+            self._unsettled.add(slot)
+            streak[slot] += 1
+            if streak[slot] >= patience and slot not in reported:
+                reported.add(slot)
+                dead.append(slot)
+        return dead
+
+    def _dead_streak_slots(self) -> list[int]:
+        return [s for s in self._unsettled if self._dead_streak[s]]
+
+    def _settle_if_quiet(self, slot: int) -> None:
+        if self._alive[slot] and slot not in self._dead_reported:
+            self._unsettled.discard(slot)
+
+    def _non_finite(
+        self,
+        role: TensorRole,
+        slots: Sequence[int],
+        counts: tuple[int | None, int | None] | None,
+        step: int,
+    ) -> NonFiniteDetected:
+        nan, inf = counts if counts is not None else (None, None)
+        return NonFiniteDetected(
+            step=step,
+            source=self.source,
+            role=role,
+            names=tuple(self._state_names[s] for s in slots),
+            nan_count=nan,
+            inf_count=inf,
+        )

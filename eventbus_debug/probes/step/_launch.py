@@ -1,0 +1,381 @@
+"""The device side of a step check: every number of the step in one result vector, one transfer.
+
+:class:`Launcher` runs the reductions a step's checks need (gradient 2-norms, the mean
+``|grad|`` pass, parameter and buffer norms, the weight-update norms, the activation counts) as
+fused calls, stacks their results with the loss into one vector and starts its copy to the
+host. Nothing here synchronizes: :class:`Pending` is read later, on the host, by the judge.
+
+At the every-step cadence without an AMP scaler, a CUDA step costs one ``_foreach_norm`` per
+(device, dtype) group, one ``stack`` and one copy into a reused pinned buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+from torch import nn
+
+from .._reduce import NormPlan, assemble, sharded
+from ..levels import Checks
+from .activations import ActivationHooks, ActivationSlot
+
+__all__ = ("Launcher", "Layout", "Pending", "global_norms")
+
+_MAX_PLANS: Final = 8
+_PINNED_PER_SIZE: Final = 8
+"""Pinned host buffers kept per vector size (deferred mode holds a few steps in flight)."""
+
+
+class _GradPlan:
+    """The reductions of one pattern of present gradients (and, fused, of the state too)."""
+
+    __slots__ = ("_fused", "ordered", "plan", "present", "sharded")
+
+    def __init__(self, plan: NormPlan, present: tuple[int, ...], sharded: bool) -> None:
+        self.plan = plan
+        self.present = present  # parameter indices that have a gradient, ascending
+        self.ordered = tuple(present[j] for j in plan.order)  # parameter index per position
+        self.sharded = sharded  # DTensor gradients: their norms need a collective
+        self._fused: tuple[NormPlan, tuple[int, ...]] | bool | None = False
+
+    def fused(
+        self, grads: Sequence[torch.Tensor], state: Sequence[torch.Tensor]
+    ) -> tuple[NormPlan, tuple[int, ...]] | None:
+        """One plan over the gradients then the state, when it keeps the gradients first.
+
+        Then one ``_foreach_norm`` serves both on a parameter-check step. Not for sharded or
+        stacked tensors (their positions would interleave): ``None``, and two calls are made.
+        """
+        if self._fused is False:
+            self._fused = None
+            if not self.sharded and not any(map(sharded, state)):
+                plan = NormPlan([*grads, *state])
+                k = len(grads)
+                order = plan.order
+                if plan.flat and tuple(order[:k]) == self.plan.order:
+                    self._fused = (plan, tuple(i - k for i in order[k:]))
+        return self._fused  # type: ignore[return-value]
+
+
+@dataclass(slots=True)
+class Layout:
+    """Where each result sits in a step's vector; host-side bookkeeping only."""
+
+    step: int
+    checks: Checks
+    has_loss: bool
+    host_loss: float | None  # a Python number: judged on the host, in float64
+    grad_slots: tuple[int, ...]  # parameter index per gradient position
+    grad_numels: tuple[int, ...]
+    with_l1: bool
+    param_slots: tuple[int, ...]  # slots >= number of parameters are buffers
+    update_slots: tuple[int, ...]  # ‖Δw‖ per parameter since the snapshot step
+    update_base: int  # the step whose parameter norms are the ‖w‖ of the update ratios
+    activations: tuple[ActivationSlot, ...]
+
+
+def global_norms(norms: torch.Tensor) -> torch.Tensor:
+    """The global values of norms computed over sharded tensors (FSDP2 / DTensor gradients).
+
+    A vector of per-shard reductions is a DTensor with a partial placement; ``full_tensor()``
+    reduces it over the mesh (one collective for the whole vector), so the norms are the ones
+    ``clip_grad_norm_`` computes, not a rank's shard. Plain tensors pass through.
+    """
+    full = getattr(norms, "full_tensor", None)
+    if callable(full):
+        reduced: torch.Tensor = full()
+        return reduced
+    return norms
+
+
+class _PinnedPool:
+    """Pinned host buffers and CUDA events, reused across steps (no allocation per step)."""
+
+    __slots__ = ("_free",)
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+
+    def acquire(
+        self, size: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.cuda.Event]:  # pragma: no cover - GPU
+        free = self._free.get((size, dtype))
+        if free:
+            return free.pop()
+        return (
+            torch.empty(size, dtype=dtype, pin_memory=True),
+            torch.cuda.Event(),  # type: ignore[no-untyped-call]
+        )
+
+    def release(
+        self, buffer: torch.Tensor, event: torch.cuda.Event
+    ) -> None:  # pragma: no cover - GPU
+        free = self._free.setdefault((buffer.numel(), buffer.dtype), [])
+        if len(free) < _PINNED_PER_SIZE:
+            free.append((buffer, event))
+
+
+class Pending:
+    """One step's results on their way to the host.
+
+    On CUDA the vector is copied into a pinned buffer behind a recorded event: :meth:`ready`
+    asks the event without waiting, :meth:`read` waits only if it is not done yet.
+    """
+
+    __slots__ = ("_buffer", "_event", "_pool", "device", "grads", "layout")
+
+    def __init__(
+        self,
+        layout: Layout,
+        vector: torch.Tensor,
+        grads: list[torch.Tensor | None],
+        pool: _PinnedPool,
+    ) -> None:
+        self.layout = layout
+        self.grads = grads
+        self.device = vector.device
+        self._pool = pool
+        self._event: torch.cuda.Event | None = None
+        if vector.device.type == "cuda":  # pragma: no cover - GPU
+            self._buffer, self._event = pool.acquire(vector.numel(), vector.dtype)
+            self._buffer.copy_(vector, non_blocking=True)
+            self._event.record()
+        else:
+            self._buffer = vector
+
+    def ready(self) -> bool:
+        """True when :meth:`read` will not wait for the device."""
+        return self._event is None or bool(self._event.query())  # type: ignore[no-untyped-call]
+
+    def read(self) -> list[float]:
+        """The step's numbers (waits for the copy only if it is not done yet)."""
+        event = self._event
+        if event is not None:  # pragma: no cover - GPU
+            event.synchronize()  # a deferred read asks ready() first and never gets here early
+            values: list[float] = self._buffer.tolist()
+            self._pool.release(self._buffer, event)
+            self._event = None
+            return values
+        out: list[float] = self._buffer.tolist()
+        return out
+
+    def count_non_finite(self, positions: Sequence[int]) -> list[tuple[int | None, int | None]]:
+        """NaN and Inf counts of the gradients at *positions* (second transfer, only on a fire)."""
+        grads = self.grads
+        slots = self.layout.grad_slots
+        if not grads:  # deferred: the gradients of that step are gone
+            return [(None, None)] * len(positions)
+        pairs = []
+        for j in positions:
+            g = grads[slots[j]]
+            assert g is not None
+            t = g.coalesce().values() if g.is_sparse else g
+            stats = global_norms(torch.stack([t.isnan().sum(), t.isinf().sum()]))
+            pairs.append(stats.to(self.device))
+        counts = torch.stack(pairs).tolist()
+        return [(int(n), int(i)) for n, i in counts]
+
+
+class Launcher:
+    """Plans and launches the device work of each step for one model's parameters and buffers.
+
+    Args:
+        params: the checked parameters (tied weights once).
+        state: the parameters followed by the floating buffers (checked with the parameters).
+        activations: the EXTREME hooks whose counts join the vector when due.
+    """
+
+    __slots__ = (
+        "_activations",
+        "_grad_plans",
+        "_params",
+        "_pool",
+        "_snapshot",
+        "_snapshot_step",
+        "_state",
+        "_state_plan",
+        "_update_idx",
+        "_update_plan",
+    )
+
+    def __init__(
+        self,
+        params: tuple[nn.Parameter, ...],
+        state: tuple[torch.Tensor, ...],
+        activations: ActivationHooks,
+    ) -> None:
+        self._params = params
+        self._state = state
+        self._activations = activations
+        self._grad_plans: dict[tuple[object, ...], _GradPlan] = {}
+        self._state_plan: NormPlan | None = None
+        self._snapshot: list[torch.Tensor] | None = None
+        self._snapshot_step = -1
+        self._update_idx: tuple[int, ...] = ()
+        self._update_plan: NormPlan | None = None
+        self._pool = _PinnedPool()
+
+    @property
+    def measuring_updates(self) -> bool:
+        """True while a snapshot waits for the next step to measure the weight updates."""
+        return self._snapshot_step >= 0
+
+    def forget_updates(self) -> None:
+        """Drop the pending update measurement (after a restore or a level change)."""
+        self._snapshot_step = -1
+
+    def release(self) -> None:
+        """Free the snapshot buffer and the pinned buffers."""
+        self._snapshot = None
+        self._snapshot_step = -1
+        self._pool = _PinnedPool()
+
+    def _grad_plan(self, grads: list[torch.Tensor | None]) -> _GradPlan | None:
+        key = tuple(None if g is None else g.layout for g in grads)
+        cached = self._grad_plans.get(key)
+        if cached is None:
+            present = tuple(i for i, g in enumerate(grads) if g is not None)
+            if not present:
+                return None
+            tensors = [g for g in grads if g is not None]
+            cached = _GradPlan(NormPlan(tensors), present, any(map(sharded, tensors)))
+            if len(self._grad_plans) > _MAX_PLANS:
+                self._grad_plans.clear()  # patterns rarely change; keep the cache bounded
+            self._grad_plans[key] = cached
+        return cached
+
+    def state_norms(self) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """2-norms of every parameter and floating buffer (fused, as a vector), with their slots."""
+        if self._state_plan is None:
+            self._state_plan = NormPlan(self._state)
+        plan = self._state_plan
+        return global_norms(assemble(plan.reduce(self._state))), plan.order
+
+    def launch(
+        self,
+        step: int,
+        loss: torch.Tensor | float | None,
+        checks: Checks,
+        *,
+        l1: bool,
+        inverse_scale: torch.Tensor | None,
+    ) -> Pending:
+        """Start the device work of *step*'s *checks*; *l1*: run the mean ``|grad|`` pass."""
+        pieces: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        grad_slots: tuple[int, ...] = ()
+        grad_numels: tuple[int, ...] = ()
+        param_slots: tuple[int, ...] = ()
+        home: torch.device | None = None
+        with_l1 = False
+        # The update ratios divide by the parameter norms of the snapshot step: measure them then.
+        with_state = (checks.params or checks.updates) and bool(self._state)
+        host_loss: float | None = None
+        lt: torch.Tensor | None = None
+        if checks.loss and loss is not None:
+            if isinstance(loss, torch.Tensor):
+                # Checked in its own precision (a finite float64 loss of 1e39 is finite); the
+                # vector takes the widest dtype of its pieces.
+                lt = loss.detach().reshape(())
+                if lt.is_complex():
+                    lt = lt.abs()
+                pieces.append(lt)
+            else:
+                host_loss = float(loss)
+        if checks.grads:
+            grads = [p.grad for p in self._params]
+            planned = self._grad_plan(grads)
+            if planned is not None:
+                plan = planned.plan
+                grad_slots = planned.ordered
+                grad_numels = plan.numels
+                home = plan.home
+                present: list[torch.Tensor] = [grads[i] for i in planned.present]  # type: ignore[misc]
+                fused = planned.fused(present, self._state) if with_state else None
+                state_norms: list[torch.Tensor] = []
+                if fused is not None:
+                    both, param_slots = fused
+                    norms = both.reduce([*present, *self._state])
+                    k = len(present)
+                    pieces += self._scaled(norms[:k], False, inverse_scale)
+                    state_norms = norms[k:]
+                    with_state = False
+                else:
+                    norms = plan.reduce(present)
+                    pieces += self._scaled(norms, planned.sharded, inverse_scale)
+                if l1:
+                    norms = plan.reduce(present, ord=1.0)
+                    pieces += self._scaled(norms, planned.sharded, inverse_scale)
+                    with_l1 = True
+                pieces += state_norms  # the vector's order: loss, l2, l1, state, updates, acts
+        if with_state:
+            norms_vector, param_slots = self.state_norms()
+            home = home or norms_vector.device
+            pieces.append(norms_vector)
+        update_slots, update_base = self._updates(step, checks, pieces)
+        activations: tuple[ActivationSlot, ...] = ()
+        if checks.activations:
+            activations, counts = self._activations.take()
+            if counts:
+                stats = torch.stack(counts)
+                pieces.append(stats if home is None else stats.to(home, non_blocking=True))
+        if lt is not None and home is not None and lt.device != home:
+            pieces[0] = lt.to(home, non_blocking=True)
+        layout = Layout(
+            step=step,
+            checks=checks,
+            has_loss=lt is not None,
+            host_loss=host_loss,
+            grad_slots=grad_slots,
+            grad_numels=grad_numels,
+            with_l1=with_l1,
+            param_slots=param_slots,
+            update_slots=update_slots,
+            update_base=update_base,
+            activations=activations,
+        )
+        return Pending(layout, assemble(pieces), grads, self._pool)
+
+    @staticmethod
+    def _scaled(
+        norms: list[torch.Tensor], shards: bool, inverse_scale: torch.Tensor | None
+    ) -> list[torch.Tensor]:
+        """*norms* as they are, or as one global, unscaled vector (DTensor shards, AMP scale)."""
+        if not shards and inverse_scale is None:
+            return norms
+        vector = global_norms(assemble(norms))
+        if inverse_scale is not None:
+            vector = vector * inverse_scale.to(device=vector.device, dtype=vector.dtype)
+        return [vector]
+
+    def _updates(
+        self, step: int, checks: Checks, pieces: list[torch.Tensor]
+    ) -> tuple[tuple[int, ...], int]:
+        """‖Δw‖ since the snapshot step into *pieces*; a new snapshot when updates are due."""
+        update_slots: tuple[int, ...] = ()
+        base = self._snapshot_step
+        snapshot = self._snapshot
+        plan = self._update_plan
+        if base >= 0 and snapshot is not None and plan is not None:
+            current: list[torch.Tensor] = [self._params[i] for i in self._update_idx]
+            torch._foreach_sub_(snapshot, current)  # in place: the buffer is rewritten below
+            pieces.append(global_norms(assemble(plan.reduce(snapshot))))
+            update_slots = tuple(self._update_idx[j] for j in plan.order)
+        self._snapshot_step = -1
+        if checks.updates and self._params:
+            # Only parameters that train now: frozen and gradient-less ones never "stall".
+            idx = tuple(
+                i for i, p in enumerate(self._params) if p.requires_grad and p.grad is not None
+            )
+            if idx:
+                now: list[torch.Tensor] = [self._params[i] for i in idx]
+                if snapshot is None or idx != self._update_idx:
+                    snapshot = [t.detach().clone() for t in now]
+                    self._update_plan = NormPlan(snapshot)
+                else:
+                    torch._foreach_copy_(snapshot, now)  # the persistent buffer: no allocation
+                self._snapshot, self._update_idx, self._snapshot_step = snapshot, idx, step
+        return update_slots, base
