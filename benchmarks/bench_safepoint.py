@@ -14,16 +14,27 @@ It prints the median ms/step of each, the ratios to ``bare``, and the time spent
 ``before_optimizer_step`` itself (timed around the call, median and mean over all steps, the
 snapshot steps included) as a fraction of the bare step. Target (issue 4): the safe point adds
 <= 1 % to the step.
+
+Two pieces of the safe point are then timed against the code they replaced (issue #13, items 6
+and 7), both written out here as the baseline, alternated in the same run:
+
+- the healthy-step check "is an incident waiting for the engine?": ``engine.caught_up()``
+  against ``has_undispatched(Anomaly)`` + ``subscription.statistics().queued``;
+- a snapshot: ``StateSnapshots.capture`` (preallocated copies, ``_foreach_copy_``) against the
+  walk of ``model.state_dict()`` and ``optimizer.state_dict()`` copying tensor by tensor (both
+  after the same finite check of the parameters).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import anyio
 import torch
@@ -31,7 +42,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eventbus_debug import Event, EventBus, RecoveryEngine, SafePoint, StepProbe
+from eventbus_debug import Anomaly, Event, EventBus, RecoveryEngine, SafePoint, StepProbe
+from eventbus_debug.recovery import StateSnapshots
+from eventbus_debug.recovery.safepoint.snapshot import _all_finite
 
 Step = Callable[[int], Awaitable[None]]
 
@@ -43,6 +56,77 @@ def build() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tenso
     )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, opt, torch.randn(64, 784), torch.randint(0, 10, (64,))
+
+
+def tree_copy(old: Any, new: Any) -> Any:
+    """The snapshot copy before issue #13 (the baseline): walk the state dict, copy per tensor."""
+    if isinstance(new, torch.Tensor):
+        if isinstance(old, torch.Tensor) and old.shape == new.shape and old.dtype == new.dtype:
+            return old.copy_(new.detach())
+        return new.detach().clone()
+    if isinstance(new, Mapping):
+        prev = old if isinstance(old, Mapping) else {}
+        return {k: tree_copy(prev.get(k), v) for k, v in new.items()}
+    if isinstance(new, (list, tuple)):
+        prev_seq = old if isinstance(old, (list, tuple)) and len(old) == len(new) else ()
+        items = [tree_copy(prev_seq[i] if prev_seq else None, v) for i, v in enumerate(new)]
+        return items if isinstance(new, list) else tuple(items)
+    return copy.deepcopy(new)
+
+
+def alternate(a: Callable[[], object], b: Callable[[], object], n: int) -> tuple[float, float]:
+    """Median seconds of *a* and of *b*, called alternately *n* times each (order swapped
+    every round, so neither always runs on the other's cache)."""
+    times: dict[int, list[float]] = {0: [], 1: []}
+    fns = (a, b)
+    for i in range(n):
+        for which in (0, 1) if i % 2 == 0 else (1, 0):
+            t0 = time.perf_counter()
+            fns[which]()
+            times[which].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def pieces(engine: RecoveryEngine, bus: EventBus, n: int) -> None:
+    """Items 6 and 7 of issue #13, each against its baseline (see the module docstring)."""
+    sub = engine.subscription
+
+    def old_check() -> bool:
+        return not bus.has_undispatched(Anomaly) and sub.statistics().queued == 0
+
+    new, old = alternate(engine.caught_up, old_check, n * 20)
+    print(f"  caught-up check: {new * 1e6:.2f} us vs {old * 1e6:.2f} us before ({new / old:.2f}x)")
+    small = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
+    small.append(nn.Linear(256, 10))
+    for label, model in (("W1 MLP", build()[0]), ("MLP 64-256-256-10", small)):
+        capture_vs_walk(label, model, n)
+
+
+def capture_vs_walk(label: str, model: nn.Module, n: int) -> None:
+    """One model trained 3 AdamW steps, its snapshot taken both ways, alternately."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(64, model[0].in_features)  # type: ignore[index]
+    for _ in range(3):
+        model(x).pow(2).mean().backward()
+        opt.step()
+    snaps = StateSnapshots()
+    held: list[Any] = [None, None]
+
+    def old_capture() -> None:
+        assert _all_finite(model)
+        held[0] = tree_copy(held[0], model.state_dict())
+        held[1] = tree_copy(held[1], opt.state_dict())
+
+    def new_capture() -> None:
+        snaps.capture(0, model, opt)
+
+    new_capture()
+    old_capture()
+    new, old = alternate(new_capture, old_capture, n)
+    print(
+        f"  snapshot capture, {label}: {new * 1e6:.0f} us vs {old * 1e6:.0f} us walking the "
+        f"state dicts ({new / old:.2f}x; both with the finite check of the parameters)"
+    )
 
 
 async def main(repeats: int, steps: int) -> None:
@@ -110,6 +194,7 @@ async def main(repeats: int, steps: int) -> None:
                 samples[name].append((time.perf_counter() - t0) / steps * 1e3)
         await bus.drain()
         assert engine.statistics().incidents == 0, "the benchmark run must be healthy"
+        pieces_args = (engine, bus)
 
     ms = {name: statistics.median(v) for name, v in samples.items()}
     base = ms["bare"]
@@ -126,6 +211,7 @@ async def main(repeats: int, steps: int) -> None:
         f"  before_optimizer_step itself: median {med * 1e3:.1f} us ({med / base * 100:.2f} % of "
         f"the bare step), mean {mean * 1e3:.1f} us ({mean / base * 100:.2f} %, snapshots included)"
     )
+    pieces(*pieces_args, n=repeats * 20)
 
 
 if __name__ == "__main__":

@@ -458,10 +458,12 @@ class RecoveryEngine:
         return self._blocking is not None
 
     def caught_up(self) -> bool:
-        """True when no incident waits for the engine, undispatched or queued (no await)."""
-        if self._host.has_undispatched(Anomaly):
-            return False
-        return self.subscription.statistics().queued == 0
+        """True when no incident waits for the engine, queued or undispatched (no await).
+
+        The healthy step's check: the subscription's O(1) pending count first, then the bus's
+        undispatched incidents (no statistics snapshot built per step; issue #13, item 6).
+        """
+        return self.subscription.pending == 0 and not self._host.has_undispatched(Anomaly)
 
     def statistics(self) -> RecoveryStatistics:
         """A snapshot of the engine's counters."""
