@@ -267,7 +267,7 @@ async def run_demo(
         device = _Device(batch_size)
         # The console shows incidents only (each once, one line); progress is the bar's job, and
         # steps, memory and system samples are plotted in the report.
-        console_sink: object = sinks.ConsoleSink(stream) if console else False
+        console_sink: sinks.ConsoleSink | bool = sinks.ConsoleSink(stream) if console else False
         extra_sinks = [_ProgressBar(stream, steps)] if console else []
         first_loss = math.nan
         loss_value = math.nan

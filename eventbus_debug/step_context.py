@@ -52,7 +52,7 @@ def _check(source: object) -> StepSource:
     if not callable(source):
         msg = f"a step source must be a callable returning the current step, got {source!r}"
         raise TypeError(msg)
-    return source  # type: ignore[return-value]
+    return source
 
 
 def bind_step_source(source: StepSource) -> Callable[[], None]:

@@ -2,17 +2,13 @@
 
 Nothing here is re-exported from :mod:`eventbus_debug`: new code uses the library's own API
 (``docs/seed-mapping.md`` maps every seed name to ours). Each name is a thin layer over the
-public API: the one-call checks over :class:`~eventbus_debug.StepProbe`, the error handler
-over :class:`~eventbus_debug.Retrying`, the factories over :class:`~eventbus_debug.Session`.
+public API: the one-call checks (:mod:`.checks`) over :class:`~eventbus_debug.StepProbe`, the
+error handler (:mod:`.recovery`) over :class:`~eventbus_debug.Retrying`, the factories
+(:mod:`.session`) over :class:`~eventbus_debug.Session`.
 """
 
 from __future__ import annotations
 
-from ..session import (
-    create_pytorch_debugger as create_pytorch_debugger,
-    debug_training_session as debug_training_session,
-    debug_training_step as debug_training_step,
-)
 from .checks import (
     GradientReport as GradientReport,
     ParameterStats as ParameterStats,
@@ -28,6 +24,11 @@ from .recovery import (
     DebugDecorator as DebugDecorator,
     ErrorHandler as ErrorHandler,
     HandledError as HandledError,
+)
+from .session import (
+    create_pytorch_debugger as create_pytorch_debugger,
+    debug_training_session as debug_training_session,
+    debug_training_step as debug_training_step,
 )
 
 __all__ = (

@@ -11,7 +11,8 @@ from typing import Any, Final, final
 import torch
 from torch import nn
 
-from ..session import DEFAULT_LOG_DIR, SessionVerdict, SyncSession
+from ..session import SyncSession, Verdict
+from ..session.options import DEFAULT_LOG_DIR
 
 __all__ = (
     "DEFAULT_LOG_DIR",
@@ -89,7 +90,7 @@ class FitViews:
         return self._fit.session
 
     @property
-    def last_verdict(self) -> SessionVerdict | None:
+    def last_verdict(self) -> Verdict | None:
         """The verdict of the last checked step."""
         return self._fit.last_verdict
 
@@ -139,7 +140,7 @@ class FitSession:
         self.optimizer: torch.optim.Optimizer | None = None
         self.steps_checked = 0
         self.steps_skipped = 0
-        self.last_verdict: SessionVerdict | None = None
+        self.last_verdict: Verdict | None = None
 
     @property
     def running(self) -> bool:
@@ -176,7 +177,7 @@ class FitSession:
         self.last_verdict = None
         return session
 
-    def check(self, step: int, loss: torch.Tensor | float | None) -> SessionVerdict:
+    def check(self, step: int, loss: torch.Tensor | float | None) -> Verdict:
         """The safe point: check the gradients (and *loss*) of *step*; enforce a skip.
 
         On a skipped step the optimizer's gradients are set to ``None``, so the framework's
@@ -191,7 +192,7 @@ class FitSession:
             msg = f"the {self.framework} debug session is not running (the fit has not started)"
             raise RuntimeError(msg)
         try:
-            verdict = session.check_step_nowait(step, loss=loss)
+            verdict = session.check_step(step, loss=loss)
         except BaseException as exc:
             self.close(exc)
             raise

@@ -45,7 +45,7 @@ from torch import nn  # noqa: E402
 from torch.utils.hooks import RemovableHandle  # noqa: E402
 
 from ..events import NonFiniteDetected, TensorRole  # noqa: E402
-from ..session import SessionVerdict  # noqa: E402
+from ..session import Verdict  # noqa: E402
 
 __all__ = ("EventBusDebugHandler",)
 
@@ -104,7 +104,7 @@ class EventBusDebugHandler(FitViews):
         self._loss = LossAccumulator()
         self._engine: Engine | None = None
         self._hook: RemovableHandle | None = None
-        self._pending: tuple[int, SessionVerdict, float | None] | None = None
+        self._pending: tuple[int, Verdict, float | None] | None = None
 
     # -- wiring -----------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 
-from ..session import SessionVerdict  # noqa: E402
+from ..session import Verdict  # noqa: E402
 
 __all__ = ("EventBusDebugCallback",)
 
@@ -72,7 +72,7 @@ class EventBusDebugCallback(Callback, FitViews):
         self._fit = FitSession("lightning", log_dir, session_options)
         self._loss = LossAccumulator()
         self._scaler: torch.amp.GradScaler | None = None
-        self._pending: tuple[int, SessionVerdict, float | None] | None = None
+        self._pending: tuple[int, Verdict, float | None] | None = None
 
     # -- Lightning hooks --------------------------------------------------------------------------
 

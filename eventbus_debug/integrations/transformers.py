@@ -47,7 +47,7 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from ..session import SessionVerdict  # noqa: E402
+from ..session import Verdict  # noqa: E402
 
 __all__ = ("EventBusDebugCallback",)
 
@@ -78,7 +78,7 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         self._args: TrainingArguments | None = None
         self._max_grad_norm = 0.0
         self._model: nn.Module | None = None
-        self._pending: tuple[int, SessionVerdict, float | None] | None = None
+        self._pending: tuple[int, Verdict, float | None] | None = None
 
     @property
     def max_grad_norm(self) -> float:
@@ -189,7 +189,7 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         if isinstance(loss, torch.Tensor):
             self._loss.add(loss)
 
-    def _clip(self, verdict: SessionVerdict) -> None:
+    def _clip(self, verdict: Verdict) -> None:
         model = self._model
         if model is None:
             return

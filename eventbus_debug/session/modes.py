@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
-from .probes import DebugLevel
+from ..probes import DebugLevel
 
 __all__ = ("DebugMode", "DebugPlan", "plan_for")
 

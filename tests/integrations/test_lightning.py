@@ -208,14 +208,14 @@ def test_training_stopped_at_the_safe_point_ends_fit_and_session(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stop decided at the safe point propagates out of fit; SessionEnded says stopped."""
-    original = SyncSession.check_step_nowait
+    original = SyncSession.check_step
 
     def stop_at_two(self: SyncSession, step: int, **kwargs: Any) -> Any:
         if step == 2:
             raise TrainingStopped("planted stop")
         return original(self, step, **kwargs)
 
-    monkeypatch.setattr(SyncSession, "check_step_nowait", stop_at_two)
+    monkeypatch.setattr(SyncSession, "check_step", stop_at_two)
     debug = EventBusDebugCallback(log_dir=tmp_path, alerts=False, system_interval=None)
     with pytest.raises(TrainingStopped, match="planted stop"):
         _fit(Tiny(scheduler=False), [debug])

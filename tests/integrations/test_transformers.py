@@ -183,7 +183,7 @@ def test_training_stopped_gives_max_grad_norm_back_and_next_train_starts_fresh(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stop raised at the safe point ends the session and restores the arguments."""
-    original = SyncSession.check_step_nowait
+    original = SyncSession.check_step
 
     def stop_at_two(self: SyncSession, step: int, **kwargs: Any) -> Any:
         if step == 2:
@@ -193,7 +193,7 @@ def test_training_stopped_gives_max_grad_norm_back_and_next_train_starts_fresh(
     debug = EventBusDebugCallback(log_dir=tmp_path / "logs", alerts=False, system_interval=None)
     trainer = _trainer(tmp_path, _model(), [debug])
     with monkeypatch.context() as patch:
-        patch.setattr(SyncSession, "check_step_nowait", stop_at_two)
+        patch.setattr(SyncSession, "check_step", stop_at_two)
         with pytest.raises(TrainingStopped, match="planted stop"):
             trainer.train()
     assert trainer.args.max_grad_norm == MAX_GRAD_NORM and debug.session is None

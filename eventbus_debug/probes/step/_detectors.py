@@ -39,7 +39,7 @@ with one loss seen, the plain ``rtol`` from five on)."""
 
 
 class _RunningMedian:
-    """The median and MAD of the last *size* values (sorted list: O(size) per update, size ~50)."""
+    """The median and MAD of the last *size* values, kept sorted incrementally (bisect)."""
 
     __slots__ = ("_order", "_sorted")
 
@@ -66,7 +66,25 @@ class _RunningMedian:
         return _middle(self._sorted)
 
     def mad(self, median: float) -> float:
-        return _middle(sorted(abs(v - median) for v in self._sorted))
+        """The median absolute deviation from *median*, without sorting the deviations.
+
+        The deviations below and above *median* are two already sorted runs (walking out from
+        the median in the sorted window); merging them up to the middle is O(size / 2).
+        """
+        ordered = self._sorted
+        n = len(ordered)
+        lo = bisect_left(ordered, median) - 1  # the last value below the median
+        hi = lo + 1
+        prev = cur = 0.0
+        for _ in range(n // 2 + 1):
+            if lo >= 0 and (hi >= n or median - ordered[lo] <= ordered[hi] - median):
+                value = median - ordered[lo]
+                lo -= 1
+            else:
+                value = ordered[hi] - median
+                hi += 1
+            prev, cur = cur, value
+        return cur if n % 2 else 0.5 * (prev + cur)
 
 
 def _middle(ordered: list[float]) -> float:

@@ -203,11 +203,11 @@ class Judge:
                 incidents.append(spike)
         param_norm: float | None = None
         m = len(lay.param_slots)
+        p2: list[float] = []
         if m:
             p2 = values[pos : pos + m]
             pos += m
             param_norm, bad = self._param_norm(lay.param_slots, p2)
-            self._param_base = (step, lay.param_slots, p2)
         elif not finite and not overflow and len(self._state_names):
             # The loss or the gradients are not finite and the parameters were not due: look
             # at them now (one more transfer, only on a fire) so that a NaN parameter or
@@ -230,6 +230,8 @@ class Judge:
         if u:
             ratios = self._ratios(lay, values[pos : pos + u])
             pos += u
+        if m:  # the base of the next update ratios (this step's are judged above)
+            self._param_base = (step, lay.param_slots, p2)
         dead: dict[str, float] = {}
         saturated: dict[str, float] = {}
         for slot, v in zip(lay.activations, values[pos:], strict=False):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import anyio
 import pytest
@@ -9,6 +10,7 @@ from torch import nn
 
 from eventbus_debug import Cadence, DebugLevel, EventBus, StepProbe, StepVerdict, Thresholds
 from eventbus_debug.events import (
+    Event,
     GradientExploded,
     GradientVanished,
     LossSpiked,
@@ -325,3 +327,116 @@ class TestBadInput:
             Cadence(param_every=0)
         with pytest.raises(TypeError, match="level must be"):
             StepProbe(mlp).level = "basic"  # type: ignore[assignment]
+
+
+class RecordingPublisher:
+    """A Publisher test double: no bus, the events in a list."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def publish_nowait(self, event: Event, /) -> None:
+        self.events.append(event)
+
+    def publish_many_nowait(self, events: Iterable[Event], /) -> None:
+        self.events.extend(events)
+
+
+class TestEntries:
+    async def test_checkpoint_false_never_yields(self, mlp: nn.Sequential) -> None:
+        """check_step(checkpoint=False) lets no other task run; the default yields once."""
+        probe = StepProbe(mlp)
+        ran: list[int] = []
+
+        async def other() -> None:
+            ran.append(1)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            await probe.check_step(0, loss=mse_step(mlp, 0), checkpoint=False)
+            assert ran == []
+            await probe.check_step(1, loss=mse_step(mlp, 1))
+            assert ran == [1]
+
+    def test_sync_entry_and_its_former_name(self, mlp: nn.Sequential) -> None:
+        """check_step_sync checks without an event loop; check_step_nowait is the same method."""
+        probe = StepProbe(mlp)
+        verdict = probe.check_step_sync(0, loss=mse_step(mlp, 0))
+        assert verdict.checked and verdict.finite
+        assert StepProbe.check_step_nowait is StepProbe.check_step_sync
+        assert StepProbe.flush_nowait is StepProbe.flush_sync
+
+    def test_any_publisher_receives_the_events(self, mlp: nn.Sequential) -> None:
+        """A Publisher that is not a bus gets the incidents and the telemetry, in order."""
+        sink = RecordingPublisher()
+        probe = StepProbe(mlp, sink)
+        mse_step(mlp, 0)
+        with torch.no_grad():
+            grad_of(linear_at(mlp, 0).weight)[0, 0] = math.nan
+        probe.check_step_sync(0, loss=1.0)
+        assert [type(e) for e in sink.events] == [NonFiniteDetected, StepChecked]
+
+    def test_offload_numel_must_be_positive(self, mlp: nn.Sequential) -> None:
+        """offload_numel is validated with the other arguments."""
+        with pytest.raises(ValueError, match="offload_numel must be an int >= 1"):
+            StepProbe(mlp, offload_numel=0)
+
+
+class TestDeviceSide:
+    def test_deferred_reads_only_what_arrived_and_waits_past_the_limit(
+        self, mlp: nn.Sequential, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A step whose copy is not done is read later; past MAX_IN_FLIGHT the oldest is read."""
+        from eventbus_debug.probes.step import _launch, probe as probe_module
+
+        monkeypatch.setattr(_launch.Pending, "ready", lambda self: False)
+        probe = StepProbe(mlp, deferred=True)
+        limit = probe_module.MAX_IN_FLIGHT
+        verdicts = [probe.check_step_sync(s, loss=mse_step(mlp, s)) for s in range(limit + 3)]
+        assert all(not v.checked for v in verdicts[:limit])
+        assert [v.step for v in verdicts[limit:]] == [0, 1, 2]
+        flushed = probe.flush_sync()
+        assert flushed is not None and flushed.step == limit + 2 and flushed.deferred
+        assert probe.flush_sync() is None
+
+    async def test_extreme_update_ratios_are_the_real_ones(self, mlp: nn.Sequential) -> None:
+        """‖Δw‖/‖w‖ per parameter between two EXTREME steps, from the persistent snapshot."""
+        sink = RecordingPublisher()
+        probe = StepProbe(mlp, sink, level=DebugLevel.EXTREME)
+        opt = torch.optim.SGD(mlp.parameters(), lr=0.1)
+        probe.check_step_sync(0, loss=mse_step(mlp, 0))
+        before = [p.detach().clone() for p in mlp.parameters()]
+        opt.step()
+        opt.zero_grad()
+        after = [p.detach().clone() for p in mlp.parameters()]
+        for step in (1, 2):
+            probe.check_step_sync(step, loss=mse_step(mlp, step))
+            opt.step()
+            opt.zero_grad()
+        checked = [e for e in sink.events if isinstance(e, StepChecked)]
+        want = {
+            name: ((a - b).norm() / b.norm()).item()
+            for name, a, b in zip(probe.parameter_names, after, before, strict=True)
+        }
+        assert checked[1].update_ratios == pytest.approx(want, rel=1e-4)
+        assert set(checked[2].update_ratios) == set(want)
+        assert set(checked[1].dead_fractions) == {"1"}
+
+    def test_tiny_gradients_vanish_after_patience(self, mlp: nn.Sequential) -> None:
+        """Non-zero gradients with a mean |grad| under the threshold fire once, after patience."""
+        sink = RecordingPublisher()
+        probe = StepProbe(
+            mlp,
+            sink,
+            cadence=Cadence(vanishing_every=1),
+            thresholds=Thresholds(vanishing_patience=3, vanishing=1e-3),
+        )
+        for step in range(8):
+            loss = mse_step(mlp, step)
+            with torch.no_grad():
+                for p in mlp.parameters():
+                    grad_of(p).mul_(1e-6)
+            probe.check_step_sync(step, loss=loss)
+            mlp.zero_grad()
+        fired = [e for e in sink.events if isinstance(e, GradientVanished)]
+        assert len(fired) == 1 and not fired[0].all_zero and fired[0].mean_abs < 1e-3

@@ -1,0 +1,82 @@
+"""Seed 001's entry points: ``create_pytorch_debugger``, ``debug_training_session`` and
+``debug_training_step``, as thin layers over :class:`~eventbus_debug.Session`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..session import DebugMode, Session, TrainingStepResult
+from ..session.options import DEFAULT_LOG_DIR
+
+__all__ = ("create_pytorch_debugger", "debug_training_session", "debug_training_step")
+
+
+def create_pytorch_debugger(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    enable_anomaly_detection: bool = True,
+    enable_profiling: bool = False,
+    enable_memory_tracking: bool = False,
+    enable_gradient_checking: bool = True,
+    log_dir: str | os.PathLike[str] | None = DEFAULT_LOG_DIR,
+    **options: Any,
+) -> Session:
+    """Seed 001's factory: a :class:`~eventbus_debug.Session` (not yet started) with the seed's
+    switches.
+
+    The ``enable_*`` switches become :class:`~eventbus_debug.DebugMode` values; everything
+    else is passed to the session. Start it with ``async with``.
+    """
+    modes: list[DebugMode] = []
+    if enable_anomaly_detection:
+        modes.append(DebugMode.ANOMALY_DETECTION)
+    if enable_profiling:
+        modes.append(DebugMode.PROFILING)
+    if enable_memory_tracking:
+        modes.append(DebugMode.MEMORY_PROFILING)
+    if enable_gradient_checking:
+        modes.append(DebugMode.GRADIENT_CHECKING)
+    return Session(model, optimizer, mode=modes or DebugMode.NONE, log_dir=log_dir, **options)
+
+
+def debug_training_session(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **options: Any
+) -> Session:
+    """Seed 001's ``debug_training_session``: ``async with debug_training_session(model) as s``.
+
+    Takes the arguments of :func:`create_pytorch_debugger`.
+    """
+    return create_pytorch_debugger(model, optimizer, **options)
+
+
+async def debug_training_step(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    session: Session | None = None,
+    step: int | None = None,
+) -> TrainingStepResult:
+    """Seed 001's ``debug_training_step``: one fully checked step.
+
+    With *session*, the step runs in it (its probes, sinks and recovery). Without, a
+    short-lived session with no log is used: the verdict says what the checks found.
+
+    Raises:
+        ValueError: if *session* was built for another model or optimizer.
+    """
+    if session is not None:
+        if session.model is not model or session.optimizer is not optimizer:
+            msg = "session was built for another model/optimizer; pass the session's own"
+            raise ValueError(msg)
+        return await session.training_step(inputs, targets, loss_fn, step=step)
+    async with Session(model, optimizer, log_dir=None, alerts=False, report=False) as s:
+        return await s.training_step(inputs, targets, loss_fn, step=step)

@@ -1,0 +1,319 @@
+"""What :class:`Session` and :class:`SyncSession` share: options, parts, level, lifecycle events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import ClassVar, Generic
+
+import torch
+from torch import nn
+
+from .._bus import Subscription
+from ..events import Event, SessionEnded, SessionStarted
+from ..exceptions import TrainingStopped
+from ..extras.debug_context import DebugContext, debug_context
+from ..extras.validation import InputValidator, OutputChecker
+from ..probes import (
+    AnomalyArming,
+    DebugLevel,
+    LeakDetector,
+    StepProbe,
+    StepProfiler,
+    SystemSampler,
+)
+from ..recovery import RecoveryEngine, SafePoint, ScalerMonitor
+from ..recovery.agreement import AGREE_TIMEOUT, Agreement, agreement_for
+from ..typing import Publisher
+from ._wiring import (
+    AlertsSink,
+    BusT,
+    ReportSink,
+    Sinks,
+    arm_localization,
+    build_leak_detector,
+    build_probe,
+    build_recovery,
+    build_validator,
+)
+from .boundary import StepBoundary
+from .modes import DebugPlan
+from .options import SessionKnobs, SessionOptions, level_of
+
+__all__ = ("SessionBase", "options_from")
+
+
+def options_from(options: SessionOptions | None, knobs: SessionKnobs) -> SessionOptions:
+    """*options*, or the :class:`SessionOptions` built from *knobs* (not both).
+
+    Raises:
+        TypeError: if *options* is not a SessionOptions, or is given with keywords.
+    """
+    if options is None:
+        return SessionOptions(**knobs)
+    if not isinstance(options, SessionOptions):
+        msg = f"options must be a SessionOptions or None, got {options!r}"
+        raise TypeError(msg)
+    if knobs:
+        msg = f"pass either options= or keywords ({', '.join(sorted(knobs))}), not both"
+        raise TypeError(msg)
+    return options
+
+
+class SessionBase(Generic[BusT]):
+    """The parts and bookkeeping of a session; the subclasses add the bus and the entries."""
+
+    _ENTER: ClassVar[str] = "with a session"
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, options: SessionOptions
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            msg = f"model must be a torch.nn.Module, got {type(model).__qualname__}"
+            raise TypeError(msg)
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            msg = f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__qualname__}"
+            raise TypeError(msg)
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+        """The session's :class:`SessionOptions`."""
+        self.name = options.name
+        self.plan: DebugPlan = options.plan
+        self.policy = options.recovery_policy
+        """The :class:`~eventbus_debug.RecoveryPolicy` of the default engine."""
+        self.schedulers = options.schedulers
+        """The LR schedulers recovery keeps in step with its LR decisions."""
+        self.scaler = options.scaler
+        """The AMP ``GradScaler``: its overflow steps are StepSkipped events, not incidents."""
+        self.log_dir = options.log_path
+        self.skip_non_finite = options.skip_non_finite
+        self._validator = build_validator(options)
+        self._output_checker = options.output_checker
+        self.leak_detector: LeakDetector | None = build_leak_detector(options)
+        """The memory leak detector, run at every safe point (None when off)."""
+        self.agreement: Agreement | None = None
+        """How this rank agrees with the others (None outside a process group)."""
+        self.amp: ScalerMonitor | None = None
+        self.system: SystemSampler | None = None
+        """The system sampler, once the session started (None when off); see its ``summary()``."""
+        self.profiler: StepProfiler | None = None
+        """The step profiler (PROFILING / FULL modes, async :class:`Session` only)."""
+        self.report: ReportSink | None = None
+        """The report sink (a :class:`~eventbus_debug.sinks.ReportWriter` unless you gave
+        yours), once the session started (None when removed)."""
+        self.alerts: AlertsSink | None = None
+        """The alert sink (an :class:`~eventbus_debug.sinks.AlertSink` unless you gave yours),
+        once the session started (None when removed)."""
+        self.probe: StepProbe | None = None
+        self.recovery: RecoveryEngine | None = None
+        """The recovery engine, once the session started (None when removed)."""
+        self.safe_point: SafePoint | None = None
+        """Where recovery decisions are applied (None without recovery or optimizer)."""
+        self._bus: BusT | None = None
+        self._subscriptions: list[Subscription] = []
+        self._boundary: StepBoundary | None = None
+        """The step boundary, once started (kept after the end: :attr:`step` reads it)."""
+        self._live = False
+        self._started = 0.0
+
+    # -- parts ------------------------------------------------------------------------------------
+
+    def _subscribe(self, bus: BusT, sinks: Sinks) -> list[Subscription]:
+        """Subscribe *sinks* to *bus* under the session's name; keep the report and alerts."""
+        self.report = sinks.report
+        self.alerts = sinks.alerts
+        return [bus.subscribe(sink, name=f"{self.name}.{name}") for sink, name in sinks.subscribers]
+
+    def _wire(self, bus: BusT) -> StepProbe:
+        """The training side's parts on *bus*: agreement, probe, leak detector, recovery."""
+        options = self.options
+        self.agreement = agreement_for(options.distributed, AGREE_TIMEOUT)
+        probe = self.probe = build_probe(
+            options, self.model, self.optimizer, bus, agreement=self.agreement
+        )
+        if self.leak_detector is not None:
+            self.leak_detector.bind(bus)
+        recovery = build_recovery(
+            options,
+            self.model,
+            self.optimizer,
+            bus,
+            agreement=self.agreement,
+            on_restore=probe.rebaseline,
+        )
+        self.recovery = recovery.engine
+        self.safe_point = recovery.safe_point
+        self.amp = recovery.amp
+        return probe
+
+    def _arm(self, bus: BusT) -> AnomalyArming | None:
+        """DebugMode.ANOMALY_DETECTION's localization hooks on *bus* (None when off)."""
+        armed = arm_localization(self.options, self.model, bus, lambda: self.step)
+        if armed is None:
+            return None
+        anomaly, subscription = armed
+        self._subscriptions.append(subscription)
+        return anomaly
+
+    def _boundary_on(
+        self,
+        publisher: Publisher,
+        probe: StepProbe,
+        *,
+        anomaly: AnomalyArming | None,
+        publish: Callable[[Event], Awaitable[None]] | None = None,
+        flush: Callable[[], None] | None = None,
+    ) -> StepBoundary:
+        """The session's step boundary over its parts, publishing on *publisher*."""
+        self._boundary = StepBoundary(
+            model=self.model,
+            optimizer=self.optimizer,
+            name=self.name,
+            publisher=publisher,
+            probe=probe,
+            safe_point=self.safe_point,
+            amp=self.amp,
+            leak_detector=self.leak_detector,
+            profiler=self.profiler,
+            anomaly=anomaly,
+            validator=self.validator,
+            output_checker=self.output_checker,
+            skip_non_finite=self.skip_non_finite,
+            publish=publish,
+            flush=flush,
+        )
+        return self._boundary
+
+    @property
+    def bus(self) -> BusT:
+        """The session's bus (an ``EventBus``, or a ``SyncEventBus`` for a SyncSession).
+
+        Raises:
+            RuntimeError: before the session started.
+        """
+        if self._bus is None:
+            msg = f"session {self.name!r} is not running; use `{self._ENTER}`"
+            raise RuntimeError(msg)
+        return self._bus
+
+    def _running(self) -> StepBoundary:
+        boundary = self._boundary
+        if boundary is None or not self._live:
+            msg = f"session {self.name!r} is not running; use `{self._ENTER}`"
+            raise RuntimeError(msg)
+        return boundary
+
+    @property
+    def validator(self) -> InputValidator | None:
+        """What checks ``training_step``'s inputs (assign one, e.g. with the SKIP policy)."""
+        return self._validator
+
+    @validator.setter
+    def validator(self, value: InputValidator | None) -> None:
+        if value is not None and not isinstance(value, InputValidator):
+            msg = f"validator must be an InputValidator or None, got {value!r}"
+            raise TypeError(msg)
+        self._validator = value
+        if self._boundary is not None:
+            self._boundary.validator = value
+
+    @property
+    def output_checker(self) -> OutputChecker | None:
+        """What checks ``training_step``'s outputs (None when off)."""
+        return self._output_checker
+
+    # -- step bookkeeping -------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int | None:
+        """The step being checked or last completed (None before the first)."""
+        return self._boundary.step if self._boundary is not None else None
+
+    @step.setter
+    def step(self, value: int | None) -> None:
+        """Set the step events are stamped with (a loop that numbers steps itself).
+
+        Raises:
+            RuntimeError: if the session is not running.
+        """
+        self._running().step = value
+
+    @property
+    def steps_completed(self) -> int:
+        """How many steps were recorded complete."""
+        return self._boundary.steps_completed if self._boundary is not None else 0
+
+    # -- level ------------------------------------------------------------------------------------
+
+    @property
+    def level(self) -> DebugLevel:
+        """The step probe's debug level; assign to change it from the next step on."""
+        return self.probe.level if self.probe is not None else self.plan.level
+
+    @level.setter
+    def level(self, value: DebugLevel | str) -> None:
+        lvl = level_of(value)
+        self.plan = replace(self.plan, level=lvl)
+        if self.probe is not None:
+            self.probe.level = lvl
+
+    def set_level(self, value: DebugLevel | str) -> None:
+        """Set :attr:`level` (``"basic"``, ``"advanced"``... accepted); for the HTTP endpoint.
+
+        Raises:
+            ValueError: if *value* is not a level name (the valid ones are listed).
+        """
+        self.level = value
+
+    # -- publishing -------------------------------------------------------------------------------
+
+    def publish(self, event: Event, /) -> None:
+        """Publish *event* on the session's bus without waiting.
+
+        Raises:
+            RuntimeError: if the session is not running.
+        """
+        self._running().publisher.publish_nowait(event)
+
+    def debug_context(self, name: str, *, detect_anomaly: bool = False) -> DebugContext:
+        """:func:`~eventbus_debug.extras.debug_context` publishing on this session, stamped with
+        its step."""
+        return debug_context(
+            name, publish=self.publish, step=lambda: self.step, detect_anomaly=detect_anomaly
+        )
+
+    # -- lifecycle events -------------------------------------------------------------------------
+
+    def _started_event(self) -> SessionStarted:
+        self._started = time.perf_counter()
+        config = {
+            "level": self.plan.level.value,
+            "model": type(self.model).__name__,
+            "parameters": str(sum(p.numel() for p in self.model.parameters())),
+            "anomaly_localization": str(self.plan.anomaly_localization).lower(),
+            "memory_tracking": str(self.plan.memory_tracking).lower(),
+            "profiling": str(self.plan.profiling).lower(),
+        }
+        if self.log_dir is not None:
+            config["log_dir"] = str(self.log_dir)
+        return SessionStarted(source=self.name, name=self.name, config=config)
+
+    def _ended_event(self, exc: BaseException | None, *, cancelled: bool = False) -> SessionEnded:
+        if cancelled:
+            reason = "cancelled"
+        elif exc is None:
+            reason = "completed"
+        elif isinstance(exc, TrainingStopped):
+            reason = "stopped"
+        else:
+            reason = f"error: {type(exc).__name__}: {exc}"
+        return SessionEnded(
+            step=self.step,
+            source=self.name,
+            name=self.name,
+            reason=reason,
+            steps=self.steps_completed,
+            duration_s=time.perf_counter() - self._started,
+        )

@@ -1,0 +1,231 @@
+"""Build a session's parts from its :class:`SessionOptions`: sinks, probe, sampler, recovery.
+
+The one core module that imports the built-in sinks (:mod:`eventbus_debug.sinks`): the
+sessions get their parts from here, typed with the sinks' own classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from .._bus import EventBus, Subscription, SyncEventBus
+from ..extras.validation import InputValidator, ValidationPolicy
+from ..probes import AnomalyArming, LeakDetector, StepProbe, SystemSampler
+from ..probes.anomaly_arming import arm_on_incidents
+from ..recovery import RecoveryEngine, SafePoint, ScalerMonitor
+from ..recovery.agreement import Agreement, RankAgreement
+from ..sinks import AlertSink, ConsoleSink, LogAlert, ReportWriter, RotatingFileSink, rules
+from ..step_context import StepSource
+from ..typing import BatchSink, Handler, Publisher, Sink
+from .options import SessionOptions, SinkOption
+
+__all__ = (
+    "AlertsSink",
+    "BusT",
+    "Recovery",
+    "ReportSink",
+    "Sinks",
+    "Subscriber",
+    "build_leak_detector",
+    "build_probe",
+    "build_recovery",
+    "build_sinks",
+    "build_system",
+    "build_validator",
+    "arm_localization",
+    "rank_zero",
+)
+
+BusT = TypeVar("BusT", EventBus, SyncEventBus)
+"""The session's bus: an :class:`EventBus` (Session) or a :class:`SyncEventBus` (SyncSession)."""
+
+Subscriber = SinkOption | Handler[Any]
+ReportSink = ReportWriter | SinkOption
+"""The session's report: the built-in writer or your own sink."""
+AlertsSink = AlertSink | SinkOption
+"""The session's alerts: the built-in alert sink or your own sink."""
+
+
+@dataclass(slots=True, kw_only=True)
+class Sinks:
+    """The sinks a session subscribes, with the two it exposes by name.
+
+    Attributes:
+        subscribers: each sink with its short name (``"log"``, ``"report"``...).
+        report: the report sink (None when removed).
+        alerts: the alert sink (None when removed).
+        flusher: the built-in alert sink whose ``run_flusher`` task the session runs.
+    """
+
+    subscribers: list[tuple[Subscriber, str]] = field(default_factory=list)
+    report: ReportSink | None = None
+    alerts: AlertsSink | None = None
+    flusher: AlertSink | None = None
+
+
+def rank_zero() -> bool:
+    """True outside a process group and on its rank 0."""
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def build_sinks(options: SessionOptions, publisher: Publisher) -> Sinks:
+    """The log, report, alerts, console and extra sinks *options* ask for.
+
+    *publisher* is where the alert sink publishes its alerts (the bus, on its own loop).
+    """
+    out = Sinks()
+    log_dir = options.log_path
+    if log_dir is not None:
+        out.subscribers.append((RotatingFileSink(log_dir), "log"))
+    # In a process group, rank 0 writes the live report; `eventbus-debug report LOGDIR`
+    # merges every rank's log afterwards.
+    if options.report is True and log_dir is not None and rank_zero():
+        out.report = ReportWriter(log_dir, title=f"{options.name}: eventbus-debug report")
+    elif not isinstance(options.report, bool):
+        out.report = options.report
+    if out.report is not None:
+        out.subscribers.append((out.report, "report"))
+    console = options.console
+    if options.alerts is True:
+        alerts = AlertSink(publisher)
+        # A console view already shows every incident: the default LogAlert would show it a
+        # second time, so it is only added without one (your own rules still apply).
+        if console is False:
+            handler = LogAlert()
+            for rule in rules.defaults():
+                alerts.add_rule(rule, handler)
+        out.alerts = out.flusher = alerts
+    elif not isinstance(options.alerts, bool):
+        out.alerts = options.alerts
+        if isinstance(options.alerts, AlertSink):
+            out.flusher = options.alerts
+    if out.alerts is not None:
+        out.subscribers.append((out.alerts, "alerts"))
+    if console is True:
+        # None: sys.stderr as it is when writing (a rich progress bar may redirect it).
+        out.subscribers.append((ConsoleSink(stream=None), "console"))
+    elif isinstance(console, Sink | BatchSink):
+        out.subscribers.append((console, "console"))
+    elif console is not False:
+        out.subscribers.append((ConsoleSink(stream=console), "console"))
+    for i, sink in enumerate(options.sinks):
+        out.subscribers.append((sink, getattr(sink, "name", None) or f"sink{i}"))
+    return out
+
+
+def build_probe(
+    options: SessionOptions,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    bus: BusT,
+    *,
+    agreement: Agreement | None,
+) -> StepProbe:
+    """The step probe, publishing on *bus*."""
+    return StepProbe(
+        model,
+        bus,
+        level=options.plan.level,
+        thresholds=options.thresholds,
+        cadence=options.cadence,
+        source=f"{options.name}.step_probe",
+        scaler=options.scaler,
+        optimizer=optimizer,
+        # With an agreement the loss spikes are judged on the ranks' mean loss, which rides in
+        # the agreement's one collective (see StepBoundary).
+        global_spikes=agreement is not None
+        and options.recovery is not False
+        and optimizer is not None,
+    )
+
+
+def build_system(options: SessionOptions, bus: EventBus, step: StepSource) -> SystemSampler | None:
+    """The system sampler (run as a task on *bus*'s loop), or None when off."""
+    if options.system_interval is None:
+        return None
+    return SystemSampler(
+        bus, interval=options.system_interval, step=step, source=f"{options.name}.system"
+    )
+
+
+def build_validator(options: SessionOptions) -> InputValidator | None:
+    """The REPORT-policy validator of ``training_step``'s inputs (None without a spec)."""
+    spec = options.input_spec
+    return InputValidator(spec, policy=ValidationPolicy.REPORT) if spec is not None else None
+
+
+def build_leak_detector(options: SessionOptions) -> LeakDetector | None:
+    """The leak detector run at every safe point (None when off); bound when the bus runs."""
+    if options.wants_leak_detector:
+        return LeakDetector(source=f"{options.name}.memory")
+    if isinstance(options.leak_detector, LeakDetector):
+        return options.leak_detector
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recovery:
+    """What recovery adds to a session (each None when it does not apply).
+
+    Attributes:
+        engine: the recovery engine (None when removed).
+        safe_point: where its decisions are applied (None without engine or optimizer).
+        amp: the GradScaler's watcher (None without a scaler).
+    """
+
+    engine: RecoveryEngine | None = None
+    safe_point: SafePoint | None = None
+    amp: ScalerMonitor | None = None
+
+
+def build_recovery(
+    options: SessionOptions,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    bus: BusT,
+    *,
+    agreement: Agreement | None,
+    on_restore: Callable[[], None],
+) -> Recovery:
+    """The recovery engine on *bus*, its safe point and the AMP watcher.
+
+    *on_restore* runs after every restore (the probe's rebaseline).
+    """
+    amp = None
+    if options.scaler is not None:
+        amp = ScalerMonitor(options.scaler, bus.publish_nowait, source=f"{options.name}.amp")
+    engine: RecoveryEngine | None = None
+    if options.recovery is True:
+        engine = RecoveryEngine(
+            bus, name=f"{options.name}.recovery", policy=options.recovery_policy
+        )
+    elif isinstance(options.recovery, RecoveryEngine):
+        engine = options.recovery
+    if engine is None:
+        return Recovery(amp=amp)
+    if isinstance(agreement, RankAgreement):
+        engine.agreement = agreement  # retried calls agree across ranks
+    if optimizer is None:
+        return Recovery(engine=engine, amp=amp)
+    safe_point = SafePoint(
+        engine, model, optimizer, schedulers=options.schedulers, agreement=agreement
+    )
+    # After a restore the loss and norms are the restored state's: judged against the undone
+    # steps' baselines they would look like new faults.
+    safe_point.add_restore_listener(on_restore)
+    return Recovery(engine=engine, safe_point=safe_point, amp=amp)
+
+
+def arm_localization(
+    options: SessionOptions, model: nn.Module, bus: BusT, step: StepSource
+) -> tuple[AnomalyArming, Subscription] | None:
+    """DebugMode.ANOMALY_DETECTION's localization hooks, armed on *bus*'s incidents."""
+    if not options.plan.anomaly_localization:
+        return None
+    return arm_on_incidents(model, bus, step=step, name=options.name)

@@ -1,0 +1,386 @@
+"""The step boundary: probe -> leak check -> safe point -> :class:`Verdict`, written once.
+
+Each step's logic is one generator body that *yields* where it must wait (for the probe, the
+safe point, the hand-over of the step's events), each wait given in both colours (a
+:class:`Wait`). :meth:`StepBoundary.check` drives a body with ``await``;
+:meth:`StepBoundary.check_sync` drives the same body blocking. So the async and the sync session
+run the same code between their waits, in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Generic, TypeVar
+
+import anyio.lowlevel
+import torch
+from torch import nn
+
+from ..events import Event, StepCompleted, StepSkipped
+from ..extras.validation import InputValidator, OutputChecker, Violation
+from ..probes import AnomalyArming, LeakDetector, StepProbe, StepProfiler, StepVerdict
+from ..probes.anomaly_arming import RngState
+from ..recovery import SafePoint, ScalerMonitor, StepDecision
+from ..typing import Publisher
+from .verdict import TrainingStepResult, Verdict
+
+__all__ = ("Body", "StepBoundary", "Wait", "run_async", "run_blocking")
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_SKIP: Final = ("skip_step",)
+
+
+@dataclass(frozen=True, slots=True)
+class Wait(Generic[T]):
+    """One wait of a step's body, in both colours: *wait* for the async entry, *block* for
+    the blocking one."""
+
+    wait: Callable[[], Awaitable[T]]
+    block: Callable[[], T]
+
+
+Body = Generator[Wait[Any], Any, R]
+"""A step's logic: yields its waits, receives their results, returns the outcome."""
+
+
+async def run_async(body: Body[R]) -> R:
+    """Drive *body*, awaiting each of its waits."""
+    try:
+        wait = next(body)
+        while True:
+            wait = body.send(await wait.wait())
+    except StopIteration as done:
+        result: R = done.value
+        return result
+    finally:
+        body.close()
+
+
+def run_blocking(body: Body[R]) -> R:
+    """Drive *body*, blocking on each of its waits."""
+    try:
+        wait = next(body)
+        while True:
+            wait = body.send(wait.block())
+    except StopIteration as done:
+        result: R = done.value
+        return result
+    finally:
+        body.close()
+
+
+def _batch_size(inputs: object) -> int | None:
+    """The leading dimension of *inputs* when it is a tensor with one (else None)."""
+    if isinstance(inputs, torch.Tensor) and inputs.dim() > 0:
+        return int(inputs.shape[0])
+    return None
+
+
+class StepBoundary:
+    """Where a training step meets the debugger: the checks after backward, the record after
+    the optimizer step, and a whole checked step.
+
+    Built by a running session from its parts; the session's ``check_step``,
+    ``step_completed`` and ``training_step`` are its entries (``x`` async, ``x_sync``
+    blocking).
+
+    Args:
+        model: the checked model.
+        optimizer: its optimizer (None: no safe point, no ``training_step``).
+        name: the source of the boundary's own events.
+        publisher: where the boundary's events go, never waiting.
+        probe: the step probe.
+        safe_point: where recovery decisions are applied (None without recovery).
+        amp: the GradScaler's watcher (None without a scaler).
+        leak_detector: run at every safe point (None when off).
+        profiler: stepped at every completed step (None when off).
+        anomaly: the localization hooks, replaying a failed step (None when off).
+        validator: checks ``training_step``'s inputs (None when off).
+        output_checker: checks ``training_step``'s outputs (None when off).
+        skip_non_finite: without recovery, advise skipping a non-finite step.
+        publish: how the async entries hand a finished step's event over (default:
+            ``publish_nowait`` and one checkpoint); an ``EventBus.publish`` also waits for a
+            flow-controlled log that is behind.
+        flush: how the blocking entries hand a finished step's events over
+            (``SyncEventBus.flush``; default: nothing more than ``publish_nowait``).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        name: str,
+        publisher: Publisher,
+        probe: StepProbe,
+        safe_point: SafePoint | None = None,
+        amp: ScalerMonitor | None = None,
+        leak_detector: LeakDetector | None = None,
+        profiler: StepProfiler | None = None,
+        anomaly: AnomalyArming | None = None,
+        validator: InputValidator | None = None,
+        output_checker: OutputChecker | None = None,
+        skip_non_finite: bool = True,
+        publish: Callable[[Event], Awaitable[None]] | None = None,
+        flush: Callable[[], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.name = name
+        self.publisher = publisher
+        self.probe = probe
+        self.safe_point = safe_point
+        self.amp = amp
+        self.leak_detector = leak_detector
+        self.profiler = profiler
+        self.anomaly = anomaly
+        self.validator = validator
+        self.output_checker = output_checker
+        self.skip_non_finite = skip_non_finite
+        self._publish = publish
+        self._flush = flush
+        self.step: int | None = None
+        """The step being checked or last completed (None before the first)."""
+        self.steps_completed = 0
+        self._last_step_t: float | None = None
+
+    # -- the entries ------------------------------------------------------------------------------
+
+    async def check(self, step: int, loss: torch.Tensor | float | None = None) -> Verdict:
+        """Run the checks due at *step* and the safe point; say whether to step."""
+        return await run_async(self._check(step, loss))
+
+    def check_sync(self, step: int, loss: torch.Tensor | float | None = None) -> Verdict:
+        """:meth:`check`, blocking."""
+        return run_blocking(self._check(step, loss))
+
+    async def completed(
+        self,
+        step: int,
+        *,
+        loss: float | torch.Tensor | None = None,
+        learning_rate: float | None = None,
+        samples: int | None = None,
+    ) -> None:
+        """Record that *step* finished and hand its events over."""
+        await run_async(self._completed(step, loss, learning_rate, samples))
+
+    def completed_sync(
+        self,
+        step: int,
+        *,
+        loss: float | torch.Tensor | None = None,
+        learning_rate: float | None = None,
+        samples: int | None = None,
+    ) -> None:
+        """:meth:`completed`, blocking."""
+        run_blocking(self._completed(step, loss, learning_rate, samples))
+
+    async def training_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        step: int | None = None,
+        samples: int | None = None,
+    ) -> TrainingStepResult:
+        """One fully checked step: validate, forward, backward, check, step, record."""
+        return await run_async(self._training_step(inputs, targets, loss_fn, step, samples))
+
+    def training_step_sync(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        step: int | None = None,
+        samples: int | None = None,
+    ) -> TrainingStepResult:
+        """:meth:`training_step`, blocking."""
+        return run_blocking(self._training_step(inputs, targets, loss_fn, step, samples))
+
+    def next_step(self, step: int | None) -> int:
+        """*step*, or the one after the last (0 at first)."""
+        if step is not None:
+            return step
+        return 0 if self.step is None else self.step + 1
+
+    # -- the bodies -------------------------------------------------------------------------------
+
+    def _check(self, step: int, loss: torch.Tensor | float | None) -> Body[Verdict]:
+        self.step = step
+        probe = self.probe
+        verdict: StepVerdict = yield Wait(
+            lambda: probe.check_step(step, loss=loss),
+            lambda: probe.check_step_nowait(step, loss=loss),
+        )
+        if verdict.overflow and self.amp is not None:
+            self.amp.overflowed(verdict.step)
+        if self.leak_detector is not None:
+            self.leak_detector.observe(step)
+        safe_point = self.safe_point
+        if safe_point is None:
+            return self._verdict(step, verdict, None)
+        checked = verdict.loss
+        decision: StepDecision = yield Wait(
+            lambda: safe_point.before_optimizer_step(step, loss=checked),
+            lambda: safe_point.before_optimizer_step_sync(step, loss=checked),
+        )
+        agreed = safe_point.agreed
+        if agreed is not None and agreed.loss is not None:
+            # the ranks' mean loss, judged for spikes after agreeing (identical on every rank)
+            probe.observe_global_loss(verdict.step, agreed.loss)
+        return self._verdict(step, verdict, decision)
+
+    def _verdict(self, step: int, verdict: StepVerdict, decision: StepDecision | None) -> Verdict:
+        if decision is not None:
+            return Verdict(
+                step=step,
+                probe=verdict,
+                should_step=decision.should_step,
+                actions=tuple(a.value for a in decision.actions) if decision.actions else (),
+                decision=decision,
+            )
+        # An AMP overflow is the scaler's to skip: scaler.step() must still run.
+        should = verdict.overflow or verdict.finite or not self.skip_non_finite
+        return Verdict(
+            step=step, probe=verdict, should_step=should, actions=() if should else _SKIP
+        )
+
+    def _completed(
+        self,
+        step: int,
+        loss: float | torch.Tensor | None,
+        learning_rate: float | None,
+        samples: int | None,
+    ) -> Body[None]:
+        if self.profiler is not None:
+            self.profiler.step(step)
+        if self.amp is not None:
+            self.amp.completed(step)
+        event = self._completed_event(step, loss, learning_rate, samples)
+        yield Wait(lambda: self._hand_over(event), lambda: self._hand_over_sync(event))
+
+    async def _hand_over(self, event: StepCompleted) -> None:
+        if self._publish is not None:
+            await self._publish(event)
+        else:
+            self.publisher.publish_nowait(event)
+            await anyio.lowlevel.checkpoint()
+
+    def _hand_over_sync(self, event: StepCompleted) -> None:
+        self.publisher.publish_nowait(event)
+        if self._flush is not None:
+            self._flush()
+
+    def _completed_event(
+        self,
+        step: int,
+        loss: float | torch.Tensor | None,
+        learning_rate: float | None,
+        samples: int | None,
+    ) -> StepCompleted:
+        now = time.perf_counter()
+        last, self._last_step_t = self._last_step_t, now
+        duration = now - last if last is not None else None
+        self.step = step
+        self.steps_completed += 1
+        if isinstance(loss, torch.Tensor):
+            loss = float(loss.detach())
+        if learning_rate is None and self.optimizer is not None:
+            lr = self.optimizer.param_groups[0]["lr"]
+            learning_rate = lr if type(lr) is float else float(lr)
+        return StepCompleted(
+            step=step,
+            source=self.name,
+            loss=loss,
+            learning_rate=learning_rate,
+            samples_per_s=samples / duration if samples and duration else None,
+            duration_s=duration,
+        )
+
+    def _training_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        step: int | None,
+        samples: int | None,
+    ) -> Body[TrainingStepResult]:
+        optimizer = self.optimizer
+        if optimizer is None:
+            msg = "training_step needs an optimizer; pass one to the session"
+            raise RuntimeError(msg)
+        step = self.next_step(step)
+        t0 = time.perf_counter()
+        validator = self.validator
+        if validator is not None and isinstance(inputs, torch.Tensor):
+            violations = validator.check(inputs, publish=self.publisher.publish_nowait, step=step)
+            if violations and validator.policy.rejects:  # before the forward pass
+                self.publisher.publish_nowait(_rejection(step, violations, source=self.name))
+                yield from self._completed(step, None, None, None)
+                return _rejected_result(step, violations, t0)
+        anomaly = self.anomaly
+        rng = RngState.capture(self.model) if anomaly is not None else None
+        optimizer.zero_grad(set_to_none=True)
+        outputs = self.model(inputs)
+        if self.output_checker is not None:
+            self.output_checker.check(outputs, publish=self.publisher.publish_nowait, step=step)
+        loss = loss_fn(outputs, targets)
+        torch.autograd.backward(loss)
+        verdict = yield from self._check(step, loss)
+        if verdict.should_step:
+            optimizer.step()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+        if anomaly is not None and not (verdict.finite or verdict.probe.overflow):
+            # replay the failed step with the hooks armed (an AMP overflow is not a fault)
+            def replay() -> None:
+                torch.autograd.backward(loss_fn(self.model(inputs), targets))
+
+            yield Wait(
+                lambda: anomaly.replay(replay, step=step, rng=rng),
+                lambda: anomaly.replay_sync(replay, step=step, rng=rng),
+            )
+            optimizer.zero_grad(set_to_none=True)
+        value = verdict.loss if verdict.loss is not None else float(loss.detach())
+        yield from self._completed(step, value, None, samples or _batch_size(inputs))
+        return TrainingStepResult(
+            step=step,
+            loss=value,
+            stepped=verdict.should_step,
+            verdict=verdict,
+            duration_s=time.perf_counter() - t0,
+        )
+
+
+def _rejection(step: int, violations: Sequence[Violation], *, source: str) -> StepSkipped:
+    """The event of a batch rejected by input validation: the step was not run at all."""
+    rules = ", ".join(sorted({v.rule for v in violations}))
+    return StepSkipped(
+        step=step,
+        source=source,
+        reason=f"input validation rejected the batch before the forward pass ({rules})",
+    )
+
+
+def _rejected_result(
+    step: int, violations: Sequence[Violation], started: float
+) -> TrainingStepResult:
+    """What ``training_step`` returns for a rejected batch: nothing ran, nothing stepped."""
+    finite = not any(v.rule == "non_finite" for v in violations)
+    probe = StepVerdict(step=step, checked=False, finite=finite, fired=("input_validation_failed",))
+    verdict = Verdict(step=step, probe=probe, should_step=False, actions=("reject_batch",))
+    return TrainingStepResult(
+        step=step,
+        loss=math.nan,
+        stepped=False,
+        verdict=verdict,
+        duration_s=time.perf_counter() - started,
+    )

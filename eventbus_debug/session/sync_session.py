@@ -1,0 +1,184 @@
+"""The blocking session for plain ``for`` loops: ``with SyncSession(model, optimizer) as s``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from typing_extensions import Self, Unpack
+
+from .._bus import SyncEventBus
+from ..diagnostics import get_logger
+from ..probes import AnomalyArming
+from ..step_context import bind_step_source
+from ._base import SessionBase, options_from
+from ._wiring import Sinks, build_sinks, build_system
+from .options import SessionKnobs, SessionOptions
+from .verdict import TrainingStepResult, Verdict
+
+__all__ = ("SyncSession",)
+
+_log = get_logger(__name__)
+
+
+class SyncSession(SessionBase[SyncEventBus]):
+    """:class:`~eventbus_debug.Session` for plain ``for`` loops: ``with SyncSession(...) as s``.
+
+    The bus runs on a background thread (:class:`~eventbus_debug.SyncEventBus`); probes run on
+    the training thread and hand their events over once per step. The methods are the
+    :class:`~eventbus_debug.Session`'s, blocking instead of awaited.
+
+    Example::
+
+        with SyncSession(model, optimizer, log_dir="debug_logs") as session:
+            for step, (x, y) in enumerate(loader):
+                result = session.training_step(x, y, loss_fn, step=step)
+
+    Args:
+        model: the module to debug.
+        optimizer: its optimizer.
+        options: a :class:`SessionOptions` (or give its fields as keywords, not both).
+        **knobs: the fields of :class:`SessionOptions`, as for
+            :class:`~eventbus_debug.Session` (the profiling mode needs the async Session).
+
+    Raises:
+        TypeError: as :class:`~eventbus_debug.Session`.
+        ValueError: as :class:`~eventbus_debug.Session`.
+    """
+
+    _ENTER = "with SyncSession(...)"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        options: SessionOptions | None = None,
+        **knobs: Unpack[SessionKnobs],
+    ) -> None:
+        super().__init__(model, optimizer, options_from(options, knobs))
+        self._system_task: Future[None] | None = None
+        self._anomaly: AnomalyArming | None = None  # DebugMode.ANOMALY_DETECTION's localization
+        self._unbind_step: Callable[[], None] | None = None
+
+    def _close_extras(self) -> None:
+        """Judge and remove the localization hooks; unbind the session's step."""
+        anomaly, self._anomaly = self._anomaly, None
+        if anomaly is not None:
+            anomaly.close()
+        unbind, self._unbind_step = self._unbind_step, None
+        if unbind is not None:
+            unbind()
+
+    def __enter__(self) -> Self:
+        bus = SyncEventBus()
+        bus.__enter__()
+        try:
+            self._bus = bus
+            self._start(bus)
+        except BaseException:
+            self._close_extras()
+            bus.close()
+            self._bus = None
+            raise
+        self._live = True
+        _log.info("session_started", session=self.name, level=self.plan.level.value)
+        return self
+
+    def _start(self, bus: SyncEventBus) -> None:
+        options = self.options
+        # Sinks are built on the bus's thread: some create anyio primitives.
+        sinks: Sinks = bus.portal.call(build_sinks, options, bus.bus)
+        self._subscriptions.extend(self._subscribe(bus, sinks))
+        if sinks.flusher is not None:
+            bus.portal.start_task_soon(sinks.flusher.run_flusher)
+        probe = self._wire(bus)
+        self.system = build_system(options, bus.bus, lambda: self.step)
+        if self.system is not None:
+            self._system_task = bus.portal.start_task_soon(self.system.run)
+        if self.plan.profiling:
+            _log.warning(
+                "profiling_needs_async_session",
+                session=self.name,
+                detail="SyncSession has no event loop to write traces from; use Session",
+            )
+        self._unbind_step = bind_step_source(lambda: self.step)
+        self._anomaly = self._arm(bus)
+        self._boundary_on(bus, probe, anomaly=self._anomaly, flush=bus.flush)
+        bus.publish(self._started_event())
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        bus, self._bus = self._bus, None
+        if bus is None:
+            return
+        self._live = False
+        try:
+            task, self._system_task = self._system_task, None
+            if task is not None and self.system is not None:
+                self.system.stop()
+                task.cancel()
+            if self.probe is not None:
+                self.probe.flush_nowait()
+                self.probe.close()
+            self._close_extras()
+            bus.publish(self._ended_event(exc))
+        finally:
+            bus.close()
+            _log.info("session_ended", session=self.name, steps=self.steps_completed)
+
+    # -- the per-step API -------------------------------------------------------------------------
+
+    def check_step(self, step: int, *, loss: torch.Tensor | float | None = None) -> Verdict:
+        """The safe point of a synchronous loop; see :meth:`Session.check_step`.
+
+        Blocks while recovery catches up with this step's incidents.
+
+        Raises:
+            RuntimeError: if the session is not running.
+            TrainingStopped: if recovery decided to stop.
+        """
+        return self._running().check_sync(step, loss)
+
+    def step_completed(
+        self,
+        step: int,
+        *,
+        loss: float | torch.Tensor | None = None,
+        learning_rate: float | None = None,
+        samples: int | None = None,
+    ) -> None:
+        """Record that *step* finished, and hand this step's events to the bus's thread.
+
+        Raises:
+            RuntimeError: if the session is not running.
+        """
+        self._running().completed_sync(
+            step, loss=loss, learning_rate=learning_rate, samples=samples
+        )
+
+    def training_step(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        step: int | None = None,
+        samples: int | None = None,
+    ) -> TrainingStepResult:
+        """One fully checked step; see :meth:`Session.training_step`.
+
+        Raises:
+            RuntimeError: if the session has no optimizer or is not running.
+        """
+        return self._running().training_step_sync(
+            inputs, targets, loss_fn, step=step, samples=samples
+        )
