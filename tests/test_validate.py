@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from eventbus_debug import _validate as v
+from eventbus_debug import EventBus, SyncEventBus, _validate as v
+from eventbus_debug.testing import RecordingSink
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "3", None])
@@ -57,3 +58,27 @@ def test_fraction_bounds() -> None:
             v.fraction("p", bad)
     with pytest.raises(ValueError, match=r"p must be a number in \(0, 1\)"):
         v.fraction("p", 1, inclusive=False)
+
+
+async def test_publisher_accepts_either_bus_a_double_and_none() -> None:
+    """Both buses, anything with the two ``_nowait`` methods, and None come back unchanged."""
+
+    class Double:
+        def publish_nowait(self, event: object, /) -> None:
+            return None
+
+        def publish_many_nowait(self, events: object, /) -> None:
+            return None
+
+    bus, sync_bus, double = EventBus(), SyncEventBus(), Double()
+    for value in (bus, sync_bus, double, None):
+        assert v.publisher("bus", value) is value
+    with pytest.raises(TypeError, match=r"bus must be an EventBus, a SyncEventBus, .* got"):
+        v.publisher("bus", RecordingSink())
+
+
+@pytest.mark.parametrize("value", [object(), "bus", print])
+def test_publisher_refuses_what_cannot_publish(value: object) -> None:
+    """An object without publish_nowait/publish_many_nowait is a TypeError naming the argument."""
+    with pytest.raises(TypeError, match="publish must be an EventBus"):
+        v.publisher("publish", value)
