@@ -1,8 +1,13 @@
-"""Overhead of each DebugLevel against a bare training loop, measured in the same run.
+"""Overhead of each DebugLevel, and of the full default session, against a bare training loop
+measured in the same run.
 
-The same model, data and optimizer run bare and inside a Session (step probe at the level,
-JSON-lines log, recovery safe point) for each level; rounds interleave the variants and the
-median step time is compared. Printed beside seed 002's claimed overheads.
+The same model, data and optimizer run bare and inside a Session for each level (step probe at
+the level, JSON-lines log, recovery safe point; report and alerts off), then as the full
+default session (log, report, alerts, system sampler: ``Session(model, opt, log_dir=d)``), and
+that session with ``overhead_budget=0.02``. Rounds interleave the variants; the median step
+time of each is compared with the bare loop's (ratio). The last column is the overhead the
+session measured itself (its time in check_step/step_completed over the rest of the step).
+Printed beside seed 002's claimed overheads.
 
 Run: python benchmarks/bench_levels.py [--steps 300] [--width 256] [--rounds 5]
 """
@@ -13,6 +18,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import anyio
 import torch
@@ -21,11 +27,15 @@ from torch import nn
 from eventbus_debug import DebugLevel, Session
 
 CLAIMS = {
-    DebugLevel.OFF: "-",
-    DebugLevel.BASIC: "~1-2 %",
-    DebugLevel.ADVANCED: "5-10 %",
-    DebugLevel.EXTREME: "15-25 %",
+    DebugLevel.OFF.value: "-",
+    DebugLevel.BASIC.value: "~1-2 %",
+    DebugLevel.ADVANCED.value: "5-10 %",
+    DebugLevel.EXTREME.value: "15-25 %",
 }
+DEFAULT = "default"
+"""The full default session: log, report, alerts, system sampler (level BASIC)."""
+BUDGET = "default+2%"
+"""The default session with overhead_budget=0.02."""
 
 
 def _setup(width: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
@@ -50,10 +60,18 @@ async def _bare(steps: int, width: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-async def _session(level: DebugLevel, steps: int, width: int) -> float:
+def _options(variant: str) -> dict[str, Any]:
+    if variant == DEFAULT:
+        return {}
+    if variant == BUDGET:
+        return {"overhead_budget": 0.02}
+    return {"level": DebugLevel(variant), "report": False, "alerts": False}
+
+
+async def _session(variant: str, steps: int, width: int, measured: list[float]) -> float:
     model, opt, x, y = _setup(width)
     with tempfile.TemporaryDirectory() as d:
-        async with Session(model, opt, log_dir=d, level=level, report=False, alerts=False) as s:
+        async with Session(model, opt, log_dir=d, **_options(variant)) as s:
             t0 = time.perf_counter()
             for step in range(steps):
                 opt.zero_grad(set_to_none=True)
@@ -64,25 +82,34 @@ async def _session(level: DebugLevel, steps: int, width: int) -> float:
                     opt.step()
                 await s.step_completed(step, loss=verdict.loss)
             elapsed = time.perf_counter() - t0
+            if s.overhead is not None:
+                measured.append(s.overhead)
     return elapsed / steps
 
 
 async def main(steps: int, width: int, rounds: int) -> None:
-    levels = list(DebugLevel)
-    times: dict[str, list[float]] = {"bare": [], **{lv.value: [] for lv in levels}}
+    variants = [lv.value for lv in DebugLevel] + [DEFAULT, BUDGET]
+    times: dict[str, list[float]] = {"bare": [], **{v: [] for v in variants}}
+    measured: dict[str, list[float]] = {v: [] for v in variants}
     await _bare(20, width)  # warm-up
     for _ in range(rounds):
         times["bare"].append(await _bare(steps, width))
-        for lv in levels:
-            times[lv.value].append(await _session(lv, steps, width))
+        for v in variants:
+            times[v].append(await _session(v, steps, width, measured[v]))
     base = statistics.median(times["bare"])
     params = sum(p.numel() for p in _setup(width)[0].parameters())
     print(f"model: MLP, {params:,} parameters, batch 128; {steps} steps x {rounds} rounds (median)")
-    print(f"{'variant':<10} {'ms/step':>9} {'overhead':>10}   seed 002 claims")
-    print(f"{'bare':<10} {base * 1e3:>9.3f} {'':>10}")
-    for lv in levels:
-        med = statistics.median(times[lv.value])
-        print(f"{lv.value:<10} {med * 1e3:>9.3f} {(med / base - 1) * 100:>9.1f}%   {CLAIMS[lv]}")
+    print(
+        f"{'variant':<11} {'ms/step':>8} {'ratio':>7} {'overhead':>9} {'self-measured':>14}   seed 002 claims"
+    )
+    print(f"{'bare':<11} {base * 1e3:>8.3f} {1.0:>6.3f}x")
+    for v in variants:
+        med = statistics.median(times[v])
+        own = f"{statistics.median(measured[v]) * 100:.1f}%" if measured[v] else "-"
+        print(
+            f"{v:<11} {med * 1e3:>8.3f} {med / base:>6.3f}x {(med / base - 1) * 100:>8.1f}%"
+            f" {own:>14}   {CLAIMS.get(v, '')}"
+        )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from ..probes import AnomalyArming, LeakDetector, StepProbe, StepProfiler, StepV
 from ..probes.anomaly_arming import RngState
 from ..recovery import SafePoint, ScalerMonitor, StepDecision
 from ..typing import Publisher
+from .budget import OverheadMeter
 from .verdict import TrainingStepResult, Verdict
 
 __all__ = ("Body", "StepBoundary", "Wait", "run_async", "run_blocking")
@@ -103,6 +104,8 @@ class StepBoundary:
         validator: checks ``training_step``'s inputs (None when off).
         output_checker: checks ``training_step``'s outputs (None when off).
         skip_non_finite: without recovery, advise skipping a non-finite step.
+        overhead_budget: the share of the step time the session may cost (``None``: measured,
+            not enforced); see :class:`~eventbus_debug.session.budget.OverheadMeter`.
         publish: how the async entries hand a finished step's event over (default:
             ``publish_nowait`` and one checkpoint); an ``EventBus.publish`` also waits for a
             flow-controlled log that is behind.
@@ -126,6 +129,7 @@ class StepBoundary:
         validator: InputValidator | None = None,
         output_checker: OutputChecker | None = None,
         skip_non_finite: bool = True,
+        overhead_budget: float | None = None,
         publish: Callable[[Event], Awaitable[None]] | None = None,
         flush: Callable[[], None] | None = None,
     ) -> None:
@@ -144,6 +148,8 @@ class StepBoundary:
         self.skip_non_finite = skip_non_finite
         self._publish = publish
         self._flush = flush
+        self.meter = OverheadMeter(probe, overhead_budget)
+        """The session's own cost per step (and the budget keeping it in bounds)."""
         self.step: int | None = None
         """The step being checked or last completed (None before the first)."""
         self.steps_completed = 0
@@ -214,11 +220,20 @@ class StepBoundary:
     # -- the bodies -------------------------------------------------------------------------------
 
     def _check(self, step: int, loss: torch.Tensor | float | None) -> Body[Verdict]:
+        meter = self.meter
+        started = meter.clock()
+        verdict = yield from self._safe_point(step, loss)
+        meter.add(meter.clock() - started)
+        return verdict
+
+    def _safe_point(self, step: int, loss: torch.Tensor | float | None) -> Body[Verdict]:
         self.step = step
         probe = self.probe
+        # The probe does not yield (checkpoint=False): the step's one turn of the event loop
+        # is step_completed's hand-over.
         verdict: StepVerdict = yield Wait(
-            lambda: probe.check_step(step, loss=loss),
-            lambda: probe.check_step_nowait(step, loss=loss),
+            lambda: probe.check_step(step, loss=loss, checkpoint=False),
+            lambda: probe.check_step_sync(step, loss=loss),
         )
         if verdict.overflow and self.amp is not None:
             self.amp.overflowed(verdict.step)
@@ -260,12 +275,17 @@ class StepBoundary:
         learning_rate: float | None,
         samples: int | None,
     ) -> Body[None]:
+        meter = self.meter
+        started = meter.clock()
         if self.profiler is not None:
             self.profiler.step(step)
         if self.amp is not None:
             self.amp.completed(step)
         event = self._completed_event(step, loss, learning_rate, samples)
         yield Wait(lambda: self._hand_over(event), lambda: self._hand_over_sync(event))
+        ended = meter.clock()
+        meter.add(ended - started)
+        meter.step_finished(ended)
 
     async def _hand_over(self, event: StepCompleted) -> None:
         if self._publish is not None:

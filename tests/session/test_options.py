@@ -51,6 +51,8 @@ class TestSessionOptions:
             ({"overhead_budget": 0}, ValueError, r"overhead_budget must be a number in \(0, 1\)"),
             ({"overhead_budget": 1.5}, ValueError, "overhead_budget"),
             ({"overhead_budget": "2%"}, ValueError, "overhead_budget"),
+            ({"overhead_budget": True}, ValueError, "overhead_budget"),
+            ({"overhead_budget": -0.02}, ValueError, "overhead_budget"),
             ({"log_dir": 3}, TypeError, "log_dir must be a path"),
             ({"name": None}, TypeError, "name must be a str"),
             ({"report": "yes"}, TypeError, "report must be True, False or a sink"),
