@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -79,3 +80,37 @@ class TestDaemonThreads:
         )
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.strip() == "done"
+
+
+class TestWorkerWakeUps:
+    async def test_a_cancelled_call_finishing_later_raises_nothing_in_the_loop(self) -> None:
+        """A call abandoned by its caller completes later without an error in the event loop."""
+        errors: list[dict[str, object]] = []
+        loop = asyncio.get_running_loop()
+        previous = loop.get_exception_handler()
+        loop.set_exception_handler(lambda _loop, context: errors.append(context))
+        try:
+            worker = DaemonWorker("test-worker")
+            release = threading.Event()
+            with anyio.move_on_after(0.05):
+                await worker.run(release.wait, 30)
+            release.set()
+            with anyio.fail_after(5):
+                # the next call runs after the abandoned one: its wake-up came and went
+                assert await worker.run(lambda: 7) == 7
+            worker.stop()
+        finally:
+            loop.set_exception_handler(previous)
+        assert errors == []
+
+    def test_one_worker_serves_two_event_loops_in_turn(self) -> None:
+        """A worker used from one event loop, then from another, wakes the right loop."""
+        worker = DaemonWorker("test-worker")
+
+        async def call(value: int) -> int:
+            with anyio.fail_after(5):
+                return await worker.run(lambda: value * 2)
+
+        assert anyio.run(call, 2) == 4
+        assert anyio.run(call, 5) == 10
+        worker.stop()

@@ -427,7 +427,10 @@ class Subscription:
                         handle = adapter.handle
                         assert handle is not None
                         await self._deliver_each(handle)
-                    # A sink that never awaits must still let the loop breathe.
+                    # A sink that never awaits must still let the loop breathe. Also when the
+                    # queue is empty: on a loop that publishes at every turn (a training loop),
+                    # resuming from a checkpoint costs less than a fresh waiter and its wake-up
+                    # (benchmarks/bench_step_loop.py, issue #13).
                     await anyio.lowlevel.checkpoint()
         finally:
             self._inflight_n = 0

@@ -20,6 +20,7 @@ from eventbus_debug import (
     SubscriptionError,
     event_type,
 )
+from eventbus_debug._bus import bus as _bus_module
 from eventbus_debug.events import (
     EventsDropped,
     EventsUndelivered,
@@ -617,6 +618,84 @@ class TestDrain:
             pass
         with anyio.fail_after(5):
             await bus.drain()
+
+
+@event_type
+class _Tripwire(Event):
+    """A test incident with a telemetry subclass (the counter cannot answer for it)."""
+
+    kind: ClassVar[str] = "test.bus.tripwire"
+    delivery: ClassVar[Delivery] = Delivery.INCIDENT
+
+
+@event_type
+class _QuietTripwire(_Tripwire):
+    """A telemetry subclass of an incident class."""
+
+    kind: ClassVar[str] = "test.bus.quiet_tripwire"
+    delivery: ClassVar[Delivery] = Delivery.TELEMETRY
+
+
+class TestUndispatchedIncidents:
+    async def test_telemetry_in_flight_is_no_incident(self, bus: EventBus) -> None:
+        """Only telemetry in flight: has_undispatched(incident type) is False, the type asked
+        for telemetry is True."""
+        bus.subscribe(RecordingSink())
+        bus.publish_many_nowait([StepCompleted(step=i) for i in range(100)])
+        assert not bus.has_undispatched(_Alarm)
+        assert not bus.has_undispatched(_Alarm, SinkFailed)
+        assert bus.has_undispatched(StepCompleted)
+        assert bus.has_undispatched(_Alarm, StepCompleted)
+
+    async def test_every_publish_path_counts_incidents(self, bus: EventBus) -> None:
+        """publish_nowait, publish_many_nowait and publish_threadsafe incidents are seen until
+        dispatched, then not any more."""
+        bus.subscribe(RecordingSink())
+        bus.publish_nowait(_Alarm(n=1))
+        assert bus.has_undispatched(_Alarm)
+        await bus.drain()
+        assert not bus.has_undispatched(_Alarm)
+        bus.publish_many_nowait([StepCompleted(step=1), _Alarm(n=2)])
+        assert bus.has_undispatched(_Alarm)
+        await bus.drain()
+        assert not bus.has_undispatched(_Alarm)
+        bus.publish_threadsafe(_Alarm(n=3), wake=False)
+        assert bus.has_undispatched(_Alarm)
+        await bus.drain()
+        assert not bus.has_undispatched(_Alarm)
+
+    async def test_an_incident_of_another_type_is_not_a_match(self, bus: EventBus) -> None:
+        """An undispatched SinkFailed does not count as an undispatched _Alarm."""
+        bus.subscribe(RecordingSink())
+        bus.publish_nowait(SinkFailed(sink="x", error_type="E", message="m"))
+        assert bus.has_undispatched(SinkFailed)
+        assert not bus.has_undispatched(_Alarm)
+        await bus.drain()
+
+    async def test_a_burst_longer_than_a_round_keeps_its_count(
+        self, bus: EventBus, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """After one dispatch round of a long burst, the incidents left in the buffer count."""
+        monkeypatch.setattr(_bus_module, "DISPATCH_ROUND", 4)
+        bus.subscribe(RecordingSink())
+        bus.publish_many_nowait([StepCompleted(step=i) for i in range(6)] + [_Alarm(n=1)])
+        bus._dispatch()  # one round, synchronously: the incident is in what is left
+        assert bus.has_undispatched(_Alarm)
+        bus._dispatch()
+        assert not bus.has_undispatched(_Alarm)
+        bus.publish_many_nowait([_Alarm(n=2)] + [StepCompleted(step=i) for i in range(6)])
+        bus._dispatch()  # the incident went out in the first round
+        assert not bus.has_undispatched(_Alarm)
+        assert bus.has_undispatched(StepCompleted)
+        await bus.drain()
+
+    async def test_a_telemetry_subclass_is_still_found(self, bus: EventBus) -> None:
+        """A telemetry subclass of an incident class is found by a scan, not missed."""
+        bus.subscribe(RecordingSink())
+        bus.publish_nowait(_QuietTripwire())
+        assert bus.has_undispatched(_Tripwire)
+        await bus.drain()
+        assert not bus.has_undispatched(_Tripwire)
 
 
 class TestCancel:
