@@ -11,7 +11,7 @@ import collections
 import inspect
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable
 from typing import Any, Final, Protocol, final
 
 import anyio
@@ -24,13 +24,13 @@ from ..events import (
     Event,
     EventsDropped,
     EventsUndelivered,
-    LoopStalled,
     SinkCloseFailed,
     SinkDisabled,
     SinkFailed,
     SinkUnresponsive,
 )
 from ._adapter import SinkAdapter
+from ._stalls import StallMeter, Timed
 from ._waiters import Waiter
 from .statistics import SubscriptionStatistics
 
@@ -46,10 +46,6 @@ FLOW_STALL_TIMEOUT: Final = 1.0
 """A flow-controlled sink that completes no batch for this long stops holding publishers back."""
 CLOSE_GRACE: Final = 1.0
 """Seconds granted to each sink's close (and to the last reports) once the deadline passed."""
-STALL_WINDOW: Final = 1.0
-"""Loop holds by one sink are summed over windows of this many seconds (see LoopStalled)."""
-STALL_SHARE: Final = 0.2
-"""A sink holding the loop this share of a window is reported even without one long hold."""
 
 
 class _Owner(Protocol):
@@ -98,11 +94,8 @@ class Subscription:
         "_sink_closed",
         "_staged_incidents",
         "_staged_telemetry",
-        "_stall_blocked",
-        "_stall_longest",
-        "_stall_threshold",
-        "_stall_window_start",
         "_stalled",
+        "_stalls",
         "_telemetry",
         "_waiter",
         "backpressure",
@@ -143,7 +136,7 @@ class Subscription:
         self.backpressure = backpressure
         self._max_failures = max_failures
         self._close_timeout = close_timeout
-        self._stall_threshold = stall_threshold
+        self._stalls = None if stall_threshold is None else StallMeter(stall_threshold)
         self._high_water = max(1, capacity // 2)
         self._low_water = capacity // 4
         self._incidents: collections.deque[Event] = collections.deque()
@@ -162,9 +155,6 @@ class Subscription:
         self._pressing = False  # holding back `await publish` (flow control)
         self._stalled = False  # made no progress while pressing: released until it does
         self._last_progress = 0.0
-        self._stall_window_start = 0.0
-        self._stall_blocked = 0.0
-        self._stall_longest = 0.0
         self.delivered = 0
         self.failed = 0
         self.shed = 0
@@ -391,11 +381,12 @@ class Subscription:
     def _start(self, tg: TaskGroup, new_waiter: Callable[[], Waiter]) -> None:
         """Start the pump task that feeds the sink."""
         self._done = anyio.Event()
-        self._stall_window_start = time.monotonic()
+        if self._stalls is not None:
+            self._stalls.restart()
         tg.start_soon(self._pump, new_waiter, name=f"eventbus-sink-{self.name}")
 
     def _call(self, coro: Awaitable[Any]) -> Awaitable[Any]:
-        return coro if self._stall_threshold is None else _Timed(coro, self)
+        return coro if self._stalls is None else Timed(coro, self._note_holds)
 
     async def _pump(self, new_waiter: Callable[[], Waiter]) -> None:
         adapter = self._adapter
@@ -533,38 +524,18 @@ class Subscription:
 
     def _note_holds(self, longest: float, total: float) -> None:
         """Account for how long one call of the sink held the loop; report a stall if due."""
-        threshold = self._stall_threshold
-        if threshold is None:
+        stalls = self._stalls
+        if stalls is None:
             return
-        now = time.monotonic()
-        self._stall_blocked += total
-        if longest > self._stall_longest:
-            self._stall_longest = longest
-        window = now - self._stall_window_start
-        if longest >= threshold or (
-            window >= STALL_WINDOW and self._stall_blocked >= STALL_SHARE * window
-        ):
+        report = stalls.note(self.name, longest, total)
+        if report is not None:
             _log.warning(
                 "sink_stalled_loop",
                 sink=self.name,
-                stall_s=round(self._stall_longest, 4),
-                blocked_s=round(self._stall_blocked, 4),
+                stall_s=round(report.stall_s, 4),
+                blocked_s=round(report.blocked_s, 4),
             )
-            self._report(
-                LoopStalled(
-                    source="eventbus",
-                    sink=self.name,
-                    stall_s=self._stall_longest,
-                    blocked_s=self._stall_blocked,
-                    window_s=max(window, longest),
-                    threshold_s=threshold,
-                )
-            )
-        elif window < STALL_WINDOW:
-            return
-        self._stall_window_start = now
-        self._stall_blocked = 0.0
-        self._stall_longest = 0.0
+            self._report(report)
 
     # -- leaving the bus -------------------------------------------------------------------
 
@@ -677,57 +648,3 @@ class Subscription:
                     thread_abandoned=abandoned,
                 )
             )
-
-
-class _Timed:
-    """Awaits a sink's coroutine, timing each synchronous slice of it (between two awaits).
-
-    A slice is time the event loop was held by the sink: nothing else (training included) ran.
-    The longest slice and their total go to :meth:`Subscription._note_holds` when the call
-    ends.
-    """
-
-    __slots__ = ("_coro", "_sub")
-
-    def __init__(self, coro: Awaitable[Any], sub: Subscription) -> None:
-        self._coro = coro
-        self._sub = sub
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro = self._coro
-        if not inspect.iscoroutine(coro):  # an awaitable object: not timed
-            return (yield from coro.__await__())
-        send = coro.send
-        clock = time.perf_counter
-        longest = 0.0
-        total = 0.0
-        value: Any = None
-        error: BaseException | None = None
-        try:
-            while True:
-                t0 = clock()
-                try:
-                    if error is None:
-                        yielded = send(value)
-                    else:
-                        err, error = error, None
-                        yielded = coro.throw(err)
-                except StopIteration as stop:
-                    dt = clock() - t0
-                    total += dt
-                    longest = max(longest, dt)
-                    return stop.value
-                dt = clock() - t0
-                total += dt
-                if dt > longest:
-                    longest = dt
-                try:
-                    value = yield yielded
-                except GeneratorExit:
-                    coro.close()
-                    raise
-                except BaseException as exc:  # a cancellation: hand it to the sink
-                    error = exc
-                    value = None
-        finally:
-            self._sub._note_holds(longest, total)
