@@ -59,7 +59,7 @@ def main() -> None:
         x = torch.randn(32, width)
 
         def step(model: nn.Module = model, x: torch.Tensor = x) -> None:
-            model(x).sum().backward()  # type: ignore[no-untyped-call]
+            model(x).sum().backward()
             model.zero_grad(set_to_none=True)
 
         arming = AnomalyArming(FirstNonFiniteLocator(model), step=lambda: 0)

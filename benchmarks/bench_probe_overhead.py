@@ -33,7 +33,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eventbus_debug import Event, EventBus
-from eventbus_debug.probes import Cadence, FirstNonFiniteLocator, StepProbe
+from eventbus_debug.probes import Cadence, DebugLevel, FirstNonFiniteLocator, StepProbe
 
 Step = Callable[[int], Awaitable[None]]
 
@@ -104,7 +104,7 @@ def variants(wl: Workload, bus: EventBus) -> dict[str, Step]:
     def forward_backward() -> torch.Tensor:
         x, y = wl.make_batch()
         loss = wl.loss_fn(model(x), y)
-        loss.backward()
+        torch.autograd.backward(loss)
         return loss
 
     def finish() -> None:
@@ -180,22 +180,31 @@ async def measure(wl: Workload, repeats: int) -> dict[str, list[float]]:
                 times[name].append((time.perf_counter() - start) / wl.steps * 1e3)
                 await bus.drain()
         times["(probe call alone, default set)"] = isolated_probe_ms(wl, bus)
+        for level in (DebugLevel.ADVANCED, DebugLevel.EXTREME):
+            times[f"(probe call alone, {level.value})"] = isolated_probe_ms(wl, bus, level)
     return times
 
 
-def isolated_probe_ms(wl: Workload, bus: EventBus, calls: int = 50) -> list[float]:
-    """ms per ``check_step_nowait`` on fixed gradients: the probe's own cost, less noisy."""
-    probe = StepProbe(wl.model, bus)
+def isolated_probe_ms(
+    wl: Workload, bus: EventBus, level: DebugLevel = DebugLevel.BASIC, calls: int = 50
+) -> list[float]:
+    """ms per ``check_step_sync`` on fixed gradients: the probe's own cost, less noisy.
+
+    At EXTREME the activation hooks are armed for the one forward pass that fills them, and
+    removed afterwards (the loops above never see them).
+    """
+    probe = StepProbe(wl.model, bus, level=level)
     x, y = wl.make_batch()
     wl.model.zero_grad()
     loss = wl.loss_fn(wl.model(x), y)
-    loss.backward()
+    torch.autograd.backward(loss)
     runs = []
     for _ in range(5):
         start = time.perf_counter()
         for i in range(calls):
-            probe.check_step_nowait(i, loss=loss)
+            probe.check_step_sync(i, loss=loss)
         runs.append((time.perf_counter() - start) / calls * 1e3)
+    probe.close()
     wl.model.zero_grad()
     return runs
 

@@ -135,15 +135,15 @@ class NormPlan:
         return pieces
 
 
-def assemble(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+def assemble(pieces: Sequence[torch.Tensor], *, flat: bool = False) -> torch.Tensor:
     """One 1-d vector of *pieces* (0-d tensors and 1-d vectors, on one device), in order.
 
-    All 0-d pieces, the common case, take one ``torch.stack`` (one kernel); dtypes promote
-    (an fp64 piece makes the vector fp64).
+    All 0-d pieces (*flat*: the caller knows it), the common case, take one ``torch.stack``
+    (one kernel); dtypes promote (an fp64 piece makes the vector fp64).
     """
     if not pieces:
         return torch.zeros(0, dtype=_F32)
-    if all(p.dim() == 0 for p in pieces):
+    if flat or all(p.dim() == 0 for p in pieces):
         return torch.stack(list(pieces))
     parts: list[torch.Tensor] = []
     run: list[torch.Tensor] = []

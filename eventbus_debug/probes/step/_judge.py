@@ -416,7 +416,8 @@ class Judge:
             self._vanish_reported = True
         if not (model_fired or dead):
             return []
-        layers = tuple(self._names[s] for s in (lay.grad_slots if all_zero else dead))
+        # by name: the order of the gradient plan is an implementation detail
+        layers = tuple(sorted(self._names[s] for s in (lay.grad_slots if all_zero else dead)))
         return [
             GradientVanished(
                 step=step,

@@ -275,6 +275,7 @@ class Launcher:
         with_state = (checks.params or checks.updates) and bool(self._state)
         host_loss: float | None = None
         lt: torch.Tensor | None = None
+        all_scalars = True  # no 1-d piece so far (a stacked group, a scaled or global vector)
         if checks.loss and loss is not None:
             if isinstance(loss, torch.Tensor):
                 # Checked in its own precision (a finite float64 loss of 1e39 is finite); the
@@ -294,6 +295,7 @@ class Launcher:
                 grad_numels = plan.numels
                 home = plan.home
                 present: list[torch.Tensor] = [grads[i] for i in planned.present]  # type: ignore[misc]
+                all_scalars = plan.flat and not planned.sharded and inverse_scale is None
                 fused = planned.fused(present, self._state) if with_state else None
                 state_norms: list[torch.Tensor] = []
                 if fused is not None:
@@ -337,7 +339,8 @@ class Launcher:
             update_base=update_base,
             activations=activations,
         )
-        return Pending(layout, assemble(pieces), grads, self._pool)
+        flat = all_scalars and not (with_state or update_slots or activations)
+        return Pending(layout, assemble(pieces, flat=flat), grads, self._pool)
 
     @staticmethod
     def _scaled(
