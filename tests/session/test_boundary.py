@@ -13,7 +13,7 @@ from eventbus_debug.events import Event, StepCompleted, StepSkipped
 from eventbus_debug.extras import InputSpec
 from eventbus_debug.extras.validation import InputValidator, ValidationPolicy
 from eventbus_debug.probes import StepProbe
-from eventbus_debug.session.boundary import Body, StepBoundary, Wait, run_async, run_blocking
+from eventbus_debug.session.boundary import Body, StepBoundary, run_async, run_blocking
 
 from ._helpers import batch, setup
 
@@ -39,8 +39,8 @@ def _body(log: list[str]) -> Body[tuple[str, str]]:
         return "async-b"
 
     try:
-        first: str = yield Wait(wait_a, lambda: "block-a")
-        second: str = yield Wait(wait_b, lambda: "block-b")
+        first: str = yield (wait_a, lambda: "block-a")
+        second: str = yield (wait_b, lambda: "block-b")
         return first, second
     finally:
         log.append("closed")
@@ -63,7 +63,7 @@ class TestDrivers:
 
         def body() -> Body[str]:
             try:
-                value: str = yield Wait(_never, fail)
+                value: str = yield (_never, fail)
                 return value
             finally:
                 log.append("closed")
