@@ -295,7 +295,7 @@ class Launcher:
                 grad_numels = plan.numels
                 home = plan.home
                 present: list[torch.Tensor] = [grads[i] for i in planned.present]  # type: ignore[misc]
-                all_scalars = plan.flat and not planned.sharded and inverse_scale is None
+                all_scalars = plan.flat and not planned.sharded
                 fused = planned.fused(present, self._state) if with_state else None
                 state_norms: list[torch.Tensor] = []
                 if fused is not None:
@@ -346,13 +346,15 @@ class Launcher:
     def _scaled(
         norms: list[torch.Tensor], shards: bool, inverse_scale: torch.Tensor | None
     ) -> list[torch.Tensor]:
-        """*norms* as they are, or as one global, unscaled vector (DTensor shards, AMP scale)."""
-        if not shards and inverse_scale is None:
-            return norms
-        vector = global_norms(assemble(norms))
+        """*norms* unscaled (one fused multiply) and, for DTensor shards, as one global vector."""
+        if shards:  # reduce over the mesh first: DTensors do not mix with plain tensors
+            vector = global_norms(assemble(norms))
+            if inverse_scale is not None:
+                vector = vector * inverse_scale.to(device=vector.device, dtype=vector.dtype)
+            return [vector]
         if inverse_scale is not None:
-            vector = vector * inverse_scale.to(device=vector.device, dtype=vector.dtype)
-        return [vector]
+            norms = list(torch._foreach_mul(norms, inverse_scale.to(norms[0].device)))
+        return norms
 
     def _updates(
         self, step: int, checks: Checks, pieces: list[torch.Tensor]

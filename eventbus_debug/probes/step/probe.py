@@ -398,4 +398,6 @@ class StepProbe:
             stage = states.get(id(self._optimizer), {}).get("stage")
             if getattr(stage, "name", "") == "UNSCALED":
                 return None
-        return scale.double().reciprocal()
+        # The scale is a float32 power of two (growth and backoff factors 2 and 0.5 by
+        # default): its reciprocal is exact, and one kernel.
+        return scale.reciprocal()

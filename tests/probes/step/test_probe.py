@@ -440,3 +440,25 @@ class TestDeviceSide:
             mlp.zero_grad()
         fired = [e for e in sink.events if isinstance(e, GradientVanished)]
         assert len(fired) == 1 and not fired[0].all_zero and fired[0].mean_abs < 1e-3
+
+    def test_fused_parameter_norms_sit_after_the_mean_abs_pass(self, mlp: nn.Sequential) -> None:
+        """Step 0 runs gradients, mean |grad| and parameters in one plan: each value is right."""
+        probe = StepProbe(mlp)
+        loss = mse_step(mlp, 0)
+        verdict = probe.check_step_sync(0, loss=loss)
+        params = torch.nn.utils.get_total_norm([p.detach() for p in mlp.parameters()])
+        grads = torch.nn.utils.get_total_norm(grads_of(mlp))
+        assert verdict.param_norm == pytest.approx(params.item(), rel=1e-5)
+        assert verdict.grad_norm == pytest.approx(grads.item(), rel=1e-5)
+
+    def test_scaled_gradients_are_judged_unscaled(self, mlp: nn.Sequential) -> None:
+        """Under a GradScaler the norm is the unscaled one, divided on the device."""
+        opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        probe = StepProbe(mlp, scaler=scaler, optimizer=opt)
+        x, y = batch(0)
+        loss = nn.functional.mse_loss(mlp(x), y)
+        scaler.scale(loss).backward()  # type: ignore[no-untyped-call]
+        verdict = probe.check_step_sync(0, loss=loss)
+        unscaled = torch.nn.utils.get_total_norm(grads_of(mlp)).item() / 1024.0
+        assert verdict.grad_norm == pytest.approx(unscaled, rel=1e-5) and verdict.ok
