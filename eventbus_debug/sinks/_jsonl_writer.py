@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Final, TypeVar
 
@@ -124,7 +125,10 @@ class JsonlWriter:
         self._fsync = fsync
         self._buffer_size = buffer_size
         self._max_pending = max_pending_bytes
-        self._wake_interval = wake_interval
+        # The background thread's tick: the write-behind interval, or the flush interval when
+        # only that is set; no thread at all when neither is (every write is waited for).
+        ticks = [t for t in (wake_interval, flush_interval) if t > 0]
+        self._tick: float | None = min(ticks) if ticks else None
         self._wake_events = wake_events
 
         self._lock = threading.Lock()  # guards the file state below; held across disk writes
@@ -201,14 +205,9 @@ class JsonlWriter:
             raise deferred
         return backlog
 
-    @property
-    def backlog(self) -> int:
-        """Events handed over and not encoded yet."""
-        return self._backlog_events
-
     def _start_thread(self) -> None:
         with self._backlog_lock:
-            if self._thread is not None or self._closed:
+            if self._thread is not None or self._closed or self._tick is None:
                 return
             self._thread = threading.Thread(
                 target=self._run, name=f"eventbus-log-{self.name}", daemon=True
@@ -219,7 +218,7 @@ class JsonlWriter:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self._wake_interval)
+            self._wake.wait(self._tick)
             self._wake.clear()
             with self._lock:
                 if self._closed:
@@ -256,8 +255,8 @@ class JsonlWriter:
             self._write_batch_locked(events)
             if deferred is not None:
                 raise deferred
-        if self._thread is None and self._flush_interval > 0:
-            self._start_thread()
+        if self._thread is None:
+            self._start_thread()  # the interval flusher, when flush_interval > 0
 
     def write_pending(self) -> None:
         """Write the backlog now (an incident, or a backlog over the high-water mark).
@@ -279,7 +278,7 @@ class JsonlWriter:
             self._backlog_events = 0
         if not batches:
             return
-        events = batches[0] if len(batches) == 1 else [e for batch in batches for e in batch]
+        events = batches[0] if len(batches) == 1 else list(chain.from_iterable(batches))
         self._write_batch_locked(events)
 
     def _write_batch_locked(self, events: Sequence[Event]) -> None:

@@ -8,10 +8,17 @@
 ``.gz`` appended when compressed.
 
 All file I/O — encoding a batch, the write, renames, gzip, fsync — runs in the sink's own daemon
-thread, never on the event loop; a write that hangs (a dead network disk) is abandoned at close
-and never keeps the process alive. A batch is encoded into one buffer and written with one system
-call (more only when the batch crosses a rotation boundary: a line is never split between two
-files).
+threads (``_jsonl_writer``), never on the event loop; a write that hangs (a dead network disk) is
+abandoned at close and never keeps the process alive. The log stays off the training step's
+path: :meth:`~RotatingFileSink.handle_batch` hands a telemetry batch to the writer thread and
+returns without waiting (no thread round trip, no wake-up of the event loop); the thread writes
+what was handed over every ``wake_interval`` seconds (200 ms), sooner when 4,096 events wait. A
+batch holding an incident is written before ``handle_batch`` returns, so an incident is in the
+file (with everything before it) as soon as the bus has handled it; past ``high_water`` events
+waiting, a batch waits for the writer (flow control, nothing dropped). ``flush()``, ``rotate()``
+and the close write everything. ``wake_interval=0`` writes each batch before returning.
+What is handed over is encoded into one buffer and written with one system call (more only when
+it crosses a rotation boundary: a line is never split between two files).
 
 The log is the one sink that must not shed: it asks the bus for a large queue
 (``queue_capacity``) and for flow control (``backpressure``), so ``await bus.publish(...)``
@@ -133,10 +140,11 @@ class RotatingFileSink:
             deleted. Must be >= 1 when rotating.
         compress: gzip rotated files (``events.jsonl.1.gz``); compression runs in the worker
             thread during rotation.
-        flush_interval: ``0`` (default) writes every batch to the operating system as it
-            arrives, so a killed process loses nothing already handled. A positive value
-            buffers up to ``buffer_size`` bytes and writes at least every this many seconds
-            (from a background thread) and on close.
+        flush_interval: ``0`` (default) writes what the writer encodes to the operating system
+            at once (with write-behind, a killed process loses at most the last
+            ``wake_interval`` of telemetry, never an incident the bus handled). A positive
+            value buffers up to ``buffer_size`` bytes and writes at least every this many
+            seconds (from the writer thread) and on close.
         fsync: also ``os.fsync`` the file after every write and at close (survives power loss;
             costs a disk round trip per write).
         rank: the rank whose file this is; defaults to :func:`eventbus_debug.current_rank`.

@@ -15,12 +15,19 @@ import torch
 from torch import nn
 
 from eventbus_debug import Session
-from eventbus_debug.events import GradientExploded, NonFiniteDetected, StepCompleted, TensorRole
+from eventbus_debug.events import (
+    Event,
+    GradientExploded,
+    NonFiniteDetected,
+    StepCompleted,
+    TensorRole,
+)
+from eventbus_debug.typing import BatchSink
 
 pytest.importorskip("tensorboard")
 
 
-async def _train(sink: object, steps: int = 12, nan_step: int = 6) -> None:
+async def _train(sink: BatchSink[Event], steps: int = 12, nan_step: int = 6) -> None:
     """A tiny seeded run at ADVANCED level with a NaN injected at *nan_step*."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))

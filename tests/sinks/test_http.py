@@ -154,7 +154,7 @@ class TestEndpoints:
     def test_bad_level_target(self) -> None:
         """A level target without set_level, level or __call__ is refused."""
         with pytest.raises(TypeError, match="set_level"):
-            DebugServer(level=42)
+            DebugServer(level=42)  # type: ignore[arg-type]
 
     async def test_live_report_at_root(self, tmp_path: Path) -> None:
         """GET / serves the live report page, with a script-free Content-Security-Policy."""

@@ -564,6 +564,22 @@ class TestWriteBehind:
         assert kinds == [*(("step_completed", i) for i in range(4)), ("non_finite_detected", 4)]
         await sink.aclose()
 
+    async def test_no_background_thread_when_every_write_is_waited_for(
+        self, tmp_path: Path
+    ) -> None:
+        """wake_interval=0 without a flush interval starts no thread; with one, it flushes."""
+        plain = RotatingFileSink(tmp_path / "a", wake_interval=0)
+        await plain.handle_batch(_steps(0, 2))
+        assert plain.statistics().lines_written == 2
+        assert plain._writer._thread is None
+        await plain.aclose()
+        timed = RotatingFileSink(tmp_path / "b", wake_interval=0, flush_interval=0.01)
+        await timed.handle_batch(_steps(0, 3))
+        with anyio.fail_after(5):
+            while timed.statistics().lines_written < 3:
+                await anyio.sleep(0.01)
+        await timed.aclose()
+
     async def test_high_water_makes_the_batch_wait(self, tmp_path: Path) -> None:
         """Past high_water events waiting, handle_batch writes them all before returning."""
         sink = RotatingFileSink(tmp_path, wake_interval=3600.0, high_water=10)
