@@ -3,32 +3,18 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import pytest
 import torch
 from torch import nn
 
-from eventbus_debug.events import Event, StepCompleted, StepSkipped
+from eventbus_debug.events import StepCompleted, StepSkipped
 from eventbus_debug.extras import InputSpec
 from eventbus_debug.extras.validation import InputValidator, ValidationPolicy
 from eventbus_debug.probes import StepProbe
 from eventbus_debug.session.boundary import Body, StepBoundary, run_async, run_blocking
 
-from ._helpers import batch, setup
-
-
-class _Publisher:
-    """A Publisher double that keeps what it was given."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def publish_nowait(self, event: Event, /) -> None:
-        self.events.append(event)
-
-    def publish_many_nowait(self, events: Iterable[Event], /) -> None:
-        self.events.extend(events)
+from ._helpers import Collect, batch, setup
 
 
 def _body(log: list[str]) -> Body[tuple[str, str]]:
@@ -82,9 +68,9 @@ def _boundary(
     optimizer: bool = True,
     skip_non_finite: bool = True,
     validator: InputValidator | None = None,
-) -> tuple[StepBoundary, _Publisher, list[int], nn.Module]:
+) -> tuple[StepBoundary, Collect, list[int], nn.Module]:
     model, opt = setup()
-    publisher = _Publisher()
+    publisher = Collect()
     flushes: list[int] = []
     boundary = StepBoundary(
         model=model,

@@ -18,7 +18,7 @@ from eventbus_debug.session.boundary import StepBoundary
 from eventbus_debug.session.budget import MAX_STRETCH, OverheadMeter
 from eventbus_debug.testing import RecordingSink
 
-from ._helpers import batch, setup
+from ._helpers import Collect, batch, setup
 
 
 def _meter(budget: float | None, *, window: int = 4) -> OverheadMeter:
@@ -92,7 +92,7 @@ def test_non_finite_caught_every_step_under_the_budget() -> None:
     model, opt = setup()
     probe = StepProbe(model)
     boundary = StepBoundary(
-        model=model, optimizer=opt, name="t", publisher=_Null(), probe=probe, overhead_budget=0.01
+        model=model, optimizer=opt, name="t", publisher=Collect(), probe=probe, overhead_budget=0.01
     )
     ticks: Iterator[float] = (0.001 * i for i in range(10**6))
     boundary.meter = OverheadMeter(probe, 0.01, window=1, clock=lambda: next(ticks))
@@ -109,14 +109,6 @@ def test_non_finite_caught_every_step_under_the_budget() -> None:
         boundary.completed_sync(step)
     assert min(stretch_at_nan) >= 8  # the costly checks ran 8x less often, or less
     assert probe.cadence.grad_every == 1
-
-
-class _Null:
-    def publish_nowait(self, event: object, /) -> None:
-        del event
-
-    def publish_many_nowait(self, events: object, /) -> None:
-        del events
 
 
 async def test_one_yield_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
