@@ -21,6 +21,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Final
 
+from typing_extensions import Self
+
+from ..levels import Thresholds
+
 __all__ = (
     "ExplosionDetector",
     "ExplosionVerdict",
@@ -192,6 +196,19 @@ class LossSpikeDetector:
         self._tail = 0.0
         self.tail_decay = tail_decay
 
+    @classmethod
+    def from_thresholds(cls, th: Thresholds) -> Self:
+        """The detector the ``spike_*`` fields of *th* describe."""
+        return cls(
+            window=th.spike_window,
+            warmup=th.spike_warmup,
+            rtol=th.spike_rtol,
+            atol=th.spike_atol,
+            mad_factor=th.spike_mad,
+            scale_tol=th.spike_scale_tol,
+            patience=th.spike_patience,
+        )
+
     def reset(self) -> None:
         """Forget the window and the streak (after a restore: the loss level is the snapshot's)."""
         self._window.clear()
@@ -291,6 +308,11 @@ class ExplosionDetector:
         self.cap = cap
         self.floor = floor
         self._largest = 0.0
+
+    @classmethod
+    def from_thresholds(cls, th: Thresholds) -> Self:
+        """The detector the ``explosion*`` fields of *th* describe."""
+        return cls(window=th.explosion_window, factor=th.explosion_factor, cap=th.explosion)
 
     @property
     def largest(self) -> float:

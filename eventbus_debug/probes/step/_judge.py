@@ -127,18 +127,8 @@ class Judge:
     @thresholds.setter
     def thresholds(self, th: Thresholds) -> None:
         self._thresholds = th
-        self._spikes = LossSpikeDetector(
-            window=th.spike_window,
-            warmup=th.spike_warmup,
-            rtol=th.spike_rtol,
-            atol=th.spike_atol,
-            mad_factor=th.spike_mad,
-            scale_tol=th.spike_scale_tol,
-            patience=th.spike_patience,
-        )
-        self._explosions = ExplosionDetector(
-            window=th.explosion_window, factor=th.explosion_factor, cap=th.explosion
-        )
+        self._spikes = LossSpikeDetector.from_thresholds(th)
+        self._explosions = ExplosionDetector.from_thresholds(th)
 
     def rebaseline(self) -> None:
         """Restart the loss-spike and explosion windows (after a restore)."""

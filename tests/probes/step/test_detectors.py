@@ -12,16 +12,7 @@ from eventbus_debug.probes.step._detectors import ExplosionDetector, LossSpikeDe
 
 
 def spikes() -> LossSpikeDetector:
-    th = Thresholds()
-    return LossSpikeDetector(
-        window=th.spike_window,
-        warmup=th.spike_warmup,
-        rtol=th.spike_rtol,
-        atol=th.spike_atol,
-        mad_factor=th.spike_mad,
-        scale_tol=th.spike_scale_tol,
-        patience=th.spike_patience,
-    )
+    return LossSpikeDetector.from_thresholds(Thresholds())
 
 
 def flagged(values: list[float]) -> list[tuple[int, str]]:
@@ -125,3 +116,13 @@ class TestExplosions:
         detector = ExplosionDetector(window=50, factor=10.0, cap=1e6)
         fired = [i for i in range(20_000) if detector.observe(rng.lognormvariate(0.0, 0.5))]
         assert fired == []
+
+
+def test_detectors_are_built_from_the_thresholds() -> None:
+    """from_thresholds reads the spike_* and explosion* fields of a Thresholds."""
+    th = Thresholds(spike_window=7, spike_patience=3, explosion=5.0, explosion_factor=4.0)
+    spike = LossSpikeDetector.from_thresholds(th)
+    boom = ExplosionDetector.from_thresholds(th)
+    assert (spike.patience, spike.rtol, spike.mad_factor) == (3, th.spike_rtol, th.spike_mad)
+    assert (boom.cap, boom.factor) == (5.0, 4.0)
+    assert boom.observe(6.0) is not None  # the cap applies from the first check
