@@ -31,7 +31,12 @@ from eventbus_debug.events import (
     StepCompleted,
 )
 from eventbus_debug.log.files import ReadStatistics
-from eventbus_debug.sinks import ConsoleSink, RotatingFileSink, rotating_file as rf
+from eventbus_debug.sinks import (
+    ConsoleSink,
+    RotatingFileSink,
+    _jsonl_writer as jw,
+    rotating_file as rf,
+)
 from eventbus_debug.testing import RecordingSink
 
 
@@ -275,13 +280,13 @@ class TestSinkHealth:
             return os.write(fd, data)
 
         recorder = RecordingSink()
-        sink = RotatingFileSink(tmp_path)
+        sink = RotatingFileSink(tmp_path, wake_interval=0)  # each batch written before it returns
         try:
             with anyio.fail_after(10):
                 async with EventBus(close_timeout=0.2) as bus:
                     bus.subscribe(recorder)
                     bus.subscribe(sink)
-                    monkeypatch.setattr(rf, "_write_some", hung_write)
+                    monkeypatch.setattr(jw, "_write_some", hung_write)
                     for i in range(10):
                         bus.publish_nowait(StepCompleted(step=i))
             assert sink.thread_busy
@@ -380,13 +385,13 @@ class TestSinkHealth:
             return os.write(fd, data)
 
         clock = [0.0]
-        monkeypatch.setattr(rf, "_clock", lambda: clock[0])
+        monkeypatch.setattr(jw, "_clock", lambda: clock[0])
         recorder = RecordingSink()
-        sink = RotatingFileSink(tmp_path)
+        sink = RotatingFileSink(tmp_path, wake_interval=0)  # each batch written before it returns
         async with EventBus() as bus:
             bus.subscribe(recorder, SinkFailed)
             sub = bus.subscribe(sink)
-            monkeypatch.setattr(rf, "_write_some", full)
+            monkeypatch.setattr(jw, "_write_some", full)
             for i in range(40):
                 clock[0] += 10.0  # past every backoff: each batch retries
                 bus.publish_nowait(StepCompleted(step=i))
