@@ -133,7 +133,6 @@ class StepProbe:
         self.cadence = cadence or Cadence()
         self.deferred = bool(deferred)
         self.offload_numel = positive_int("offload_numel", offload_numel)
-        self.source = source
         named = [
             (n, p)
             for n, p in model.named_parameters()  # remove_duplicate=True: tied weights once
@@ -198,6 +197,15 @@ class StepProbe:
             raise TypeError(msg)
         with self._lock:
             self._judge.thresholds = value
+
+    @property
+    def source(self) -> str:
+        """The ``source`` stamped on events; assignable."""
+        return self._judge.source
+
+    @source.setter
+    def source(self, value: str) -> None:
+        self._judge.source = value
 
     @property
     def global_spikes(self) -> bool:

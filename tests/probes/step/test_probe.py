@@ -462,3 +462,12 @@ class TestDeviceSide:
         verdict = probe.check_step_sync(0, loss=loss)
         unscaled = torch.nn.utils.get_total_norm(grads_of(mlp)).item() / 1024.0
         assert verdict.grad_norm == pytest.approx(unscaled, rel=1e-5) and verdict.ok
+
+    def test_source_is_stamped_and_assignable(self, mlp: nn.Sequential) -> None:
+        """Events carry the probe's source; assigning a new one applies to the next step."""
+        sink = RecordingPublisher()
+        probe = StepProbe(mlp, sink, source="first")
+        probe.check_step_sync(0, loss=mse_step(mlp, 0))
+        probe.source = "second"
+        probe.check_step_sync(1, loss=mse_step(mlp, 1))
+        assert [e.source for e in sink.events] == ["first", "second"]
