@@ -225,7 +225,7 @@ def _install_fast_init(cls: type[Event]) -> None:
     """
     if hasattr(cls, "__post_init__"):
         return
-    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    fields = dataclasses.fields(cls)
     params = list(inspect.signature(cls.__init__).parameters)[1:]
     if params != [f.name for f in fields] or not all(f.init and f.kw_only for f in fields):
         return
