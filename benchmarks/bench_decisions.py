@@ -54,8 +54,8 @@ measurement) unless ``--check`` is given and a target fails.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
-import inspect
 import logging
 import math
 import statistics
@@ -76,7 +76,7 @@ from torch.optim.lr_scheduler import CyclicLR, LambdaLR, LRScheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eventbus_debug import Anomaly, Event, Session, TrainingStopped
+from eventbus_debug import Anomaly, Event, Session, SessionOptions, TrainingStopped
 from eventbus_debug.events import RecoveryAction, RecoveryApplied, StepSkipped
 
 DEFAULT_STEPS: Final = 20_000
@@ -733,8 +733,8 @@ class _Tally:
 
 def session_options() -> tuple[str, ...]:
     """The optional ``Session`` arguments this library version accepts (scheduler, scaler)."""
-    params = inspect.signature(Session).parameters
-    return tuple(p for p in ("scheduler", "scaler") if p in params)
+    knobs = {f.name for f in dataclasses.fields(SessionOptions)}
+    return tuple(p for p in ("scheduler", "scaler") if p in knobs)
 
 
 @dataclass(slots=True)
