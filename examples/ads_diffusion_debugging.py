@@ -73,7 +73,7 @@ async def main(train_steps: int = 60, timesteps: int = 50, size: int = 16) -> di
             torch.autograd.backward(loss)
             if (await session.check_step(step, loss=loss)).should_step:
                 optimizer.step()
-            await session.update_progress_async(step=step, loss=loss)
+            await session.step_completed(step, loss=loss)
         # sampling (DDIM-like, deterministic), monitored per denoising step
         monitor = LatentMonitor(max_norm_ratio=3.0)
         for run, broken in enumerate((False, True)):

@@ -26,12 +26,14 @@ from .recovery import (
     HandledError as HandledError,
 )
 from .session import (
+    AsyncTrainingLogger as AsyncTrainingLogger,
     create_pytorch_debugger as create_pytorch_debugger,
     debug_training_session as debug_training_session,
     debug_training_step as debug_training_step,
 )
 
 __all__ = (
+    "AsyncTrainingLogger",
     "DebugDecorator",
     "ErrorHandler",
     "GradientReport",

@@ -1,5 +1,6 @@
-"""Seed 001's entry points: ``create_pytorch_debugger``, ``debug_training_session`` and
-``debug_training_step``, as thin layers over :class:`~eventbus_debug.Session`."""
+"""The seeds' session entry points (``create_pytorch_debugger``, ``debug_training_session``,
+``debug_training_step``, ``AsyncTrainingLogger``), as thin layers over
+:class:`~eventbus_debug.Session`."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..session import DebugMode, Session, TrainingStepResult
+from ..events import TensorRole
+from ..session import DebugMode, Session, TrainingStepResult, Verdict
 from ..session.options import DEFAULT_LOG_DIR
 
-__all__ = ("create_pytorch_debugger", "debug_training_session", "debug_training_step")
+__all__ = (
+    "AsyncTrainingLogger",
+    "create_pytorch_debugger",
+    "debug_training_session",
+    "debug_training_step",
+)
 
 
 def create_pytorch_debugger(
@@ -80,3 +87,48 @@ async def debug_training_step(
         return await session.training_step(inputs, targets, loss_fn, step=step)
     async with Session(model, optimizer, log_dir=None, alerts=False, report=False) as s:
         return await s.training_step(inputs, targets, loss_fn, step=step)
+
+
+class AsyncTrainingLogger:
+    """Seed 002's ``AsyncTrainingLogger`` calls over a running :class:`~eventbus_debug.Session`.
+
+    Each ``*_async`` method is the session's own call under the seed's name:
+    ``check_tensor_anomalies_async`` is :meth:`Session.check_tensor`,
+    ``check_gradient_anomalies_async`` is :meth:`Session.check_step`, and
+    ``update_progress_async`` is :meth:`Session.step_completed`.
+
+    Raises:
+        TypeError: if *session* is not a :class:`~eventbus_debug.Session`.
+    """
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: Session) -> None:
+        if not isinstance(session, Session):
+            msg = f"session must be an eventbus_debug.Session, got {session!r}"
+            raise TypeError(msg)
+        self.session = session
+
+    async def check_tensor_anomalies_async(
+        self, tensor: object, name: str, *, role: TensorRole = TensorRole.ACTIVATION
+    ) -> bool:
+        """True when every value of *tensor* is finite (see :meth:`Session.check_tensor`)."""
+        return await self.session.check_tensor(tensor, name, role=role)
+
+    async def check_gradient_anomalies_async(self, step: int | None = None) -> Verdict:
+        """Check the model's gradients now: the session's safe point at *step* (or the next)."""
+        if step is None:
+            step = 0 if self.session.step is None else self.session.step + 1
+        return await self.session.check_step(step)
+
+    async def update_progress_async(
+        self,
+        *,
+        step: int,
+        loss: float | torch.Tensor | None = None,
+        learning_rate: float | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        """Record the step (*epoch* is accepted for compatibility; steps are numbered globally)."""
+        del epoch
+        await self.session.step_completed(step, loss=loss, learning_rate=learning_rate)

@@ -4,7 +4,7 @@ After a non-finite incident the first-NaN locator must run, bounded in time. Two
 
 - **replay** (:meth:`AnomalyArming.replay`): a session's ``training_step`` has the batch, so it
   replays the failed step once with the hooks armed and publishes the
-  :class:`~eventbus_debug.AnomalyLocalized` of that step;
+  :class:`~eventbus_debug.events.AnomalyLocalized` of that step;
 - **the next passes**: a loop that only calls ``check_step`` gives no batch to replay. The
   incident then arms the hooks for the next *passes* forward/backward passes of the model, each
   pass judged when the next one starts (or at :meth:`AnomalyArming.close`), and disarms them as

@@ -9,7 +9,7 @@ Two ways in:
 
 Each capture is exported as a Chrome trace in a worker thread, gzipped, kept in a
 :class:`TraceStore` that deletes the oldest traces beyond a count and a total size, and
-announced by a :class:`~eventbus_debug.ProfileCaptured` event naming the file and the operators
+announced by a :class:`~eventbus_debug.events.ProfileCaptured` event naming the file and the operators
 with the largest self CPU time.
 """
 
@@ -198,7 +198,7 @@ class profiling:
     Args:
         directory: where traces go (a path or a :class:`TraceStore`; None: no file, only
             the top operators).
-        bus: where the :class:`~eventbus_debug.ProfileCaptured` is published (None: none).
+        bus: where the :class:`~eventbus_debug.events.ProfileCaptured` is published (None: none).
         max_traces, max_bytes: the store's caps when *directory* is a path.
         top: how many operators the event lists.
         activities: profiler activities (default CPU, plus CUDA when available).
@@ -301,7 +301,7 @@ class StepProfiler:
                 profiler.step(step)
 
     Args:
-        bus: where :class:`~eventbus_debug.ProfileCaptured` events are published.
+        bus: where :class:`~eventbus_debug.events.ProfileCaptured` events are published.
         directory: where traces go (a path or a :class:`TraceStore`; None: top operators only).
         schedule: the window an :meth:`arm` opens.
         max_traces, max_bytes: the store's caps when *directory* is a path.

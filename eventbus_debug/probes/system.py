@@ -1,9 +1,9 @@
 """The system-resource sampler: CPU, memory, disk (and GPU through NVML) on a timer.
 
-Seed 000's ``PerformanceMonitor``, off the training path: the sampler runs as its own task,
+System resources, off the training path: the sampler runs as its own task,
 its psutil / NVML calls run in a worker thread (``anyio.to_thread.run_sync``), and it publishes
-:class:`~eventbus_debug.SystemSampled` telemetry plus a
-:class:`~eventbus_debug.ResourceThresholdExceeded` incident when a metric stays above its
+:class:`~eventbus_debug.events.SystemSampled` telemetry plus a
+:class:`~eventbus_debug.events.ResourceThresholdExceeded` incident when a metric stays above its
 threshold for ``sustain`` consecutive readings (pressure, not a spike), once per episode: the
 metric must fall back below ``threshold - hysteresis`` to re-arm. CPU is not watched by default:
 a CPU kept busy by training is what training does.
@@ -206,7 +206,7 @@ class MetricSummary:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SystemSummary:
-    """Seed 000's ``get_performance_summary``: statistics per metric over the sampled period.
+    """Statistics per metric over the sampled period.
 
     Attributes:
         samples: how many readings were taken.
@@ -247,8 +247,8 @@ class SystemSampler:
 
     Run it as a task: ``async with SystemSampler(bus):`` (it starts its own task group) or
     ``tg.start_soon(sampler.run)`` in yours. Each reading runs in a worker thread and is
-    published as a :class:`~eventbus_debug.SystemSampled`; a metric above its threshold
-    publishes one :class:`~eventbus_debug.ResourceThresholdExceeded` per crossing.
+    published as a :class:`~eventbus_debug.events.SystemSampled`; a metric above its threshold
+    publishes one :class:`~eventbus_debug.events.ResourceThresholdExceeded` per crossing.
 
     Args:
         bus: the bus to publish onto (an :class:`~eventbus_debug.EventBus`; None: only

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .._bus import Subscription
-from ..events import Event, SessionEnded, SessionStarted
+from ..events import Event, NonFiniteDetected, SessionEnded, SessionStarted, TensorRole
 from ..exceptions import TrainingStopped
 from ..extras.debug_context import DebugContext, debug_context
 from ..extras.validation import InputValidator, OutputChecker
@@ -23,6 +23,7 @@ from ..probes import (
     StepProfiler,
     SystemSampler,
 )
+from ..probes.finite import non_finite_counts
 from ..recovery import RecoveryEngine, SafePoint, ScalerMonitor
 from ..recovery.agreement import AGREE_TIMEOUT, Agreement, agreement_for
 from ..typing import Publisher
@@ -283,6 +284,21 @@ class SessionBase(Generic[BusT]):
             RuntimeError: if the session is not running.
         """
         self._running().publisher.publish_nowait(event)
+
+    def _check_tensor(self, tensor: object, name: str, role: TensorRole) -> bool:
+        counts = non_finite_counts(tensor, name=name)
+        if not counts.finite:
+            self.publish(
+                NonFiniteDetected(
+                    step=self.step,
+                    source=self.name,
+                    role=role,
+                    names=counts.non_finite,
+                    nan_count=counts.nan_count,
+                    inf_count=counts.inf_count,
+                )
+            )
+        return counts.finite
 
     def debug_context(self, name: str, *, detect_anomaly: bool = False) -> DebugContext:
         """:func:`~eventbus_debug.extras.debug_context` publishing on this session, stamped with

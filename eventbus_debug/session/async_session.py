@@ -15,9 +15,8 @@ from typing_extensions import Self, Unpack
 
 from .._bus import EventBus
 from ..diagnostics import get_logger
-from ..events import Anomaly, NonFiniteDetected, TensorRole
+from ..events import Anomaly, TensorRole
 from ..probes import AnomalyArming, StepProfiler
-from ..probes.finite import non_finite_counts
 from ..step_context import bind_step_source
 from ._base import SessionBase, options_from
 from ._wiring import build_sinks, build_system
@@ -226,7 +225,7 @@ class Session(SessionBase[EventBus]):
         step: int | None = None,
         samples: int | None = None,
     ) -> TrainingStepResult:
-        """One fully checked training step (seed 001's ``debug_training_step``).
+        """One fully checked training step .
 
         Validates the inputs (when an ``input_spec`` was given), runs forward and backward,
         checks the outputs (when an ``output_checker`` was given), awaits the safe point,
@@ -239,9 +238,7 @@ class Session(SessionBase[EventBus]):
             inputs, targets, loss_fn, step=step, samples=samples
         )
 
-    # -- seed 002's async training logger ---------------------------------------------------------
-
-    async def check_tensor_anomalies_async(
+    async def check_tensor(
         self, tensor: object, name: str, *, role: TensorRole = TensorRole.ACTIVATION
     ) -> bool:
         """Check *tensor* for NaN/Inf; publish a NonFiniteDetected naming the bad parts if so.
@@ -257,37 +254,6 @@ class Session(SessionBase[EventBus]):
             TypeError: if *tensor* (or a leaf inside it) is of another type.
             ValueError: if a tensor is a meta tensor (it holds no values).
         """
-        counts = non_finite_counts(tensor, name=name)
-        if not counts.finite:
-            self.publish(
-                NonFiniteDetected(
-                    step=self.step,
-                    source=self.name,
-                    role=role,
-                    names=counts.non_finite,
-                    nan_count=counts.nan_count,
-                    inf_count=counts.inf_count,
-                )
-            )
+        finite = self._check_tensor(tensor, name, role)
         await anyio.lowlevel.checkpoint()
-        return counts.finite
-
-    async def check_gradient_anomalies_async(self, step: int | None = None) -> Verdict:
-        """Check the model's gradients now (the step probe at this step); see :meth:`check_step`."""
-        boundary = self._running()
-        return await boundary.check(boundary.next_step(step))
-
-    async def update_progress_async(
-        self,
-        *,
-        step: int,
-        loss: float | torch.Tensor | None = None,
-        learning_rate: float | None = None,
-        epoch: int | None = None,
-    ) -> None:
-        """Seed 002's progress update: a :class:`~eventbus_debug.events.StepCompleted` event.
-
-        *epoch* is accepted for compatibility; steps are numbered globally.
-        """
-        del epoch
-        await self.step_completed(step, loss=loss, learning_rate=learning_rate)
+        return finite

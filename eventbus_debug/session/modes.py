@@ -1,4 +1,4 @@
-"""Debug modes (seed 003) and how they map onto probes and the debug level.
+"""Debug modes and how they map onto probes and the debug level.
 
 A :class:`DebugMode` names *what* to debug; a :class:`DebugPlan` says which instruments run.
 Modes combine: ``plan_for(DebugMode.ANOMALY_DETECTION, DebugMode.MEMORY_PROFILING)``.
@@ -16,7 +16,7 @@ __all__ = ("DebugMode", "DebugPlan", "plan_for")
 
 
 class DebugMode(Enum):
-    """What a session debugs (seed 003's modes).
+    """What a session debugs.
 
     Attributes:
         NONE: nothing: the step probe is off; only step telemetry and errors are recorded.
@@ -25,7 +25,7 @@ class DebugMode(Enum):
         PROFILING: torch.profiler windows with Chrome traces.
         MEMORY_PROFILING: memory samples every step and leak detection.
         GRADIENT_CHECKING: per-layer gradient norms and update ratios (ADVANCED level).
-        FULL: everything, at the EXTREME level (seed 003's ``FULL_DEBUG``).
+        FULL: everything, at the EXTREME level.
     """
 
     NONE = "none"

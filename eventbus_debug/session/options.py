@@ -109,13 +109,13 @@ class SessionOptions:
     Attributes:
         log_dir: where the JSON-lines log and the report go; ``None``: no log, no report.
         level: the step probe's :class:`DebugLevel` (default BASIC); or give *mode*.
-        mode: one or several :class:`DebugMode` (seed 003); implies the level.
+        mode: one or several :class:`DebugMode`; implies the level.
         name: the session's name (the ``source`` of its events).
         console: ``True`` for a console view on stderr, a text stream for it, your own sink,
             or ``False`` (default) for none.
         report: ``True`` (default) for a report writer in *log_dir*, a sink of yours, or
             ``False``.
-        alerts: ``True`` (default) for an alert sink with the seeds' threshold rules logging
+        alerts: ``True`` (default) for an alert sink with the default threshold rules logging
             through stdlib ``logging`` (no handler when a console view shows the incidents
             already), a sink of yours, or ``False``.
         recovery: ``True`` (default) for a :class:`~eventbus_debug.RecoveryEngine` with the

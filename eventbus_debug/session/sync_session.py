@@ -13,6 +13,7 @@ from typing_extensions import Self, Unpack
 
 from .._bus import SyncEventBus
 from ..diagnostics import get_logger
+from ..events import TensorRole
 from ..probes import AnomalyArming
 from ..step_context import bind_step_source
 from ._base import SessionBase, options_from
@@ -164,6 +165,16 @@ class SyncSession(SessionBase[SyncEventBus]):
         self._running().completed_sync(
             step, loss=loss, learning_rate=learning_rate, samples=samples
         )
+
+    def check_tensor(
+        self, tensor: object, name: str, *, role: TensorRole = TensorRole.ACTIVATION
+    ) -> bool:
+        """Check *tensor* for NaN/Inf; see :meth:`Session.check_tensor`.
+
+        Returns:
+            True when every value is finite.
+        """
+        return self._check_tensor(tensor, name, role)
 
     def training_step(
         self,

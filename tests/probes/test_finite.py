@@ -172,21 +172,19 @@ class TestSessionTensorCheck:
     async def test_session_check_takes_dicts_numbers_and_float64(
         self, recorder: RecordingSink
     ) -> None:
-        """check_tensor_anomalies_async: a dict of outputs names the bad leaf; 1e39 in float64
+        """Session.check_tensor: a dict of outputs names the bad leaf; 1e39 in float64
         is finite; a string is a TypeError."""
         model = nn.Linear(2, 2)
         async with EventBus() as bus:
             bus.subscribe(recorder)
             async with Session(model, log_dir=None, bus=bus, recovery=False) as s:
-                assert await s.check_tensor_anomalies_async(
-                    torch.tensor(1e39, dtype=torch.float64), "loss"
-                )
-                assert not await s.check_tensor_anomalies_async(
+                assert await s.check_tensor(torch.tensor(1e39, dtype=torch.float64), "loss")
+                assert not await s.check_tensor(
                     {"logits": torch.tensor([1.0, math.nan]), "aux": 0.5}, "out"
                 )
-                assert await s.check_tensor_anomalies_async(3, "count")
+                assert await s.check_tensor(3, "count")
                 with pytest.raises(TypeError, match="got str"):
-                    await s.check_tensor_anomalies_async("loss", "x")
+                    await s.check_tensor("loss", "x")
             await bus.drain()
         (event,) = recorder.of_type(NonFiniteDetected)
         assert event.names == ("out['logits']",) and event.nan_count == 1

@@ -94,11 +94,8 @@ class TestSession:
             await session.training_step(x, y, nn.functional.mse_loss)
             with session.debug_context("eval"):
                 model(x)
-            assert (
-                await session.check_tensor_anomalies_async(torch.tensor([1.0, math.inf]), "acts")
-                is False
-            )
-            await session.update_progress_async(step=5, loss=0.1, epoch=0)
+            assert await session.check_tensor(torch.tensor([1.0, math.inf]), "acts") is False
+            await session.step_completed(5, loss=0.1)
         assert recorder.of_type(InputValidationFailed)[0].rule == "range"
         assert recorder.of_type(OperationCompleted)[0].step == 0
         assert recorder.of_type(NonFiniteDetected)[-1].names == ("acts",)

@@ -88,7 +88,7 @@ class LeakDetector:
     that were already alive at the previous sample (they survived a step: the
     ``losses.append(loss)`` leak). A resource whose window of samples rises (least-squares
     slope > 0, most increments positive, total growth above its threshold) raises one
-    :class:`~eventbus_debug.MemoryLeakSuspected`; its window then restarts, so a leak that
+    :class:`~eventbus_debug.events.MemoryLeakSuspected`; its window then restarts, so a leak that
     goes on is reported once per window, not once per sample.
 
     Example::
@@ -105,7 +105,7 @@ class LeakDetector:
             of 50 adds ~0.6 ms per step; without it a sample costs ~30 µs.
         thresholds: window, warm-up and minimum growths.
         count_tensors: scan the heap for live and graph-holding tensors.
-        publish_samples: publish a :class:`~eventbus_debug.MemorySampled` per sample.
+        publish_samples: publish a :class:`~eventbus_debug.events.MemorySampled` per sample.
         source: the events' source.
 
     Raises:

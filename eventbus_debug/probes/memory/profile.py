@@ -22,7 +22,7 @@ __all__ = ("MemoryProfile", "profile_memory")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MemoryProfile:
-    """Seed 000's ``profile_memory``: memory around one forward pass.
+    """Memory around one forward pass.
 
     Attributes:
         initial: before the forward pass.

@@ -70,7 +70,7 @@ class MemorySnapshot:
     def to_event(
         self, *, step: int | None = None, source: str = "", label: str = ""
     ) -> MemorySampled:
-        """This snapshot as a :class:`~eventbus_debug.MemorySampled` event."""
+        """This snapshot as a :class:`~eventbus_debug.events.MemorySampled` event."""
         return MemorySampled(
             step=step,
             source=source,
@@ -224,7 +224,7 @@ class MemoryDelta:
 class memory_tracking:
     """Compare memory before and after a block: ``with`` or ``async with``.
 
-    On exit it publishes two :class:`~eventbus_debug.MemorySampled` events (labels
+    On exit it publishes two :class:`~eventbus_debug.events.MemorySampled` events (labels
     ``"<name>:before"`` and ``"<name>:after"``) when a bus is given, and :attr:`delta` holds
     the :class:`MemoryDelta`::
 

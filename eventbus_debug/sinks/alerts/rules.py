@@ -81,13 +81,13 @@ class _Rules:
         return self._metric("gpu_memory_percent", percent, sustain, cooldown)
 
     def gradient_explosion(self, *, cooldown: float = DEFAULT_COOLDOWN) -> AlertRule:
-        """Every :class:`~eventbus_debug.GradientExploded` incident."""
+        """Every :class:`~eventbus_debug.events.GradientExploded` incident."""
         return AlertRule(
             event_types=(GradientExploded,), name="gradient_explosion", cooldown=cooldown
         )
 
     def non_finite(self, *, cooldown: float = DEFAULT_COOLDOWN) -> AlertRule:
-        """Every :class:`~eventbus_debug.NonFiniteDetected` incident (NaN or Inf anywhere)."""
+        """Every :class:`~eventbus_debug.events.NonFiniteDetected` incident (NaN or Inf anywhere)."""
         return AlertRule(event_types=(NonFiniteDetected,), name="non_finite", cooldown=cooldown)
 
     def defaults(self) -> tuple[AlertRule, ...]:

@@ -73,8 +73,8 @@ class IncidentRow:
     """One incident in the report's table.
 
     ``caused_by`` and ``led_to`` link the recovery chain, by ``seq`` on the same rank: a
-    :class:`~eventbus_debug.RecoveryDecided` is caused by the incident of its ``trigger_seq``
-    and leads to the :class:`~eventbus_debug.RecoveryApplied` that carried it out (the next one
+    :class:`~eventbus_debug.events.RecoveryDecided` is caused by the incident of its ``trigger_seq``
+    and leads to the :class:`~eventbus_debug.events.RecoveryApplied` that carried it out (the next one
     of the same action on the same rank); an incident leads to the decisions it triggered.
 
     ``ranks`` names every rank that had this incident: the same kind at the same step (the
