@@ -89,7 +89,7 @@ async def main(train_steps: int = 60, timesteps: int = 50, size: int = 16) -> di
                     if broken and i == timesteps // 2:
                         x0 = x0 * 50  # a bad guidance scale
                     latents = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * eps
-                    await monitor.acheck(
+                    await monitor.check(
                         latents, denoising_step=i, timestep=t, publish=session.publish, step=run
                     )
         await session.bus.drain()

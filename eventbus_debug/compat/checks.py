@@ -230,4 +230,4 @@ def monitor_training_step(
     probe = StepProbe(
         _check_model(model), None, cadence=Cadence(param_every=1), thresholds=Thresholds()
     )
-    return probe.check_step_nowait(step, loss=loss)
+    return probe.check_step_sync(step, loss=loss)

@@ -10,7 +10,7 @@ Example::
     monitor = LatentMonitor(max_norm_ratio=4.0)
     for i, t in enumerate(timesteps):
         latents = scheduler_step(unet(latents, t), t, latents)
-        await monitor.acheck(latents, denoising_step=i, timestep=int(t), publish=bus.publish_nowait)
+        await monitor.check(latents, denoising_step=i, timestep=int(t), publish=bus.publish_nowait)
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class LatentMonitor:
         """Forget the previous steps (call it before sampling a new image)."""
         self._w = _Window()
 
-    def check(
+    def check_sync(
         self,
         latents: torch.Tensor,
         *,
@@ -227,7 +227,7 @@ class LatentMonitor:
                 publish(ev)
         return tuple(out)
 
-    async def acheck(
+    async def check(
         self,
         latents: torch.Tensor,
         *,
@@ -236,8 +236,8 @@ class LatentMonitor:
         publish: Publish | None = None,
         step: int | None = None,
     ) -> tuple[Event, ...]:
-        """:meth:`check`, then a checkpoint so subscribers run (for async sampling loops)."""
-        events = self.check(
+        """:meth:`check_sync`, then a checkpoint so subscribers run (async sampling loops)."""
+        events = self.check_sync(
             latents, denoising_step=denoising_step, timestep=timestep, publish=publish, step=step
         )
         await anyio.lowlevel.checkpoint()

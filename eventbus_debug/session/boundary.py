@@ -27,7 +27,7 @@ from ..typing import Publisher
 from .budget import OverheadMeter
 from .verdict import TrainingStepResult, Verdict
 
-__all__ = ("Body", "StepBoundary", "Wait", "run_async", "run_blocking")
+__all__ = ("Body", "StepBoundary", "Wait", "run", "run_sync")
 
 R = TypeVar("R")
 
@@ -43,7 +43,7 @@ Body = Generator[Wait, Any, R]
 """A step's logic: yields its waits, receives their results, returns the outcome."""
 
 
-async def run_async(body: Body[R]) -> R:
+async def run(body: Body[R]) -> R:
     """Drive *body*, awaiting each of its waits; an error closes the body and propagates."""
     try:
         wait = next(body)
@@ -57,7 +57,7 @@ async def run_async(body: Body[R]) -> R:
         raise
 
 
-def run_blocking(body: Body[R]) -> R:
+def run_sync(body: Body[R]) -> R:
     """Drive *body*, blocking on each of its waits; an error closes the body and propagates."""
     try:
         wait = next(body)
@@ -155,11 +155,11 @@ class StepBoundary:
 
     async def check(self, step: int, loss: torch.Tensor | float | None = None) -> Verdict:
         """Run the checks due at *step* and the safe point; say whether to step."""
-        return await run_async(self._check(step, loss))
+        return await run(self._check(step, loss))
 
     def check_sync(self, step: int, loss: torch.Tensor | float | None = None) -> Verdict:
         """:meth:`check`, blocking."""
-        return run_blocking(self._check(step, loss))
+        return run_sync(self._check(step, loss))
 
     async def completed(
         self,
@@ -170,7 +170,7 @@ class StepBoundary:
         samples: int | None = None,
     ) -> None:
         """Record that *step* finished and hand its events over."""
-        await run_async(self._completed(step, loss, learning_rate, samples))
+        await run(self._completed(step, loss, learning_rate, samples))
 
     def completed_sync(
         self,
@@ -181,7 +181,7 @@ class StepBoundary:
         samples: int | None = None,
     ) -> None:
         """:meth:`completed`, blocking."""
-        run_blocking(self._completed(step, loss, learning_rate, samples))
+        run_sync(self._completed(step, loss, learning_rate, samples))
 
     async def training_step(
         self,
@@ -193,7 +193,7 @@ class StepBoundary:
         samples: int | None = None,
     ) -> TrainingStepResult:
         """One fully checked step: validate, forward, backward, check, step, record."""
-        return await run_async(self._training_step(inputs, targets, loss_fn, step, samples))
+        return await run(self._training_step(inputs, targets, loss_fn, step, samples))
 
     def training_step_sync(
         self,
@@ -205,7 +205,7 @@ class StepBoundary:
         samples: int | None = None,
     ) -> TrainingStepResult:
         """:meth:`training_step`, blocking."""
-        return run_blocking(self._training_step(inputs, targets, loss_fn, step, samples))
+        return run_sync(self._training_step(inputs, targets, loss_fn, step, samples))
 
     def next_step(self, step: int | None) -> int:
         """*step*, or the one after the last (0 at first)."""

@@ -128,7 +128,7 @@ class SyncSession(SessionBase[SyncEventBus]):
                 self.system.stop()
                 task.cancel()
             if self.probe is not None:
-                self.probe.flush_nowait()
+                self.probe.flush_sync()
                 self.probe.close()
             self._close_extras()
             bus.publish(self._ended_event(exc))

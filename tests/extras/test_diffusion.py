@@ -54,14 +54,14 @@ class TestLatentMonitor:
         bus.subscribe(recorder)
         monitor = LatentMonitor(max_norm_ratio=4.0)
         latents = torch.randn(1, 4, 8, 8)
-        await monitor.acheck(latents, denoising_step=0, publish=bus.publish_nowait)
-        await monitor.acheck(latents * 1.1, denoising_step=1, publish=bus.publish_nowait)
-        await monitor.acheck(
+        await monitor.check(latents, denoising_step=0, publish=bus.publish_nowait)
+        await monitor.check(latents * 1.1, denoising_step=1, publish=bus.publish_nowait)
+        await monitor.check(
             latents * 11, denoising_step=2, timestep=500, publish=bus.publish_nowait
         )
         bad = latents.clone()
         bad[0, 0, 0, 0] = math.nan
-        await monitor.acheck(bad, denoising_step=3, publish=bus.publish_nowait)
+        await monitor.check(bad, denoising_step=3, publish=bus.publish_nowait)
         await bus.drain()
         checked = recorder.of_type(LatentChecked)
         assert [c.finite for c in checked] == [True, True, True, False]
@@ -90,7 +90,7 @@ class TestLatentMonitor:
     def test_ceiling_alone_is_an_incident(self) -> None:
         """With a ceiling, an RMS above it is norm drift even when the ratio is normal."""
         monitor = LatentMonitor(max_norm=0.5)
-        (checked, incident) = monitor.check(torch.ones(2, 4), denoising_step=0)
+        (checked, incident) = monitor.check_sync(torch.ones(2, 4), denoising_step=0)
         assert isinstance(checked, LatentChecked) and checked.norm == pytest.approx(1.0)
         assert isinstance(incident, LatentAnomalyDetected) and incident.rule == "norm_drift"
         assert "exceeds 0.5" in incident.message

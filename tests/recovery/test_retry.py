@@ -239,7 +239,7 @@ class TestSyncLoop:
                 if step == 7:
                     loss = loss * float("nan")
                 loss.backward()  # type: ignore[no-untyped-call]
-                probe.check_step_nowait(step, loss=loss)
+                probe.check_step_sync(step, loss=loss)
                 if safe.before_optimizer_step_sync(step).should_step:
                     opt.step()
                 else:

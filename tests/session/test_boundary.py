@@ -12,7 +12,7 @@ from eventbus_debug.events import StepCompleted, StepSkipped
 from eventbus_debug.extras import InputSpec
 from eventbus_debug.extras.validation import InputValidator, ValidationPolicy
 from eventbus_debug.probes import StepProbe
-from eventbus_debug.session.boundary import Body, StepBoundary, run_async, run_blocking
+from eventbus_debug.session.boundary import Body, StepBoundary, run, run_sync
 
 from ._helpers import Collect, batch, setup
 
@@ -36,8 +36,8 @@ class TestDrivers:
     async def test_same_body_two_colours(self) -> None:
         """The async driver takes each wait's async side, the blocking one its blocking side."""
         log: list[str] = []
-        assert await run_async(_body(log)) == ("async-a", "async-b")
-        assert run_blocking(_body(log)) == ("block-a", "block-b")
+        assert await run(_body(log)) == ("async-a", "async-b")
+        assert run_sync(_body(log)) == ("block-a", "block-b")
         assert log == ["closed", "closed"]
 
     async def test_failing_wait_propagates_and_closes(self) -> None:
@@ -55,7 +55,7 @@ class TestDrivers:
                 log.append("closed")
 
         with pytest.raises(LookupError, match="gone"):
-            run_blocking(body())
+            run_sync(body())
         assert log == ["closed"]
 
 

@@ -282,9 +282,6 @@ class StepProbe:
         self._validate(step, loss)
         return self._check(step, loss, checks_due(self._level, self.cadence, step))
 
-    check_step_nowait = check_step_sync
-    """The former name of :meth:`check_step_sync` (it may wait for the device)."""
-
     async def flush(self) -> StepVerdict | None:
         """In deferred mode, read and publish the steps still pending now (``None`` if none)."""
         verdict = self.flush_sync()
@@ -298,9 +295,6 @@ class StepProbe:
             while self._in_flight:
                 verdict = self._read(self._in_flight.popleft(), deferred=True)
             return verdict
-
-    flush_nowait = flush_sync
-    """The former name of :meth:`flush_sync`."""
 
     def observe_global_loss(self, step: int, loss: float) -> LossSpiked | None:
         """Judge *step*'s loss averaged over the ranks for spikes; publish and return a spike.
