@@ -172,15 +172,11 @@ class Attempt:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        try:
-            retryable = self._retryable(exc)
-        except _PeerFailed as peer:
-            return self._feed_peer(peer)
-        if not retryable:
-            return False
+        settled = self._settled(exc)
+        if settled is not None:
+            return settled
         assert isinstance(exc, Exception)
-        decided = self._retrying._report_sync(exc, self.number)
-        return self._feed(exc, decided)
+        return self._feed(exc, self._retrying._report_sync(exc, self.number))
 
     async def __aenter__(self) -> Attempt:
         return self
@@ -191,15 +187,19 @@ class Attempt:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
+        settled = self._settled(exc)
+        if settled is not None:
+            return settled
+        assert isinstance(exc, Exception)
+        return self._feed(exc, await self._retrying._report_async(exc, self.number))
+
+    def _settled(self, exc: BaseException | None) -> bool | None:
+        """The exit's answer when nothing is to be reported (None: report *exc*, then feed)."""
         try:
             retryable = self._retryable(exc)
         except _PeerFailed as peer:
             return self._feed_peer(peer)
-        if not retryable:
-            return False
-        assert isinstance(exc, Exception)
-        decided = await self._retrying._report_async(exc, self.number)
-        return self._feed(exc, decided)
+        return None if retryable else False
 
     def _feed(self, exc: Exception, decided: tuple[DecidedAction, ...]) -> bool:
         outcome = self._retrying._outcome(exc, decided)
