@@ -26,6 +26,7 @@ from eventbus_debug.events import (
     NonFiniteDetected,
     RecoveryApplied,
     RecoveryDecided,
+    SessionEnded,
     SessionStarted,
     Severity,
     SinkDisabled,
@@ -171,6 +172,8 @@ class RunAggregator:
         self._last_anomaly: int | None = None
         self._decisions: dict[str, int] = {}
         self._outcomes: dict[str, int] = {}
+        self._overhead: float | None = None
+        self._overhead_budget: float | None = None
         self._skipped = 0
         self._errors: dict[str, int] = {}
         self._mem_samples = 0
@@ -316,6 +319,8 @@ class RunAggregator:
         if isinstance(event, SessionStarted):
             self._start_run(event)
             return
+        if isinstance(event, SessionEnded):
+            self._end_run(event)
         if event.severity < Severity.WARNING and not isinstance(event, _ALWAYS_LISTED):
             return  # lifecycle notices (session started/ended, captures) are not incidents
         rank = event.rank
@@ -449,6 +454,15 @@ class RunAggregator:
             return None
         decision = pending.popleft()
         return self._link(event.rank, decision, event.seq)
+
+    def _end_run(self, event: SessionEnded) -> None:
+        """Keep the session's measured overhead (the largest over ranks) and its budget."""
+        if event.overhead is not None and (
+            self._overhead is None or event.overhead > self._overhead
+        ):
+            self._overhead = event.overhead
+        if event.overhead_budget is not None:
+            self._overhead_budget = event.overhead_budget
 
     def _start_run(self, event: SessionStarted) -> None:
         run_id = event.run_id if isinstance(event.run_id, str) else str(event.run_id)
@@ -654,6 +668,8 @@ class RunAggregator:
             incidents_by_rank=dict(sorted(self._incidents_by_rank.items())),
             run_id=run_ids[-1] if len(run_ids) == 1 else None,
             runs=runs,
+            overhead=self._overhead,
+            overhead_budget=self._overhead_budget,
         )
 
     def runs(self) -> tuple[RunInfo, ...]:

@@ -327,6 +327,17 @@ def _chart(
     return "".join(out)
 
 
+def _overhead_card(s: RunSummary) -> list[str]:
+    """The debugger's measured cost per step, beside its budget (no card when unmeasured)."""
+    if s.overhead is None:
+        return []
+    over = s.overhead_budget is not None and s.overhead > s.overhead_budget
+    label = "debugger overhead" + (
+        f" (budget {_pct(s.overhead_budget)})" if s.overhead_budget is not None else ""
+    )
+    return [_card(label, _pct(s.overhead), "warn" if over else "ok", card_id="overhead")]
+
+
 def _card(label: str, value: str, cls: str = "", card_id: str = "") -> str:
     ident = f' id="{_slug(card_id)}"' if card_id else ""
     return (
@@ -616,6 +627,7 @@ def render_html(
         _card("steps", f"{s.steps:,}" if _is_number(s.steps) else str(s.steps)),
         _card("run time", _duration(s.duration_s)),
         _card("steps / s", _num(s.steps_per_s, 3)),
+        *_overhead_card(s),
         _card(
             "anomalous steps",
             f"{s.anomaly_steps} ({_pct(s.anomaly_rate)})",

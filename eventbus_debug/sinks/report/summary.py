@@ -252,6 +252,11 @@ class RunSummary:
     incidents_by_rank: Mapping[int, int]
     run_id: str | None = None
     runs: tuple[RunInfo, ...] = ()
+    overhead: float | None = None
+    """The debugger's own time per step over the rest of the step (``SessionEnded.overhead``;
+    the largest of the ranks'), or None when no session measured it."""
+    overhead_budget: float | None = None
+    """The session's ``overhead_budget``, if one was set."""
 
     @property
     def mixed_runs(self) -> bool:

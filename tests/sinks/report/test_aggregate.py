@@ -28,6 +28,7 @@ from eventbus_debug.events import (
     RecoveryAction,
     RecoveryApplied,
     RecoveryDecided,
+    SessionEnded,
     SessionStarted,
     SinkFailed,
     StepChecked,
@@ -404,3 +405,24 @@ def test_ddp_example_report_counts_its_300_steps(tmp_path: Path) -> None:
     assert all(r.ranks == (0, 1) for r in s.incidents if r.step != 100)
     page = paths.html.read_text() if paths.html else ""
     assert '<div class="v">300</div><div class="l">steps</div>' in page
+
+
+class TestOverhead:
+    def test_the_report_states_the_measured_overhead(self) -> None:
+        """SessionEnded's overhead (largest over ranks) and budget reach the summary and page."""
+        events: list[Event] = [
+            SessionStarted(name="s", rank=0),
+            StepCompleted(step=0, loss=1.0, rank=0),
+            SessionEnded(name="s", rank=0, overhead=0.013, overhead_budget=0.02),
+            SessionEnded(name="s", rank=1, overhead=0.031, overhead_budget=0.02),
+        ]
+        summary = summarize(events)
+        assert summary.overhead == 0.031 and summary.overhead_budget == 0.02
+        page = render_html(summary)
+        assert 'id="overhead"' in page and "3.10 %" in page and "budget 2.00 %" in page
+
+    def test_no_overhead_card_when_unmeasured(self) -> None:
+        """A log without a measured overhead gets no overhead card (and None in the summary)."""
+        summary = summarize([StepCompleted(step=0, loss=1.0)])
+        assert summary.overhead is None
+        assert 'id="overhead"' not in render_html(summary)
