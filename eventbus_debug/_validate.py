@@ -7,6 +7,7 @@ A bool is never a number here (``True`` is not a capacity). Messages read
 from __future__ import annotations
 
 import math
+from typing import TypeGuard
 
 from .typing import Publisher
 
@@ -20,8 +21,16 @@ __all__ = (
 )
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _finite(name: str, value: object, *, strict: bool, rule: str) -> float:
+    """*value* as a finite float above 0 (*strict*) or at least 0; else a ValueError with *rule*."""
+    if not _is_number(value) or not math.isfinite(value) or (value <= 0 if strict else value < 0):
+        msg = f"{name} must be {rule}, got {value!r}"
+        raise ValueError(msg)
+    return float(value)
 
 
 def positive_int(name: str, value: object) -> int:
@@ -42,10 +51,7 @@ def positive_number(name: str, value: object) -> float:
     Raises:
         ValueError: if *value* is not a finite number > 0.
     """
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type, operator]
-        msg = f"{name} must be a finite number > 0, got {value!r}"
-        raise ValueError(msg)
-    return float(value)  # type: ignore[arg-type]
+    return _finite(name, value, strict=True, rule="a finite number > 0")
 
 
 def positive_seconds(name: str, value: object) -> float:
@@ -54,10 +60,7 @@ def positive_seconds(name: str, value: object) -> float:
     Raises:
         ValueError: if *value* is not a finite number of seconds > 0.
     """
-    if not _is_number(value) or not math.isfinite(value) or value <= 0:  # type: ignore[arg-type, operator]
-        msg = f"{name} must be a finite number of seconds > 0, got {value!r}"
-        raise ValueError(msg)
-    return float(value)  # type: ignore[arg-type]
+    return _finite(name, value, strict=True, rule="a finite number of seconds > 0")
 
 
 def non_negative(name: str, value: object) -> float:
@@ -66,10 +69,7 @@ def non_negative(name: str, value: object) -> float:
     Raises:
         ValueError: if *value* is not a finite number >= 0.
     """
-    if not _is_number(value) or not math.isfinite(value) or value < 0:  # type: ignore[arg-type, operator]
-        msg = f"{name} must be a finite number >= 0, got {value!r}"
-        raise ValueError(msg)
-    return float(value)  # type: ignore[arg-type]
+    return _finite(name, value, strict=False, rule="a finite number >= 0")
 
 
 def fraction(name: str, value: object, *, inclusive: bool = True) -> float:
@@ -78,14 +78,11 @@ def fraction(name: str, value: object, *, inclusive: bool = True) -> float:
     Raises:
         ValueError: if *value* is not a number in the range.
     """
-    ok = _is_number(value) and (
-        0.0 <= value <= 1.0 if inclusive else 0.0 < value < 1.0  # type: ignore[operator]
-    )
-    if not ok:
+    if not _is_number(value) or not (0.0 <= value <= 1.0 if inclusive else 0.0 < value < 1.0):
         bounds = "in [0, 1]" if inclusive else "in (0, 1)"
         msg = f"{name} must be a number {bounds}, got {value!r}"
         raise ValueError(msg)
-    return float(value)  # type: ignore[arg-type]
+    return float(value)
 
 
 def publisher(name: str, value: object) -> Publisher | None:

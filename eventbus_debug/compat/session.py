@@ -117,9 +117,7 @@ class AsyncTrainingLogger:
 
     async def check_gradient_anomalies_async(self, step: int | None = None) -> Verdict:
         """Check the model's gradients now: the session's safe point at *step* (or the next)."""
-        if step is None:
-            step = 0 if self.session.step is None else self.session.step + 1
-        return await self.session.check_step(step)
+        return await self.session.check_step(self.session.next_step(step))
 
     async def update_progress_async(
         self,

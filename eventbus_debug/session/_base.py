@@ -242,6 +242,15 @@ class SessionBase(Generic[BusT]):
         """
         self._running().step = value
 
+    def next_step(self, step: int | None = None) -> int:
+        """*step*, or the one after the step last checked or completed (0 at first): the step
+        a call that names none is about.
+
+        Raises:
+            RuntimeError: if the session is not running.
+        """
+        return self._running().next_step(step)
+
     @property
     def steps_completed(self) -> int:
         """How many steps were recorded complete."""

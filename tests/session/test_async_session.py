@@ -131,6 +131,17 @@ class TestSession:
         with pytest.raises(RuntimeError, match=r"async with Session"):
             session.publish(StepCompleted(step=1, source="x"))
 
+    async def test_next_step_numbers_calls_that_name_none(self) -> None:
+        """next_step: 0 at first, then one after the last step; a given step wins; not running refused."""
+        model, opt = setup()
+        session = Session(model, opt, log_dir=None, report=False, alerts=False)
+        with pytest.raises(RuntimeError, match="not running"):
+            session.next_step()
+        async with session:
+            assert session.next_step() == 0
+            await session.step_completed(4, loss=0.5)
+            assert session.next_step() == 5 and session.next_step(9) == 9
+
     async def test_training_step_needs_an_optimizer(self) -> None:
         """training_step without an optimizer fails with a message saying what is missing."""
         model, _ = setup()
