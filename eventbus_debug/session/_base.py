@@ -33,6 +33,7 @@ from ._wiring import (
     ReportSink,
     Sinks,
     arm_localization,
+    build_device_skip,
     build_leak_detector,
     build_probe,
     build_recovery,
@@ -94,6 +95,8 @@ class SessionBase(Generic[BusT]):
         self._output_checker = options.output_checker
         self.leak_detector: LeakDetector | None = build_leak_detector(options)
         """The memory leak detector, run at every safe point (None when off)."""
+        self.device_skip = build_device_skip(options, optimizer)
+        """The found-inf flag handed to the fused optimizer (None unless ``device_skip=True``)."""
         self.agreement: Agreement | None = None
         """How this rank agrees with the others (None outside a process group)."""
         self.amp: ScalerMonitor | None = None
@@ -143,6 +146,7 @@ class SessionBase(Generic[BusT]):
             bus,
             agreement=self.agreement,
             on_restore=probe.rebaseline,
+            device_skip=self.device_skip,
         )
         self.recovery = recovery.engine
         self.safe_point = recovery.safe_point
@@ -183,6 +187,7 @@ class SessionBase(Generic[BusT]):
             output_checker=self.output_checker,
             skip_non_finite=self.skip_non_finite,
             overhead_budget=self.options.overhead_budget,
+            device_skip=self.device_skip,
             publish=publish,
             flush=flush,
         )
@@ -342,6 +347,8 @@ class SessionBase(Generic[BusT]):
         else:
             reason = f"error: {type(exc).__name__}: {exc}"
         meter = self._boundary.meter if self._boundary is not None else None
+        if self.device_skip is not None:
+            self.device_skip.release()  # no flag outlives the session on the optimizer
         return SessionEnded(
             overhead=meter.overhead if meter is not None else None,
             overhead_budget=self.options.overhead_budget,

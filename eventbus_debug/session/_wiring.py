@@ -19,6 +19,7 @@ from ..probes import AnomalyArming, LeakDetector, StepProbe, SystemSampler
 from ..probes.anomaly_arming import arm_on_incidents
 from ..recovery import RecoveryEngine, SafePoint, ScalerMonitor
 from ..recovery.agreement import Agreement, RankAgreement
+from ..recovery.device_skip import DeviceSkip
 from ..sinks import AlertSink, ConsoleSink, LogAlert, ReportWriter, RotatingFileSink, rules
 from ..step_context import StepSource
 from ..typing import BatchSink, Handler, Publisher, Sink
@@ -31,6 +32,7 @@ __all__ = (
     "ReportSink",
     "Sinks",
     "Subscriber",
+    "build_device_skip",
     "build_leak_detector",
     "build_probe",
     "build_recovery",
@@ -137,6 +139,7 @@ def build_probe(
         source=f"{options.name}.step_probe",
         scaler=options.scaler,
         optimizer=optimizer,
+        deferred=options.device_skip,  # its flag skips on the device; the host reads later
         # With an agreement the loss spikes are judged on the ranks' mean loss, which rides in
         # the agreement's one collective (see StepBoundary).
         global_spikes=agreement is not None
@@ -152,6 +155,20 @@ def build_system(options: SessionOptions, bus: EventBus, step: StepSource) -> Sy
     return SystemSampler(
         bus, interval=options.system_interval, step=step, source=f"{options.name}.system"
     )
+
+
+def build_device_skip(
+    options: SessionOptions, optimizer: torch.optim.Optimizer | None
+) -> DeviceSkip | None:
+    """The found-inf flag handed to the fused optimizer (None unless ``device_skip=True``).
+
+    Raises:
+        TypeError: if *optimizer* is not an optimizer (None included).
+        ValueError: if it is not a fused one (the message names it).
+    """
+    if not options.device_skip:
+        return None
+    return DeviceSkip(optimizer, source=f"{options.name}.device_skip")
 
 
 def build_validator(options: SessionOptions) -> InputValidator | None:
@@ -192,11 +209,24 @@ def build_recovery(
     *,
     agreement: Agreement | None,
     on_restore: Callable[[], None],
+    device_skip: DeviceSkip | None = None,
 ) -> Recovery:
     """The recovery engine on *bus*, its safe point and the AMP watcher.
 
-    *on_restore* runs after every restore (the probe's rebaseline).
+    *on_restore* runs after every restore (the probe's rebaseline). With *device_skip* the
+    safe point drops the decisions about a step the device already skipped.
+
+    Raises:
+        ValueError: if *device_skip* is given in a process group that agrees (the ranks would
+            skip on their own flags).
     """
+    if device_skip is not None:
+        if agreement is not None:
+            msg = (
+                "device_skip=True cannot run in a process group that agrees: pass distributed=False"
+            )
+            raise ValueError(msg)
+        device_skip.publisher = bus
     amp = None
     if options.scaler is not None:
         amp = ScalerMonitor(options.scaler, bus.publish_nowait, source=f"{options.name}.amp")
@@ -214,7 +244,12 @@ def build_recovery(
     if optimizer is None:
         return Recovery(engine=engine, amp=amp)
     safe_point = SafePoint(
-        engine, model, optimizer, schedulers=options.schedulers, agreement=agreement
+        engine,
+        model,
+        optimizer,
+        schedulers=options.schedulers,
+        agreement=agreement,
+        agree=device_skip.agree if device_skip is not None else None,
     )
     # After a restore the loss and norms are the restored state's: judged against the undone
     # steps' baselines they would look like new faults.

@@ -23,6 +23,7 @@ from ..extras.validation import InputValidator, OutputChecker, Violation
 from ..probes import AnomalyArming, LeakDetector, StepProbe, StepProfiler, StepVerdict
 from ..probes.anomaly_arming import RngState
 from ..recovery import SafePoint, ScalerMonitor, StepDecision
+from ..recovery.device_skip import DeviceSkip
 from ..typing import Publisher
 from .budget import OverheadMeter
 from .verdict import TrainingStepResult, Verdict
@@ -102,6 +103,8 @@ class StepBoundary:
         skip_non_finite: without recovery, advise skipping a non-finite step.
         overhead_budget: the share of the step time the session may cost (``None``: measured,
             not enforced); see :class:`~eventbus_debug.session.budget.OverheadMeter`.
+        device_skip: hands the step's found-inf flag to the fused optimizer (None when off):
+            a non-finite step is then stepped, and skipped on the device.
         publish: how the async entries hand a finished step's event over (default:
             ``publish_nowait`` and one checkpoint); an ``EventBus.publish`` also waits for a
             flow-controlled log that is behind.
@@ -126,6 +129,7 @@ class StepBoundary:
         output_checker: OutputChecker | None = None,
         skip_non_finite: bool = True,
         overhead_budget: float | None = None,
+        device_skip: DeviceSkip | None = None,
         publish: Callable[[Event], Awaitable[None]] | None = None,
         flush: Callable[[], None] | None = None,
     ) -> None:
@@ -142,6 +146,7 @@ class StepBoundary:
         self.validator = validator
         self.output_checker = output_checker
         self.skip_non_finite = skip_non_finite
+        self.device_skip = device_skip
         self._publish = publish
         self._flush = flush
         self.meter = OverheadMeter(probe, overhead_budget)
@@ -219,6 +224,8 @@ class StepBoundary:
         meter = self.meter
         started = meter.clock()
         verdict = yield from self._safe_point(step, loss)
+        if self.device_skip is not None and verdict.should_step:
+            self.device_skip.arm()
         meter.add(meter.clock() - started)
         return verdict
 
@@ -231,6 +238,8 @@ class StepBoundary:
             lambda: probe.check_step(step, loss=loss, checkpoint=False),
             lambda: probe.check_step_sync(step, loss=loss),
         )
+        if self.device_skip is not None:
+            self.device_skip.launched(step, probe.in_flight(step), loss, verdict)
         if verdict.overflow and self.amp is not None:
             self.amp.overflowed(verdict.step)
         if self.leak_detector is not None:
@@ -259,7 +268,12 @@ class StepBoundary:
                 decision=decision,
             )
         # An AMP overflow is the scaler's to skip: scaler.step() must still run.
-        should = verdict.overflow or verdict.finite or not self.skip_non_finite
+        should = (
+            verdict.overflow
+            or verdict.finite
+            or not self.skip_non_finite
+            or self.device_skip is not None  # the device skips it (this verdict is older)
+        )
         return Verdict(
             step=step, probe=verdict, should_step=should, actions=() if should else _SKIP
         )
@@ -277,6 +291,8 @@ class StepBoundary:
             self.profiler.step(step)
         if self.amp is not None:
             self.amp.completed(step)
+        if self.device_skip is not None:
+            self.device_skip.disarm()
         event = self._completed_event(step, loss, learning_rate, samples)
         yield (lambda: self._hand_over(event), lambda: self._hand_over_sync(event))
         ended = meter.clock()
@@ -365,7 +381,8 @@ class StepBoundary:
                 lambda: anomaly.replay_sync(replay, step=step, rng=rng),
             )
             optimizer.zero_grad(set_to_none=True)
-        value = verdict.loss if verdict.loss is not None else float(loss.detach())
+        late = verdict.probe.step != step  # a deferred verdict is an earlier step's
+        value = verdict.loss if verdict.loss is not None and not late else float(loss.detach())
         yield from self._completed(step, value, None, samples or _batch_size(inputs))
         return TrainingStepResult(
             step=step,

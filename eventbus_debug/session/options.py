@@ -75,6 +75,7 @@ class SessionKnobs(TypedDict, total=False):
     scaler: torch.amp.GradScaler | None
     distributed: bool | Agreement | None
     overhead_budget: float | None
+    device_skip: bool
 
 
 def level_of(value: DebugLevel | str) -> DebugLevel:
@@ -145,6 +146,13 @@ class SessionOptions:
         overhead_budget: the share of the step time the session may cost (e.g. ``0.02``):
             the session measures its own cost per step and lowers the cadence of the costly
             checks (never the non-finite check) to stay within it. ``None`` (default): off.
+        device_skip: skip a non-finite step with no host synchronization: the step probe's
+            device vector becomes a ``found_inf`` flag handed to the fused optimizer (as a
+            ``GradScaler`` does), which skips the update on the device; the probe runs deferred
+            and the step's incidents are read one step later. Needs an optimizer built with
+            ``fused=True``; not with ``scaler=``, ``skip_non_finite=False``, a distributed
+            agreement or anomaly localization. See
+            :class:`~eventbus_debug.recovery.device_skip.DeviceSkip`.
         plan: the instruments *level* / *mode* turn on (derived).
         schedulers: *scheduler* as a tuple (derived).
         recovery_policy: *policy* as a :class:`~eventbus_debug.RecoveryPolicy` (derived).
@@ -176,6 +184,7 @@ class SessionOptions:
     scaler: torch.amp.GradScaler | None = None
     distributed: bool | Agreement | None = None
     overhead_budget: float | None = None
+    device_skip: bool = False
     plan: DebugPlan = field(init=False)
     schedulers: tuple[Any, ...] = field(init=False)
     recovery_policy: RecoveryPolicy = field(init=False)
@@ -220,6 +229,38 @@ class SessionOptions:
                 raise ValueError(msg) from None
         if self.overhead_budget is not None:
             fraction("overhead_budget", self.overhead_budget, inclusive=False)
+        _check_type("device_skip", self.device_skip, (bool,), "a bool")
+        if self.device_skip:
+            self._check_device_skip()
+
+    def _check_device_skip(self) -> None:
+        clash = (
+            (
+                "scaler=",
+                self.scaler is not None,
+                "the GradScaler owns optimizer.found_inf and "
+                "already skips non-finite steps on the device for fused optimizers",
+            ),
+            (
+                "skip_non_finite=False",
+                not self.skip_non_finite,
+                "device_skip always skips non-finite steps",
+            ),
+            (
+                f"distributed={self.distributed!r}",
+                self.distributed not in (None, False),
+                "each rank would skip on its own flag",
+            ),
+            (
+                "mode ANOMALY_DETECTION or FULL",
+                self.plan.anomaly_localization,
+                "its replay needs the step's own verdict at once, not one step later",
+            ),
+        )
+        for what, bad, why in clash:
+            if bad:
+                msg = f"device_skip=True cannot be combined with {what}: {why}"
+                raise ValueError(msg)
 
     def _check_parts(self) -> None:
         for knob, value, types, expected in (

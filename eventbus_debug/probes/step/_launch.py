@@ -125,7 +125,7 @@ class Pending:
     asks the event without waiting, :meth:`read` waits only if it is not done yet.
     """
 
-    __slots__ = ("_buffer", "_event", "_pool", "device", "grads", "layout")
+    __slots__ = ("_buffer", "_event", "_pool", "device", "grads", "layout", "vector")
 
     def __init__(
         self,
@@ -136,6 +136,7 @@ class Pending:
     ) -> None:
         self.layout = layout
         self.grads = grads
+        self.vector = vector  # the device vector (a device-side found-inf flag reads it)
         self.device = vector.device
         self._pool = pool
         self._event: torch.cuda.Event | None = None

@@ -312,6 +312,14 @@ class StepProbe:
             self._bus.publish_nowait(spike)
         return spike
 
+    def in_flight(self, step: int) -> tuple[torch.Tensor, bool] | None:
+        """Deferred mode: *step*'s result vector while on its way to the host (still on the
+        device), and whether it holds the gradient norms; ``None`` when no check ran then."""
+        queue = self._in_flight
+        if queue and queue[-1].layout.step == step:
+            return queue[-1].vector, queue[-1].layout.checks.grads
+        return None
+
     def close(self) -> None:
         """Remove the probe's hooks and forget pending results (idempotent)."""
         self._activations.disarm()
