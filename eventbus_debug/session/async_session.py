@@ -30,6 +30,9 @@ _log = get_logger(__name__)
 TRACE_DIR: Final = "traces"
 EXIT_TIMEOUT: Final = 10.0
 """Seconds for each cleanup step on exit (the bus's own close is bounded by itself)."""
+TELEMETRY_LATENCY: Final = 0.1
+"""The session's own bus fans telemetry out in batches at most this old (incidents at once):
+one dispatch per batch instead of per step (``EventBus(telemetry_latency=...)``)."""
 
 
 class Session(SessionBase[EventBus]):
@@ -110,7 +113,7 @@ class Session(SessionBase[EventBus]):
         options = self.options
         bus = self._given_bus
         if bus is None:
-            bus = await stack.enter_async_context(EventBus())
+            bus = await stack.enter_async_context(EventBus(telemetry_latency=TELEMETRY_LATENCY))
         self._bus = bus
         sinks = build_sinks(options, bus)
         self._subscriptions.extend(self._subscribe(bus, sinks))

@@ -72,7 +72,8 @@ async def test_demo_quiet_prints_nothing(
 async def test_demo_progress_without_rich_or_tqdm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without rich and tqdm the demo falls back to a plain progress line per tenth of the run."""
+    """Without rich and tqdm the demo falls back to a plain progress line, at most one per tenth
+    of the run (telemetry arrives in batches, so some tenths may share a line)."""
     import importlib.util
 
     real = importlib.util.find_spec
@@ -84,4 +85,6 @@ async def test_demo_progress_without_rich_or_tqdm(
     stream = io.StringIO()
     await run_demo(tmp_path, steps=20, width=8, stream=stream)
     progress = [line for line in stream.getvalue().splitlines() if line.startswith("demo: step")]
-    assert progress[0].startswith("demo: step 2/20") and progress[-1].startswith("demo: step 20/20")
+    done = [int(line.split()[2].split("/")[0]) for line in progress]
+    assert 1 <= len(done) <= 10 and done == sorted(set(done)) and done[0] >= 2
+    assert progress[-1].startswith("demo: step 20/20")
