@@ -175,7 +175,15 @@ class StepBoundary:
         samples: int | None = None,
     ) -> None:
         """Record that *step* finished and hand its events over."""
-        await run(self._completed(step, loss, learning_rate, samples))
+        # The body of _completed without its generator (this runs on every step): the same
+        # two halves around the async hand-over.
+        started, event = self._completed_begin(step, loss, learning_rate, samples)
+        if self._publish is not None:
+            await self._publish(event)
+        else:
+            self.publisher.publish_nowait(event)
+            await anyio.lowlevel.checkpoint()
+        self._completed_end(started)
 
     def completed_sync(
         self,
@@ -186,7 +194,9 @@ class StepBoundary:
         samples: int | None = None,
     ) -> None:
         """:meth:`completed`, blocking."""
-        run_sync(self._completed(step, loss, learning_rate, samples))
+        started, event = self._completed_begin(step, loss, learning_rate, samples)
+        self._hand_over_sync(event)
+        self._completed_end(started)
 
     async def training_step(
         self,
@@ -285,16 +295,30 @@ class StepBoundary:
         learning_rate: float | None,
         samples: int | None,
     ) -> Body[None]:
-        meter = self.meter
-        started = meter.clock()
+        started, event = self._completed_begin(step, loss, learning_rate, samples)
+        yield (lambda: self._hand_over(event), lambda: self._hand_over_sync(event))
+        self._completed_end(started)
+
+    def _completed_begin(
+        self,
+        step: int,
+        loss: float | torch.Tensor | None,
+        learning_rate: float | None,
+        samples: int | None,
+    ) -> tuple[float, StepCompleted]:
+        """The record of a finished step, up to its hand-over: ``(start time, its event)``."""
+        started = self.meter.clock()
         if self.profiler is not None:
             self.profiler.step(step)
         if self.amp is not None:
             self.amp.completed(step)
         if self.device_skip is not None:
             self.device_skip.disarm()
-        event = self._completed_event(step, loss, learning_rate, samples)
-        yield (lambda: self._hand_over(event), lambda: self._hand_over_sync(event))
+        return started, self._completed_event(step, loss, learning_rate, samples)
+
+    def _completed_end(self, started: float) -> None:
+        """After the hand-over: the session's time for this step, and the step's end."""
+        meter = self.meter
         ended = meter.clock()
         meter.add(ended - started)
         meter.step_finished(ended)
