@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import ClassVar, Generic
+from typing import ClassVar, Final, Generic
 
 import torch
 from torch import nn
@@ -42,6 +42,11 @@ from ._wiring import (
 from .boundary import StepBoundary
 from .modes import DebugPlan
 from .options import SessionKnobs, SessionOptions, level_of
+
+TELEMETRY_LATENCY: Final = 0.1
+"""A session's own bus fans telemetry out in batches at most this old (incidents at once):
+one dispatch and one turn of each sink per batch instead of per step
+(``EventBus(telemetry_latency=...)``)."""
 
 __all__ = ("SessionBase", "options_from")
 

@@ -18,7 +18,7 @@ from ..diagnostics import get_logger
 from ..events import Anomaly, TensorRole
 from ..probes import AnomalyArming, StepProfiler
 from ..step_context import bind_step_source
-from ._base import SessionBase, options_from
+from ._base import TELEMETRY_LATENCY, SessionBase, options_from
 from ._wiring import build_sinks, build_system
 from .options import SessionKnobs, SessionOptions
 from .verdict import TrainingStepResult, Verdict
@@ -30,9 +30,6 @@ _log = get_logger(__name__)
 TRACE_DIR: Final = "traces"
 EXIT_TIMEOUT: Final = 10.0
 """Seconds for each cleanup step on exit (the bus's own close is bounded by itself)."""
-TELEMETRY_LATENCY: Final = 0.1
-"""The session's own bus fans telemetry out in batches at most this old (incidents at once):
-one dispatch per batch instead of per step (``EventBus(telemetry_latency=...)``)."""
 
 
 class Session(SessionBase[EventBus]):

@@ -16,7 +16,7 @@ from ..diagnostics import get_logger
 from ..events import TensorRole
 from ..probes import AnomalyArming
 from ..step_context import bind_step_source
-from ._base import SessionBase, options_from
+from ._base import TELEMETRY_LATENCY, SessionBase, options_from
 from ._wiring import Sinks, build_sinks, build_system
 from .options import SessionKnobs, SessionOptions
 from .verdict import TrainingStepResult, Verdict
@@ -76,7 +76,7 @@ class SyncSession(SessionBase[SyncEventBus]):
             unbind()
 
     def __enter__(self) -> Self:
-        bus = SyncEventBus()
+        bus = SyncEventBus(telemetry_latency=TELEMETRY_LATENCY)
         bus.__enter__()
         try:
             self._bus = bus
