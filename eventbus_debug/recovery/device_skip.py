@@ -43,6 +43,7 @@ _ATTR: Final = "found_inf"
 # Decisions about the gradients of a step already gone: applying them at a later step would
 # act on that (healthy) step's gradients instead.
 _STALE: Final = frozenset({RecoveryAction.SKIP_STEP, RecoveryAction.CLIP_GRADIENTS})
+_AMP_DTYPES: Final = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
 class Judged(Protocol):
@@ -120,6 +121,7 @@ class DeviceSkip:
         "_flag",
         "_handle",
         "_host_first",
+        "_one",
         "optimizer",
         "publisher",
         "source",
@@ -139,6 +141,7 @@ class DeviceSkip:
         self.step: int | None = None
         """The step whose flag was computed last (the safe point under way)."""
         self._flag: torch.Tensor | None = None
+        self._one = torch.ones(())
         self._armed: torch.Tensor | None = None
         self._handle: RemovableHandle | None = None
         self._host_first = isinstance(opt, torch.optim.SGD) and any(
@@ -184,11 +187,17 @@ class DeviceSkip:
         flag = self._flag
         if flag is None or flag.device != device:
             flag = self._flag = torch.zeros((), dtype=torch.float32, device=device)
-        if vector is not None and vector.numel() and vector.device == device:
-            torch.logical_not(torch.isfinite(vector).all(), out=flag)
-        else:
+            self._one = torch.ones((), dtype=torch.float32, device=device)
+        if vector is None or not vector.numel() or vector.device != device:
             flag.zero_()
             grads_covered = False
+        elif vector.dtype in _AMP_DTYPES:
+            # GradScaler's own check: one kernel sets the flag when a value is not finite
+            # (multiplying the vector by 1 in place, which changes no value).
+            flag.zero_()
+            torch._amp_foreach_non_finite_check_and_unscale_([vector], flag, self._one)
+        else:
+            torch.logical_not(torch.isfinite(vector).all(), out=flag)
         if not grads_covered:
             self._check_grads(flag)
         if loss is not None and not isinstance(loss, torch.Tensor) and not math.isfinite(loss):

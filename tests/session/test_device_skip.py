@@ -435,3 +435,20 @@ def test_agree_drops_only_stale_skips_and_clips() -> None:
         decided(5, SkipStep()),
     )
     assert skip.agree([stale, restore, current]) == [restore, current]
+
+
+async def test_a_float64_run_takes_the_generic_check() -> None:
+    """A float64 vector (no AMP check for it) still flags a NaN step, and only that one."""
+    model = _model().double()
+    opt = OPTIMIZERS["adamw"](model)
+    flags = []
+    async with Session(model, opt, device_skip=True, **QUIET) as session:
+        for step, x in enumerate(_batches(3)):
+            torch.autograd.backward(_loss(model, x.double(), step == 1))
+            await session.check_step(step, loss=None)
+            assert session.device_skip is not None and session.device_skip.flag is not None
+            flags.append(float(session.device_skip.flag))
+            opt.step()
+            opt.zero_grad()
+            await session.step_completed(step)
+    assert flags == [0.0, 1.0, 0.0]
