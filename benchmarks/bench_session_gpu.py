@@ -22,10 +22,11 @@ probe's or the session's calls (``time.perf_counter``, no synchronization). ``la
 number of CUDA kernel launches per step seen by ``torch.profiler`` (``--profile``).
 
 Without CUDA the script says so and exits 0 (CI has no GPU). ``--device cpu`` runs the same
-code on the CPU with tiny sizes: a dry run, whose figures mean nothing.
+code on the CPU with tiny sizes: a dry run, whose figures mean nothing (``--full`` keeps the
+real sizes: the CPU's own figures).
 
 Run: python benchmarks/bench_session_gpu.py [--steps 50] [--warmup 10] [--rounds 5] [--profile]
-     [--only w1|gpt2] [--device cuda|cpu]
+     [--only w1|gpt2] [--device cuda|cpu] [--full]
 """
 
 from __future__ import annotations
@@ -435,15 +436,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--only", choices=sorted(WORKLOADS), default=None)
     parser.add_argument("--profile", action="store_true", help="count kernel launches per step")
+    parser.add_argument("--full", action="store_true", help="on the CPU too, the GPU sizes")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(NO_CUDA)
         return 0
     device = torch.device(args.device)
-    tiny = device.type == "cpu"
-    if tiny:
-        torch.set_num_threads(1)  # a dry run on a shared CPU: no thread oversubscription
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"
+    tiny = device.type == "cpu" and not args.full
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a shared CPU: no thread oversubscription
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    where += " (dry run, tiny sizes)" if tiny else ""
     print(f"device: {where}; torch {torch.__version__}; {args.rounds} rounds x {args.steps} steps")
     for key, build in WORKLOADS.items():
         if args.only is not None and key != args.only:

@@ -36,7 +36,7 @@ def test_cpu_dry_run_prints_every_variant_of_both_workloads(
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert code == 0
-    assert out.startswith("device: CPU (dry run)")
+    assert out.startswith("device: CPU (dry run, tiny sizes)")
     assert "W1 MLP" in out and "GPT-2" in out
     for variant in VARIANTS:
         expected = 1 if variant.kind == "seed" else 2  # the seed's per-parameter way: W1 only
