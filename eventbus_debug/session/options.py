@@ -149,9 +149,10 @@ class SessionOptions:
         device_skip: skip a non-finite step with no host synchronization: the step probe's
             device vector becomes a ``found_inf`` flag handed to the fused optimizer (as a
             ``GradScaler`` does), which skips the update on the device; the probe runs deferred
-            and the step's incidents are read one step later. Needs an optimizer built with
-            ``fused=True``; not with ``scaler=``, ``skip_non_finite=False``, a distributed
-            agreement or anomaly localization. See
+            and the step's incidents are read one step later (``verdict.should_step`` stays
+            True on a non-finite step, and ``verdict.probe`` is an earlier step's). Needs an
+            optimizer built with ``fused=True``; not with ``scaler=``,
+            ``skip_non_finite=False``, a distributed agreement or anomaly localization. See
             :class:`~eventbus_debug.recovery.device_skip.DeviceSkip`.
         plan: the instruments *level* / *mode* turn on (derived).
         schedulers: *scheduler* as a tuple (derived).

@@ -6,13 +6,13 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import Session, SessionOptions, SyncSession, read_events
+from eventbus_debug import Session, SessionOptions, SyncEventBus, SyncSession, read_events
 from eventbus_debug.events import (
     NonFiniteDetected,
     RecoveryAction,
@@ -23,7 +23,9 @@ from eventbus_debug.events import (
 )
 from eventbus_debug.probes.step._launch import Pending
 from eventbus_debug.recovery import DecidedAction, Decision, RestoreState, SkipStep
+from eventbus_debug.recovery.agreement import Agreement
 from eventbus_debug.recovery.device_skip import DeviceSkip, fused_optimizer
+from eventbus_debug.session._wiring import build_recovery
 
 Factory = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -452,3 +454,21 @@ async def test_a_float64_run_takes_the_generic_check() -> None:
             opt.zero_grad()
             await session.step_completed(step)
     assert flags == [0.0, 1.0, 0.0]
+
+
+def test_an_agreeing_process_group_is_refused_at_start() -> None:
+    """In a process group that agrees, each rank would skip on its own flag: refused."""
+    model = _model()
+    opt = OPTIMIZERS["adamw"](model)
+    options = SessionOptions(device_skip=True, **QUIET)
+    agreement = cast(Agreement, object())
+    with pytest.raises(ValueError, match="process group that agrees"):
+        build_recovery(
+            options,
+            model,
+            opt,
+            SyncEventBus(),
+            agreement=agreement,
+            on_restore=lambda: None,
+            device_skip=DeviceSkip(opt),
+        )
