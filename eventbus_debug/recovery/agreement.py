@@ -2,15 +2,17 @@
 
 Every rank calls :meth:`RankAgreement.agree` at every safe point, whatever its level, cadence or
 incidents, before any local state changes. The ranks' pending decisions are encoded as one
-small float64 vector — one flag per action, factors as maxima of negatives (a MIN), and the
-rank's loss — and exchanged with a single ``all_gather`` on a dedicated gloo group whose timeout
-is far below torch's 30-minute default; every rank takes the maximum of the flags and the mean of
-the losses. Every rank then applies the same decisions: skip, restore, clip (the smallest max
-norm of any rank), LR factor (the smallest), free memory, stop; and judges loss spikes on the
-same mean loss, so spike decisions follow at the next safe point on every rank alike. Whether
-any rank had an incident is agreed too, so "good steps" (consecutive counts, snapshots,
-temporary LR changes) advance in lockstep and a restore lands every rank on the state of the
-same step.
+small float64 vector (:mod:`.agreement_codec`: one flag per action, factors as maxima of
+negatives, each rank's loss in its own slot) and reduced with a single MAX ``all_reduce`` on a
+dedicated gloo group whose timeout is far below torch's 30-minute default. Every rank then
+applies the same decisions: skip, restore, clip (the smallest max norm of any rank), LR factor
+(the smallest), free memory, stop; and judges loss spikes on the same mean loss, so spike
+decisions follow at a later safe point on every rank alike. Whether any rank had an incident is
+agreed too, so "good steps" (consecutive counts, snapshots, temporary LR changes) advance in
+lockstep and a restore lands every rank on the state of the same step.
+
+Under DDP the collective is launched during ``backward()`` and only waited at the safe point
+(:mod:`.agreement_overlap`), so a healthy step does not wait for it.
 
 Never a bit mask reduced with MAX: "skip" on one rank and "clip" on another are two flags, and
 both survive.
@@ -19,29 +21,28 @@ both survive.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from enum import IntEnum
-from typing import Any, Final, NoReturn, Protocol, final, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, NoReturn, Protocol, final, runtime_checkable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .._validate import positive_seconds
 from ..diagnostics import get_logger
 from ..exceptions import TrainingStopped
-from .actions import (
-    Action,
-    ClipGradients,
-    DecidedAction,
-    Decision,
-    FreeMemory,
-    RestoreState,
-    ScaleLR,
-    SkipStep,
-    Stop,
-)
+from . import agreement_codec as codec
+from .actions import ClipGradients, DecidedAction, Decision, RestoreState, SkipStep, Stop
+from .agreement_codec import Slot
+from .agreement_overlap import OutputGradLaunch, split_late
+
+if TYPE_CHECKING:
+    from .engine import RecoveryEngine
 
 __all__ = (
     "AGREE_TIMEOUT",
@@ -57,29 +58,9 @@ _log = get_logger(__name__)
 
 AGREE_TIMEOUT: Final = 60.0
 """Seconds a rank waits for the others at an agreement (torch's default is 30 minutes)."""
-
-
-class _F(IntEnum):
-    """The slots of the agreement vector (all reduced with MAX)."""
-
-    ANY = 0  # some rank has a decision
-    NOTED = 1  # some rank had an incident this step
-    SKIP = 2
-    SKIP_BATCHES = 3
-    RESTORE = 4
-    RESTORE_REQUIRED = 5
-    CLIP = 6
-    NEG_MAX_NORM = 7  # -max_norm: MAX gives the smallest max norm
-    TOTAL_NORM = 8
-    NEG_LR_FACTOR = 9  # -factor: MAX gives the smallest factor
-    LR_STEPS = 10
-    FREE_MEMORY = 11
-    STOP = 12
-    STOP_RANK = 13  # rank + 1 of the highest rank that decided to stop
-    LOSS = 14  # this rank's loss (NaN: none): averaged, not maximized
-
-
-_SIZE: Final = len(_F)
+WAITS_KEPT: Final = 4096
+"""How many recent waits :attr:`RankAgreement.waits` keeps."""
+_DECISION_SLOTS: Final = tuple(range(Slot.ANY, Slot.STOP_RANK + 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,81 +117,15 @@ def distributed_active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _encode(
-    decisions: Sequence[DecidedAction], noted: bool, rank: int, loss: float | None = None
-) -> torch.Tensor:
-    v = torch.zeros(_SIZE, dtype=torch.float64)
-    v[_F.NEG_MAX_NORM] = -math.inf
-    v[_F.NEG_LR_FACTOR] = -1.0
-    v[_F.NOTED] = float(noted)
-    lr_factor = 1.0
-    for d in decisions:
-        v[_F.ANY] = 1.0
-        action = d.action
-        if isinstance(action, SkipStep):
-            v[_F.SKIP] = 1.0
-            v[_F.SKIP_BATCHES] = max(float(v[_F.SKIP_BATCHES]), float(action.batches))
-        elif isinstance(action, RestoreState):
-            v[_F.RESTORE] = 1.0
-            v[_F.RESTORE_REQUIRED] = max(float(v[_F.RESTORE_REQUIRED]), float(action.required))
-        elif isinstance(action, ClipGradients):
-            v[_F.CLIP] = 1.0
-            v[_F.NEG_MAX_NORM] = max(float(v[_F.NEG_MAX_NORM]), -action.max_norm)
-            v[_F.TOTAL_NORM] = max(float(v[_F.TOTAL_NORM]), action.total_norm)
-        elif isinstance(action, ScaleLR):
-            lr_factor *= action.factor
-            v[_F.LR_STEPS] = max(float(v[_F.LR_STEPS]), float(action.steps or 0))
-        elif isinstance(action, FreeMemory):
-            v[_F.FREE_MEMORY] = 1.0
-        elif isinstance(action, Stop):
-            v[_F.STOP] = 1.0
-            v[_F.STOP_RANK] = float(rank + 1)
-    v[_F.NEG_LR_FACTOR] = -lr_factor
-    v[_F.LOSS] = math.nan if loss is None else float(loss)
-    return v
+@dataclass(slots=True)
+class _Launched:
+    """An agreement launched during backward, waited at the next safe point."""
 
-
-def _decode(
-    v: list[float], local: Sequence[DecidedAction], step: int, world: int
-) -> tuple[DecidedAction, ...]:
-    if not v[_F.ANY]:
-        return ()
-    mine = {d.kind: d for d in local}
-
-    def make(action: Action, what: str) -> DecidedAction:
-        own = mine.get(action.kind)
-        reason = (
-            own.reason
-            if own is not None
-            else f"agreed across {world} ranks: another rank decided to {what}"
-        )
-        return DecidedAction(
-            decision=Decision(action=action, reason=reason),
-            strategy=own.strategy if own is not None else "agreed",
-            trigger_kind=own.trigger_kind if own is not None else "agreement",
-            trigger_seq=own.trigger_seq if own is not None else -1,
-            step=step,
-        )
-
-    out: list[DecidedAction] = []
-    if v[_F.STOP]:
-        stopper = int(v[_F.STOP_RANK]) - 1
-        out.append(make(Stop(), f"stop (rank {stopper})"))
-    if v[_F.RESTORE]:
-        required = bool(v[_F.RESTORE_REQUIRED])
-        out.append(make(RestoreState(required=required), "restore the last good state"))
-    factor = -v[_F.NEG_LR_FACTOR]
-    if factor != 1.0:
-        steps = int(v[_F.LR_STEPS]) or None
-        out.append(make(ScaleLR(factor=factor, steps=steps), f"scale the LR by {factor:g}"))
-    if v[_F.FREE_MEMORY]:
-        out.append(make(FreeMemory(), "free memory"))
-    if v[_F.CLIP]:
-        clip = ClipGradients(max_norm=-v[_F.NEG_MAX_NORM], total_norm=v[_F.TOTAL_NORM])
-        out.append(make(clip, "clip the gradients"))
-    if v[_F.SKIP]:
-        out.append(make(SkipStep(batches=int(v[_F.SKIP_BATCHES])), "skip the step"))
-    return tuple(out)
+    work: Any  # the async all_reduce's Work (None when launching failed)
+    vec: torch.Tensor
+    carried: tuple[DecidedAction, ...]  # what this rank sent (for its own reasons)
+    loss_grad_bad: bool  # this rank's loss gradient was non-finite
+    error: RuntimeError | None = None
 
 
 @final
@@ -221,20 +136,45 @@ class RankAgreement:
     ``Session(..., distributed=False)``). It must be constructed on every rank (it creates a gloo
     group collectively) and called at every safe point on every rank.
 
+    Blocking (the fallback, and with ``overlap=False``): at the safe point every rank encodes
+    its pending decisions, whether it had an incident and its loss in one small float64 vector
+    and ``all_reduce``\\ s it with MAX (see :mod:`.agreement_codec`).
+
+    Overlapped (``overlap=True``, the default, once :meth:`attach`\\ ed to a
+    :class:`~torch.nn.parallel.DistributedDataParallel` model): the same vector is launched
+    asynchronously when the gradient of the model's output arrives, at the start of
+    ``backward()``, carrying what was decided before it, whether this rank's loss gradient is
+    finite and the previous step's loss; the safe point only waits for it (it is done by then).
+    Every rank skips a step whose loss gradient was non-finite on any rank; what the probe finds
+    at the safe point in the all-reduced gradients acts at once (the same on every rank); every
+    other late decision acts at the next safe point on every rank
+    (:func:`~.agreement_overlap.split_late`); loss spikes are judged on the mean loss one step
+    later. What each rank applied rides in the next agreement: ranks that applied different
+    decisions stop together, saying so. Steps where the probe checks rank-local state
+    (*blocking_at*: parameter or activation checks) add a blocking round.
+
     Args:
         timeout: seconds a rank waits for the others before it stops, naming its own decision.
         group: the ranks that agree (``None``: a new gloo group over the default group's ranks).
+        overlap: hide the agreement behind ``backward()`` where :meth:`attach` allows it.
 
     Raises:
         RuntimeError: if torch.distributed is not initialized.
+        TypeError: if *overlap* is not a bool.
         ValueError: if *timeout* is not a positive number.
     """
 
-    def __init__(self, *, timeout: float = AGREE_TIMEOUT, group: Any = None) -> None:
+    def __init__(
+        self, *, timeout: float = AGREE_TIMEOUT, group: Any = None, overlap: bool = True
+    ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             msg = "RankAgreement needs an initialized torch.distributed process group"
             raise RuntimeError(msg)
+        if not isinstance(overlap, bool):
+            msg = f"overlap must be a bool, got {overlap!r}"
+            raise TypeError(msg)
         self.timeout = positive_seconds("timeout", timeout)
+        self.overlap = overlap
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.group = (
@@ -246,6 +186,64 @@ class RankAgreement:
         """Agreements run (one per safe point)."""
         self.disagreements = 0
         """Agreements in which the ranks' pending decisions differed."""
+        self.overlapped = 0
+        """Agreements that were launched during backward (the rest blocked at the safe point)."""
+        self.waits: deque[float] = deque(maxlen=WAITS_KEPT)
+        """Seconds each recent safe point spent waiting for the other ranks."""
+        self._vec = codec.vector(self.world)
+        self._launcher: OutputGradLaunch | None = None
+        self._engine: RecoveryEngine | None = None
+        self._blocking_at: Callable[[int], bool] | None = None
+        self._launched: _Launched | None = None
+        self._deferred: tuple[DecidedAction, ...] = ()
+        self._deferred_noted = False
+        self._applied = (False, False, False)
+        self._last_loss: float | None = None
+
+    @property
+    def attached(self) -> bool:
+        """True while the agreement is launched during backward (see :meth:`attach`)."""
+        return self._launcher is not None
+
+    def attach(
+        self,
+        model: nn.Module,
+        engine: RecoveryEngine,
+        *,
+        blocking_at: Callable[[int], bool] | None = None,
+    ) -> bool:
+        """Launch each step's agreement during *model*'s backward; True when that applies.
+
+        It applies to a :class:`~torch.nn.parallel.DistributedDataParallel` model with
+        ``overlap=True``; anything else (FSDP, DTensor, a plain module) keeps the blocking
+        agreement. Call it on every rank alike; attaching again moves the hook.
+
+        Args:
+            model: the model the session trains.
+            engine: the engine whose decisions are agreed (taken from it at the launch).
+            blocking_at: steps that add a blocking round, because the probe checks rank-local
+                state there (parameters, activations).
+
+        Raises:
+            TypeError: if *blocking_at* is neither callable nor None.
+        """
+        if blocking_at is not None and not callable(blocking_at):
+            msg = f"blocking_at must be callable or None, got {blocking_at!r}"
+            raise TypeError(msg)
+        self.detach()
+        if not self.overlap or not isinstance(model, DistributedDataParallel):
+            return False
+        self._engine = engine
+        self._blocking_at = blocking_at
+        self._launcher = OutputGradLaunch(model, self._launch)
+        return True
+
+    def detach(self) -> None:
+        """Go back to the blocking agreement (idempotent)."""
+        if self._launcher is not None:
+            self._launcher.remove()
+        self._launcher = None
+        self._engine = None
 
     def agree_call(self, *, failed: bool, fatal: bool, batch_size: int | None) -> CallAgreed:
         """Agree on the outcome of one attempt of a retried call (one small collective).
@@ -261,7 +259,7 @@ class RankAgreement:
             [float(failed), float(fatal), -float(batch_size) if batch_size else -math.inf],
             dtype=torch.float64,
         )
-        self._reduce(v, dist.ReduceOp.MAX, f"a retried call (this rank failed: {failed})")
+        self._reduce(v, f"a retried call (this rank failed: {failed})")
         any_failed, any_fatal, neg_batch = v.tolist()
         return CallAgreed(
             failed=bool(any_failed),
@@ -278,41 +276,125 @@ class RankAgreement:
         *,
         loss: float | None = None,
     ) -> AgreedStep:
-        """Agree on *step*'s decisions, and average its loss, with every rank: one collective.
+        """Agree on *step*'s decisions, and average the loss, with every rank: one collective.
 
         Raises:
             TrainingStopped: if the other ranks do not answer within :attr:`timeout` (this
                 rank's own pending decisions are named).
         """
-        mine = _encode(decisions, noted, self.rank, loss)
-        what = ", ".join(d.kind.value for d in decisions) or "nothing"
-        everyone = [torch.empty_like(mine) for _ in range(self.world)]
+        self.agreements += 1
+        launched, self._launched = self._launched, None
+        if self._launcher is None:
+            return self._agree_blocking(step, decisions, noted, loss)
+        if launched is None:
+            # Attached, but no backward since the last safe point: all in one blocking round.
+            late = (*self._deferred, *decisions)
+            early_loss, self._last_loss = self._last_loss, loss
+            agreed = self._agree_blocking(
+                step, late, noted or self._deferred_noted or bool(self._deferred), early_loss
+            )
+            self._deferred, self._deferred_noted = (), False
+            self._applied = _applied(agreed.decisions, agreed.noted)
+            return agreed
+        return self._agree_overlapped(step, launched, decisions, noted, loss)
+
+    # -- the overlapped path -------------------------------------------------------------------
+
+    def _launch(self, loss_grad_bad: bool) -> None:
+        """Launch this step's agreement (from the output gradient's hook; once per safe point)."""
+        engine = self._engine
+        if self._launched is not None or engine is None:
+            return
+        actions, noted = engine.take_for_agreement()
+        carried = (*self._deferred, *actions)
+        any_noted = bool(noted) or self._deferred_noted or bool(self._deferred)
+        self._deferred, self._deferred_noted = (), False
+        vec = codec.vector(self.world)
+        codec.encode(
+            vec,
+            carried,
+            any_noted,
+            self.rank,
+            self._last_loss,
+            loss_grad_bad=loss_grad_bad,
+            applied=self._applied,
+        )
         try:
-            dist.all_gather(everyone, mine, group=self.group)
+            work = dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        except RuntimeError as exc:  # a peer already left: said at the safe point
+            self._launched = _Launched(None, vec, carried, loss_grad_bad, exc)
+            return
+        self._launched = _Launched(work, vec, carried, loss_grad_bad)
+
+    def _agree_overlapped(
+        self,
+        step: int,
+        launched: _Launched,
+        late: Sequence[DecidedAction],
+        noted: bool,
+        loss: float | None,
+    ) -> AgreedStep:
+        what = ", ".join(d.kind.value for d in (*launched.carried, *late)) or "nothing"
+        started = time.perf_counter()
+        if launched.error is not None:
+            self._failed(f"step {step} (this rank decided: {what})", launched.error)
+        try:
+            launched.work.wait(timeout=timedelta(seconds=self.timeout))
         except RuntimeError as exc:  # gloo raises on a timeout or a peer that left
             self._failed(f"step {step} (this rank decided: {what})", exc)
-        self.agreements += 1
-        stacked = torch.stack(everyone)
-        losses = stacked[:, _F.LOSS].clone()
-        stacked[:, _F.LOSS] = 0.0
-        merged = stacked.max(dim=0).values
-        agreed = merged.tolist()
-        mean = None if bool(torch.isnan(losses).all()) else float(losses.nanmean())
-        mine[_F.LOSS] = 0.0
-        if not torch.equal(mine, merged):
-            self.disagreements += 1
-            _log.info(
-                "ranks_agreed", step=step, rank=self.rank, local=what, agreed_any=agreed[_F.ANY]
-            )
+        self.waits.append(time.perf_counter() - started)
+        self.overlapped += 1
+        agreed = launched.vec.tolist()
+        mean = codec.mean_loss(agreed)
+        early = codec.decode(agreed, launched.carried, step, self.world)
+        mismatch = codec.digest_mismatch(agreed)
+        if mismatch is not None:
+            early = (*early, _diverged(step, mismatch, self.world))
+        noted_now = bool(agreed[Slot.NOTED]) or bool(agreed[Slot.LOSS_GRAD_BAD])
+        blocking = self._blocking_at is not None and self._blocking_at(step)
+        if blocking:
+            # The probe checked rank-local state: the late decisions are agreed now, in full.
+            extra = self._agree_blocking(step, late, noted, None)
+            now: tuple[DecidedAction, ...] = extra.decisions
+            noted_now = noted_now or extra.noted
+        else:
+            uncovered = loss is not None and not math.isfinite(loss) and not launched.loss_grad_bad
+            now, later = split_late(late, local_loss_uncovered=uncovered)
+            self._deferred = later
+            self._deferred_noted = noted and not now
+            noted_now = noted_now or bool(now)
+        decisions = (*early, *now)
+        self._applied = _applied(decisions, noted_now)
+        self._last_loss = loss
+        if agreed[Slot.ANY] or late:
+            self.disagreements += int(not _same(launched.carried, agreed))
+            _log.info("ranks_agreed", step=step, rank=self.rank, local=what, overlapped=True)
+        return AgreedStep(decisions=decisions, noted=noted_now, loss=mean)
+
+    # -- the blocking path ---------------------------------------------------------------------
+
+    def _agree_blocking(
+        self, step: int, decisions: Sequence[DecidedAction], noted: bool, loss: float | None
+    ) -> AgreedStep:
+        what = ", ".join(d.kind.value for d in decisions) or "nothing"
+        v = codec.encode(self._vec, decisions, noted, self.rank, loss)
+        started = time.perf_counter()
+        self._reduce(v, f"step {step} (this rank decided: {what})")
+        self.waits.append(time.perf_counter() - started)
+        agreed = v.tolist()
+        if agreed[Slot.ANY] or decisions:
+            if not _same(decisions, agreed):
+                self.disagreements += 1
+            _log.info("ranks_agreed", step=step, rank=self.rank, local=what, overlapped=False)
         return AgreedStep(
-            decisions=_decode(agreed, decisions, step, self.world),
-            noted=bool(agreed[_F.NOTED]),
-            loss=mean,
+            decisions=codec.decode(agreed, decisions, step, self.world),
+            noted=bool(agreed[Slot.NOTED]),
+            loss=codec.mean_loss(agreed),
         )
 
-    def _reduce(self, tensor: torch.Tensor, op: Any, what: str) -> None:
+    def _reduce(self, tensor: torch.Tensor, what: str) -> None:
         try:
-            dist.all_reduce(tensor, op=op, group=self.group)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         except RuntimeError as exc:  # gloo raises on a timeout or a peer that left
             self._failed(what, exc)
 
@@ -322,7 +404,36 @@ class RankAgreement:
             f"{self.timeout:g} s: another rank stopped, crashed or hangs ({exc})"
         )
         _log.error("agreement_failed", rank=self.rank, what=what)
+        self.detach()
         raise TrainingStopped(msg) from exc
+
+
+def _same(local: Sequence[DecidedAction], agreed: Sequence[float]) -> bool:
+    """Whether this rank's own decisions are what the group agreed (for the statistics)."""
+    mine = codec.encode(codec.vector(1), local, False, 0).tolist()
+    return all(mine[s] == agreed[s] for s in _DECISION_SLOTS)
+
+
+def _applied(decisions: Sequence[DecidedAction], noted: bool) -> tuple[bool, bool, bool]:
+    """What a safe point applies, for the next agreement's check: (skipped, clipped, noted)."""
+    skip = any(isinstance(d.action, SkipStep | RestoreState) for d in decisions)
+    clip = any(isinstance(d.action, ClipGradients) for d in decisions)
+    return skip, clip, noted
+
+
+def _diverged(step: int, mismatch: str, world: int) -> DecidedAction:
+    reason = (
+        f"the {world} ranks applied different decisions at the safe point before step {step} "
+        f"(not all {mismatch}): their states may differ, so every rank stops here; "
+        "run with RankAgreement(overlap=False) to agree every decision before applying it"
+    )
+    return DecidedAction(
+        decision=Decision(action=Stop(), reason=reason),
+        strategy="agreed",
+        trigger_kind="agreement",
+        trigger_seq=-1,
+        step=step,
+    )
 
 
 def agreement_for(distributed: bool | Agreement | None, timeout: float) -> Agreement | None:

@@ -377,6 +377,18 @@ class RecoveryEngine:
             self._mark_good()
         return Pending(actions=agreed.decisions, clean=not agreed.noted, agreed=agreed)
 
+    def take_for_agreement(self) -> tuple[tuple[DecidedAction, ...], int]:
+        """Remove the pending step decisions and the incident count, for an early agreement.
+
+        An overlapped agreement sends them during ``backward()`` (before the safe point) and
+        returns them, agreed, from :meth:`take`'s call; nothing else changes.
+        """
+        with self._lock:
+            actions = tuple(self._pending)
+            self._pending.clear()
+            noted, self._noted = self._noted, 0
+        return actions, noted
+
     def _mark_good(self) -> None:
         """A step passed with no incident: every strategy's consecutive count restarts."""
         with self._lock:

@@ -17,6 +17,7 @@ from .._bus import EventBus, Subscription, SyncEventBus
 from ..extras.validation import InputValidator, ValidationPolicy
 from ..probes import AnomalyArming, LeakDetector, StepProbe, SystemSampler
 from ..probes.anomaly_arming import arm_on_incidents
+from ..probes.levels import Cadence, checks_due
 from ..recovery import RecoveryEngine, SafePoint, ScalerMonitor
 from ..recovery.agreement import Agreement, RankAgreement
 from ..recovery.device_skip import DeviceSkip
@@ -241,6 +242,8 @@ def build_recovery(
         return Recovery(amp=amp)
     if isinstance(agreement, RankAgreement):
         engine.agreement = agreement  # retried calls agree across ranks
+        if optimizer is not None:
+            _overlap_agreement(options, model, engine, agreement)
     if optimizer is None:
         return Recovery(engine=engine, amp=amp)
     safe_point = SafePoint(
@@ -255,6 +258,28 @@ def build_recovery(
     # steps' baselines they would look like new faults.
     safe_point.add_restore_listener(on_restore)
     return Recovery(engine=engine, safe_point=safe_point, amp=amp)
+
+
+def _overlap_agreement(
+    options: SessionOptions, model: nn.Module, engine: RecoveryEngine, agreement: RankAgreement
+) -> None:
+    """Hide the agreement behind DDP's backward where the checks allow it (else it blocks).
+
+    Not with a GradScaler (its overflow steps must not be skipped by the session) nor with an
+    overhead budget (it stretches each rank's cadence on its own clock, so the ranks would check
+    different steps). Parameter and activation checks read rank-local state: those steps add a
+    blocking round.
+    """
+    if options.scaler is not None or options.overhead_budget is not None:
+        agreement.detach()
+        return
+    level, cadence = options.plan.level, options.cadence or Cadence()
+
+    def blocking_at(step: int) -> bool:
+        due = checks_due(level, cadence, step)
+        return due.params or due.activations
+
+    agreement.attach(model, engine, blocking_at=blocking_at)
 
 
 def arm_localization(

@@ -59,7 +59,9 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
     gen = torch.Generator().manual_seed(100 + rank)
     recorder = RecordingSink()
     cadence = Cadence(grad_every=5) if scenario == "nan_one_rank_every5" else None
-    distributed: Any = RankAgreement(timeout=5.0) if scenario == "crash_one_rank" else None
+    distributed: Any = (
+        RankAgreement(timeout=5.0, overlap=False) if scenario == "crash_one_rank" else None
+    )
     result: dict[str, Any] = {"rank": rank, "stopped_at": None, "reason": ""}
     step = -1
     try:

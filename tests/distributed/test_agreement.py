@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from eventbus_debug.events import RecoveryAction
 from eventbus_debug.recovery.actions import (
@@ -20,7 +21,8 @@ from eventbus_debug.recovery.actions import (
     ScaleLR,
     SkipStep,
 )
-from eventbus_debug.recovery.agreement import AgreedStep, RankAgreement, _decode, _encode
+from eventbus_debug.recovery import agreement_codec as codec
+from eventbus_debug.recovery.agreement import AgreedStep, RankAgreement
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 120.0  # seconds for a whole group; a regression fails instead of hanging
@@ -181,11 +183,15 @@ class TestEncoding:
             step=3,
         )
 
+    @staticmethod
+    def enc(decisions: list[DecidedAction], noted: bool, rank: int) -> torch.Tensor:
+        return codec.encode(codec.vector(2), decisions, noted, rank)
+
     def test_skip_and_clip_from_different_ranks_both_survive(self) -> None:
         """'skip' on one rank and 'clip' on another: one flag each, never a lossy bit mask."""
-        a = _encode([self.decided(SkipStep())], False, 0)
-        b = _encode([self.decided(ClipGradients(max_norm=5.0, total_norm=50.0))], True, 1)
-        agreed = _decode(a.maximum(b).tolist(), [], 3, 2)
+        a = self.enc([self.decided(SkipStep())], False, 0)
+        b = self.enc([self.decided(ClipGradients(max_norm=5.0, total_norm=50.0))], True, 1)
+        agreed = codec.decode(a.maximum(b).tolist(), [], 3, 2)
         assert {d.kind for d in agreed} == {
             RecoveryAction.SKIP_STEP,
             RecoveryAction.CLIP_GRADIENTS,
@@ -193,7 +199,7 @@ class TestEncoding:
 
     def test_smallest_factor_and_max_norm_win(self) -> None:
         """LR factors and clip norms agree on the smallest of any rank."""
-        a = _encode(
+        a = self.enc(
             [
                 self.decided(ScaleLR(factor=0.5)),
                 self.decided(ClipGradients(max_norm=5.0, total_norm=9.0)),
@@ -201,7 +207,7 @@ class TestEncoding:
             False,
             0,
         )
-        b = _encode(
+        b = self.enc(
             [
                 self.decided(ScaleLR(factor=0.25)),
                 self.decided(ClipGradients(max_norm=2.0, total_norm=9.0)),
@@ -209,14 +215,14 @@ class TestEncoding:
             False,
             1,
         )
-        agreed = {d.kind: d.action for d in _decode(a.maximum(b).tolist(), [], 3, 2)}
+        agreed = {d.kind: d.action for d in codec.decode(a.maximum(b).tolist(), [], 3, 2)}
         assert agreed[RecoveryAction.SCALE_LR] == ScaleLR(factor=0.25)
         assert agreed[RecoveryAction.CLIP_GRADIENTS] == ClipGradients(max_norm=2.0, total_norm=9.0)
 
     def test_nothing_pending_anywhere_is_no_decision(self) -> None:
         """A healthy step agrees on nothing and on 'noted' only when some rank had an incident."""
-        v = _encode([], True, 0)
-        assert _decode(v.tolist(), [], 3, 2) == ()
+        v = self.enc([], True, 0)
+        assert codec.decode(v.tolist(), [], 3, 2) == ()
         assert AgreedStep((), noted=True).noted
 
     def test_needs_a_process_group(self) -> None:
