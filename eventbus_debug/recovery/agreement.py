@@ -167,12 +167,12 @@ class RankAgreement:
     def __init__(
         self, *, timeout: float = AGREE_TIMEOUT, group: Any = None, overlap: bool = True
     ) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            msg = "RankAgreement needs an initialized torch.distributed process group"
-            raise RuntimeError(msg)
         if not isinstance(overlap, bool):
             msg = f"overlap must be a bool, got {overlap!r}"
             raise TypeError(msg)
+        if not (dist.is_available() and dist.is_initialized()):
+            msg = "RankAgreement needs an initialized torch.distributed process group"
+            raise RuntimeError(msg)
         self.timeout = positive_seconds("timeout", timeout)
         self.overlap = overlap
         self.rank = dist.get_rank()

@@ -25,14 +25,20 @@ from torch import nn
 
 from .actions import ClipGradients, DecidedAction, Decision, RestoreState, SkipStep, Stop
 
-__all__ = ("GLOBAL_TRIGGERS", "OutputGradLaunch", "split_late")
+__all__ = ("GLOBAL_TRIGGERS", "SHARED_STRATEGY_TRIGGERS", "OutputGradLaunch", "split_late")
 
-GLOBAL_TRIGGERS: Final = frozenset(
-    {"non_finite_detected", "gradient_exploded", "gradient_vanished", "loss_spiked"}
+SHARED_STRATEGY_TRIGGERS: Final = frozenset(
+    {"gradient_exploded", "gradient_vanished", "loss_spiked"}
 )
-"""Incident kinds that are the same on every rank under DDP: judged on the all-reduced gradients
-or on the ranks' mean loss. A non-finite *loss* is local; it counts as the same everywhere only
-when its gradient was non-finite too (then every rank skips on the agreed flag)."""
+"""Incident kinds that are the same on every rank under DDP (judged on the all-reduced
+gradients or on the ranks' mean loss) and that are answered by strategies seeing nothing else:
+their strategies' states stay equal on every rank, so their whole decisions act at once."""
+GLOBAL_TRIGGERS: Final = SHARED_STRATEGY_TRIGGERS | {"non_finite_detected"}
+"""Incident kinds that are the same on every rank under DDP. Non-finite values are answered by
+strategies that also see the rank-local loss, so their consecutive counts may differ between
+ranks: only the part about this step's gradients acts at once. A non-finite *loss* is local; it
+counts as the same everywhere only when its gradient was non-finite too (then every rank skips
+on the agreed flag)."""
 
 
 def _first_grad_tensor(output: Any) -> torch.Tensor | None:
@@ -99,9 +105,10 @@ def split_late(
 ) -> tuple[tuple[DecidedAction, ...], tuple[DecidedAction, ...]]:
     """Split the decisions taken after the launch into (act now, ride in the next agreement).
 
-    Of a decision on an incident that is the same on every rank (:data:`GLOBAL_TRIGGERS`), the
-    part about this step's gradients acts now: a skip, a clip; a restore or a stop skips now
-    and acts at the next safe point. Learning-rate and memory decisions, and every decision on a
+    A decision on an incident of :data:`SHARED_STRATEGY_TRIGGERS` acts now, whole. Of a
+    decision on a non-finite value found in the all-reduced gradients, the part about this
+    step's gradients acts now: a skip, a clip; a restore or a stop skips now and acts at the
+    next safe point. Learning-rate and memory decisions, and every decision on a
     rank-local incident, act at the next safe point on every rank, except what only made sense
     for this step: a clip is dropped, a skip of ``n`` batches skips the ``n - 1`` after.
 
@@ -117,7 +124,9 @@ def split_late(
         shared = d.trigger_kind in GLOBAL_TRIGGERS and not (
             local_loss_uncovered and d.trigger_kind == "non_finite_detected"
         )
-        if shared:
+        if d.trigger_kind in SHARED_STRATEGY_TRIGGERS:
+            now.append(d)
+        elif shared:
             if isinstance(action, SkipStep | ClipGradients):
                 now.append(d)
             elif isinstance(action, RestoreState | Stop):

@@ -25,7 +25,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from eventbus_debug import Cadence, CallState, Retrying, Session, TrainingStopped
-from eventbus_debug.events import RecoveryApplied, StepSkipped
+from eventbus_debug.events import MemoryLeakSuspected, RecoveryApplied, StepSkipped
+from eventbus_debug.recovery.actions import Decision, Stop
 from eventbus_debug.recovery.agreement import RankAgreement
 from eventbus_debug.testing import RecordingSink
 
@@ -34,8 +35,11 @@ STEPS = 40
 
 def _fault(scenario: str, rank: int, step: int, loss: torch.Tensor, model: nn.Module) -> Any:
     """The planted fault of *scenario* at *step* on *rank* (returns the loss to use)."""
-    if scenario in ("nan_one_rank", "nan_one_rank_every5", "fsdp2") and rank == 1 and step == 12:
+    nan_batch = ("nan_one_rank", "nan_one_rank_every5", "blocking_nan_one_rank_every5", "fsdp2")
+    if scenario in nan_batch and rank == 1 and step == 12:
         return loss * math.nan
+    if scenario == "nan_loss_only_one_rank" and rank == 1 and step == 12:
+        return loss + math.nan  # the NaN is in the loss, not in its gradient
     if scenario == "spike_one_rank" and rank == 0 and step == 20:
         return loss * 1e4
     if scenario == "sustained_one_rank" and rank == 0 and 20 <= step < 30:
@@ -44,6 +48,18 @@ def _fault(scenario: str, rank: int, step: int, loss: torch.Tensor, model: nn.Mo
         with torch.no_grad():
             next(model.parameters())[0, 0] = math.nan
     return loss
+
+
+def _leak(step: int) -> MemoryLeakSuspected:
+    """A rank-local incident (this rank's memory grows)."""
+    return MemoryLeakSuspected(
+        source="test", step=step, resource="rss", slope=1e6, window=10, retained="test"
+    )
+
+
+def _stop_on_leak(incident: Any, history: Any) -> Decision:
+    """A strategy that stops on a suspected leak (registered on every rank alike)."""
+    return Decision(action=Stop(), reason=f"leak on this rank at step {incident.step}")
 
 
 async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -> dict[str, Any]:
@@ -59,9 +75,13 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
     gen = torch.Generator().manual_seed(100 + rank)
     recorder = RecordingSink()
     cadence = Cadence(grad_every=5) if scenario == "nan_one_rank_every5" else None
-    distributed: Any = (
-        RankAgreement(timeout=5.0, overlap=False) if scenario == "crash_one_rank" else None
-    )
+    distributed: Any = None
+    if scenario == "crash_one_rank":
+        distributed = RankAgreement(timeout=5.0, overlap=False)
+    elif scenario in ("crash_one_rank_overlapped", "blocking_nan_one_rank_every5"):
+        distributed = RankAgreement(timeout=5.0, overlap=not scenario.startswith("blocking"))
+    if scenario == "blocking_nan_one_rank_every5":
+        cadence = Cadence(grad_every=5)
     result: dict[str, Any] = {"rank": rank, "stopped_at": None, "reason": ""}
     step = -1
     try:
@@ -77,8 +97,11 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
             distributed=distributed,
         ) as session:
             assert session.recovery is not None
+            session.recovery.register(_stop_on_leak, on=MemoryLeakSuspected)
             retry = Retrying(session.recovery, state=CallState(batch_size=32))
             for step in range(STEPS):
+                if scenario == "stop_early_one_rank" and rank == 1 and step == 15:
+                    session.publish(_leak(step))  # before backward: rides in the launch
                 # The retried block holds no collective (DDP's backward all-reduces): an
                 # attempt that fails on one rank is agreed before any rank goes on.
                 async for attempt in retry:
@@ -93,8 +116,10 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
                         loss = nn.functional.mse_loss(model(x), y)
                 loss = _fault(scenario, rank, step, loss, model)
                 loss.backward()
-                if scenario == "crash_one_rank" and rank == 1 and step == 10:
+                if scenario.startswith("crash_one_rank") and rank == 1 and step == 10:
                     os._exit(3)  # after DDP's all-reduce: the others meet it at the agreement
+                if scenario == "stop_late_one_rank" and rank == 1 and step == 15:
+                    session.publish(_leak(step))  # after the launch: agreed one step later
                 verdict = await session.check_step(step, loss=loss)
                 if step == 0 and scenario == "fsdp2":
                     grads = [p.grad for p in net.parameters() if p.grad is not None]
@@ -108,6 +133,11 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
     except TrainingStopped as exc:
         result["stopped_at"] = step
         result["reason"] = str(exc)
+    except RuntimeError as exc:  # a crashed peer met in DDP's own all-reduce (not ours)
+        if scenario != "crash_one_rank_overlapped":
+            raise
+        result["stopped_at"] = step
+        result["reason"] = f"{type(exc).__name__}: {exc}"
     full = [getattr(p, "full_tensor", None) for p in net.parameters()]
     tensors = [f() if callable(f) else p for f, p in zip(full, net.parameters(), strict=True)]
     params = torch.cat([t.detach().reshape(-1) for t in tensors])
@@ -122,6 +152,8 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
     result["lr"] = opt.param_groups[0]["lr"]
     result["batch_size"] = retry.state.batch_size if step >= 0 else None
     result["steps_completed"] = session.steps_completed
+    agreement = session.agreement
+    result["overlapped"] = agreement.overlapped if isinstance(agreement, RankAgreement) else 0
     return result
 
 

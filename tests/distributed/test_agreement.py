@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,18 +12,22 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from eventbus_debug.events import RecoveryAction
+from eventbus_debug.recovery import agreement_codec as codec
 from eventbus_debug.recovery.actions import (
     Action,
     ClipGradients,
     DecidedAction,
     Decision,
+    RestoreState,
     ScaleLR,
     SkipStep,
+    Stop,
 )
-from eventbus_debug.recovery import agreement_codec as codec
 from eventbus_debug.recovery.agreement import AgreedStep, RankAgreement
+from eventbus_debug.recovery.agreement_overlap import OutputGradLaunch, split_late
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 120.0  # seconds for a whole group; a regression fails instead of hanging
@@ -36,8 +41,13 @@ TWO_RANKS = (
     "nan_param_one_rank",
     "fsdp2",
     "oom_one_rank",
+    "nan_loss_only_one_rank",
+    "stop_early_one_rank",
+    "stop_late_one_rank",
+    "blocking_nan_one_rank_every5",
     "crash_one_rank",  # last: rank 1 exits
 )
+STEPS = 40  # tests/distributed/_worker.py's STEPS: every one of them agreed during backward
 THREE_RANKS = ("sustained_one_rank",)
 
 
@@ -87,6 +97,11 @@ def run_group(tmp: Path, scenarios: tuple[str, ...], world: int) -> dict[str, li
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     return run_group(tmp_path_factory.mktemp("two"), TWO_RANKS, 2)
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    return run_group(tmp_path_factory.mktemp("crash"), ("crash_one_rank_overlapped",), 2)
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +185,184 @@ def test_a_crashed_rank_stops_the_others_with_a_reason(two: dict[str, list[Any]]
     assert rank0 is not None and rank0["stopped_at"] == 10
     assert "could not agree" in rank0["reason"]
     assert two["crash_one_rank"][1] is None
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "nan_one_rank",
+        "nan_one_rank_every5",
+        "spike_one_rank",
+        "spike_one_rank:aggressive",
+        "oom_one_rank",
+        "nan_loss_only_one_rank",
+    ],
+)
+def test_ddp_agrees_during_backward_at_every_step(two: dict[str, list[Any]], scenario: str) -> None:
+    """Under DDP every safe point's agreement was launched during backward (the fast path)."""
+    assert [r["overlapped"] for r in ranks(two, scenario)] == [STEPS, STEPS]
+
+
+def test_sustained_spike_agreed_during_backward(three: dict[str, list[Any]]) -> None:
+    """Three ranks: every agreement of the sustained-spike run was overlapped."""
+    assert [r["overlapped"] for r in ranks(three, "sustained_one_rank")] == [STEPS] * 3
+
+
+@pytest.mark.parametrize("scenario", ["fsdp2", "blocking_nan_one_rank_every5"])
+def test_fsdp_and_overlap_off_fall_back_to_the_blocking_agreement(
+    two: dict[str, list[Any]], scenario: str
+) -> None:
+    """FSDP2 and RankAgreement(overlap=False) agree at the safe point; a NaN batch on rank 1
+    with gradient checks every 5th step is still skipped by both ranks at step 12."""
+    results = ranks(two, scenario)
+    assert [r["overlapped"] for r in results] == [0, 0]
+    assert all(r["skipped"] == [12] and r["finite"] for r in results)
+    assert same_everywhere(results, "params")
+
+
+def test_nan_only_in_the_loss_does_not_split_the_ranks(two: dict[str, list[Any]]) -> None:
+    """A NaN added to rank 1's loss (its gradient stays finite): no rank skips alone, the
+    ranks end equal and finite, nobody stops (the incident rides in the next agreement)."""
+    results = ranks(two, "nan_loss_only_one_rank")
+    assert all(r["skipped"] == [] and r["stopped_at"] is None and r["finite"] for r in results)
+    assert same_everywhere(results, "params")
+
+
+def test_stop_decided_on_one_rank_before_backward_stops_both(two: dict[str, list[Any]]) -> None:
+    """A rank-local incident answered with STOP on rank 1 at step 15: both ranks stop at the
+    same step (15 when decided before the launch, else the next safe point), rank 0 naming
+    rank 1."""
+    results = ranks(two, "stop_early_one_rank")
+    stops = [r["stopped_at"] for r in results]
+    assert stops[0] == stops[1] and stops[0] in (15, 16)
+    assert "rank 1" in results[0]["reason"] and "leak" in results[1]["reason"]
+    assert same_everywhere(results, "params")
+
+
+def test_stop_decided_on_one_rank_after_backward_stops_both_next_step(
+    two: dict[str, list[Any]],
+) -> None:
+    """The same incident published after backward (after the launch) rides in the next
+    agreement: both ranks stop together at step 16, parameters equal."""
+    results = ranks(two, "stop_late_one_rank")
+    assert [r["stopped_at"] for r in results] == [16, 16]
+    assert same_everywhere(results, "params")
+
+
+def test_a_crashed_rank_ends_the_overlapped_group_without_a_hang(
+    crashed: dict[str, list[Any]],
+) -> None:
+    """Rank 1 dies after backward at step 10 with the overlapped agreement: rank 0 ends with an
+    error at step 10 (the agreement) or 11 (DDP's all-reduce meets the dead peer), never hangs."""
+    rank0 = crashed["crash_one_rank_overlapped"][0]
+    assert rank0 is not None, crashed["_output"]
+    assert rank0["stopped_at"] in (10, 11) and rank0["reason"]
+    assert crashed["crash_one_rank_overlapped"][1] is None
+
+
+class TestOverlap:
+    @staticmethod
+    def decided(action: Action, trigger: str) -> DecidedAction:
+        return DecidedAction(
+            decision=Decision(action=action, reason=trigger),
+            strategy="s",
+            trigger_kind=trigger,
+            trigger_seq=1,
+            step=3,
+        )
+
+    def test_non_finite_gradients_act_now_and_their_rest_later(self) -> None:
+        """Non-finite all-reduced gradients: the skip acts now; a restore skips now and restores
+        at the next safe point; an LR change waits for the next agreement."""
+        late = [
+            self.decided(SkipStep(), "non_finite_detected"),
+            self.decided(RestoreState(), "non_finite_detected"),
+            self.decided(ScaleLR(factor=0.5), "non_finite_detected"),
+        ]
+        now, later = split_late(late, local_loss_uncovered=False)
+        assert [type(d.action) for d in now] == [SkipStep, SkipStep]
+        assert [type(d.action) for d in later] == [RestoreState, ScaleLR]
+
+    def test_explosions_and_spikes_act_now_whole(self) -> None:
+        """Strategies that only see shared incidents (explosion, spike on the mean loss) stay
+        equal on every rank: their whole decisions act at once."""
+        late = [
+            self.decided(ClipGradients(max_norm=1.0, total_norm=9.0), "gradient_exploded"),
+            self.decided(ScaleLR(factor=0.5), "gradient_exploded"),
+            self.decided(RestoreState(), "loss_spiked"),
+        ]
+        now, later = split_late(late, local_loss_uncovered=False)
+        assert now == tuple(late) and later == ()
+
+    def test_local_incidents_wait_for_the_next_agreement(self) -> None:
+        """Rank-local: a clip is dropped, a skip of 3 batches skips the 2 after, a stop waits."""
+        late = [
+            self.decided(SkipStep(batches=3), "memory_leak_suspected"),
+            self.decided(SkipStep(), "memory_leak_suspected"),
+            self.decided(ClipGradients(max_norm=1.0, total_norm=9.0), "custom"),
+            self.decided(Stop(), "memory_leak_suspected"),
+        ]
+        now, later = split_late(late, local_loss_uncovered=False)
+        assert now == ()
+        assert [d.action for d in later] == [SkipStep(batches=2), Stop()]
+
+    def test_a_nan_loss_with_a_finite_gradient_is_local(self) -> None:
+        """This rank's loss is NaN but its gradient was finite: its skip is rank-local."""
+        late = [self.decided(SkipStep(), "non_finite_detected")]
+        assert split_late(late, local_loss_uncovered=True) == ((), ())
+
+    def test_a_non_finite_loss_gradient_on_any_rank_skips(self) -> None:
+        """The agreed flag alone makes every rank skip the step."""
+        v = codec.encode(codec.vector(2), [], False, 1, loss_grad_bad=True).tolist()
+        (only,) = codec.decode(v, [], 12, 2)
+        assert only.action == SkipStep() and "loss gradient" in only.reason
+
+    def test_ranks_that_applied_different_decisions_are_named(self) -> None:
+        """The digest of what each rank applied: equal -> None, different -> what differed."""
+        a = codec.encode(codec.vector(2), [], False, 0, applied=(True, False, True))
+        b = codec.encode(codec.vector(2), [], False, 1, applied=(False, False, True))
+        assert codec.digest_mismatch(a.maximum(a).tolist()) is None
+        assert codec.digest_mismatch(a.maximum(b).tolist()) == "skipped"
+
+    def test_mean_loss_ignores_ranks_without_one(self) -> None:
+        """Each rank's loss has its slot; missing or non-finite ones are not averaged."""
+        a = codec.encode(codec.vector(3), [], False, 0, 2.0)
+        b = codec.encode(codec.vector(3), [], False, 1, math.nan)
+        c = codec.encode(codec.vector(3), [], False, 2, 4.0)
+        assert codec.mean_loss(a.maximum(b).maximum(c).tolist()) == 3.0
+        assert codec.mean_loss(b.tolist()) is None
+
+    def test_launch_hook_sees_the_output_gradient_once_and_leaves_it(self) -> None:
+        """The hook reports whether the output's gradient is finite, at each backward, and
+        leaves the parameters' gradients as they were; no_grad forwards are not hooked."""
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        x = torch.randn(3, 4)
+        model(x).sum().backward()
+        reference = model.weight.grad.clone() if model.weight.grad is not None else None
+        model.zero_grad()
+        seen: list[bool] = []
+        launch = OutputGradLaunch(model, seen.append)
+        model(x).sum().backward()
+        assert seen == [False] and model.weight.grad is not None
+        assert reference is not None and torch.equal(model.weight.grad, reference)
+        (model(x).sum() * math.nan).backward()
+        assert seen == [False, True]
+        with torch.no_grad():
+            model(x)
+        launch.remove()
+        model(x).sum().backward()
+        assert seen == [False, True]
+
+    def test_launch_needs_a_callable(self) -> None:
+        """A launch that is not callable is a clear error."""
+        with pytest.raises(TypeError, match="launch must be callable"):
+            OutputGradLaunch(nn.Linear(1, 1), "x")  # type: ignore[arg-type]
+
+    def test_overlap_must_be_a_bool(self) -> None:
+        """RankAgreement(overlap=...) takes a bool only."""
+        with pytest.raises(TypeError, match="overlap must be a bool"):
+            RankAgreement(overlap="yes")  # type: ignore[arg-type]
 
 
 class TestEncoding:

@@ -386,7 +386,7 @@ def test_ddp_example_report_counts_its_300_steps(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     # the example itself: both ranks skipped and rolled back together, parameters equal
     assert "parameters identical on every rank: True" in done.stdout
-    assert "'skipped': [100, 205]" in done.stdout
+    assert "'skipped': [100, 206]" in done.stdout  # the spike: judged on the mean a step later
     assert sorted(p.name for p in log.glob("events*.jsonl")) == [
         "events.jsonl",
         "events.rank1.jsonl",
