@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._validate import positive_seconds
 from ..diagnostics import get_logger
+from ..events import NonFiniteDetected, TensorRole
 from ..exceptions import TrainingStopped
 from . import agreement_codec as codec
 from .actions import ClipGradients, DecidedAction, Decision, RestoreState, SkipStep, Stop
@@ -61,6 +62,10 @@ AGREE_TIMEOUT: Final = 60.0
 WAITS_KEPT: Final = 4096
 """How many recent waits :attr:`RankAgreement.waits` keeps."""
 _DECISION_SLOTS: Final = tuple(range(Slot.ANY, Slot.STOP_RANK + 1))
+_NON_FINITE_LOSS: Final = NonFiniteDetected(
+    source="recovery.agreement", role=TensorRole.LOSS, names=("loss",)
+)
+"""What a strategy would be asked about a non-finite loss (to know whether one answers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +236,10 @@ class RankAgreement:
             msg = f"blocking_at must be callable or None, got {blocking_at!r}"
             raise TypeError(msg)
         self.detach()
+        self._launched = None  # a new run: nothing launched, deferred or applied yet
+        self._deferred, self._deferred_noted = (), False
+        self._applied = (False, False, False)
+        self._last_loss = None
         if not self.overlap or not isinstance(model, DistributedDataParallel):
             return False
         self._engine = engine
@@ -305,6 +314,8 @@ class RankAgreement:
         engine = self._engine
         if self._launched is not None or engine is None:
             return
+        if loss_grad_bad and not engine.answers(_NON_FINITE_LOSS):
+            loss_grad_bad = False  # no strategy acts on a non-finite loss (policy "observe")
         actions, noted = engine.take_for_agreement()
         carried = (*self._deferred, *actions)
         any_noted = bool(noted) or self._deferred_noted or bool(self._deferred)

@@ -389,6 +389,11 @@ class RecoveryEngine:
             noted, self._noted = self._noted, 0
         return actions, noted
 
+    def answers(self, incident: Anomaly) -> bool:
+        """Whether some registered strategy is asked about incidents like *incident*."""
+        with self._lock:
+            return any(reg.matches(incident) for reg in self._registrations)
+
     def _mark_good(self) -> None:
         """A step passed with no incident: every strategy's consecutive count restarts."""
         with self._lock:

@@ -113,6 +113,9 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
                         if scenario == "oom_one_rank" and rank == 1 and step >= 5 and size > 8:
                             msg = "CUDA out of memory. Tried to allocate 2.00 GiB"
                             raise torch.OutOfMemoryError(msg)
+                        if scenario == "no_sync_accumulate":  # a micro-batch, not all-reduced
+                            with model.no_sync():  # type: ignore[operator]
+                                torch.autograd.backward(nn.functional.mse_loss(model(x), y))
                         loss = nn.functional.mse_loss(model(x), y)
                 loss = _fault(scenario, rank, step, loss, model)
                 loss.backward()

@@ -45,6 +45,8 @@ TWO_RANKS = (
     "stop_early_one_rank",
     "stop_late_one_rank",
     "blocking_nan_one_rank_every5",
+    "nan_one_rank_every5:observe",
+    "no_sync_accumulate",
     "crash_one_rank",  # last: rank 1 exits
 )
 STEPS = 40  # tests/distributed/_worker.py's STEPS: every one of them agreed during backward
@@ -218,6 +220,22 @@ def test_fsdp_and_overlap_off_fall_back_to_the_blocking_agreement(
     assert [r["overlapped"] for r in results] == [0, 0]
     assert all(r["skipped"] == [12] and r["finite"] for r in results)
     assert same_everywhere(results, "params")
+
+
+def test_observe_policy_is_not_made_to_skip(two: dict[str, list[Any]]) -> None:
+    """Policy "observe" answers nothing: the NaN batch on rank 1 is not skipped by any rank
+    (the agreed flag only acts when a strategy answers non-finite losses); ranks stay equal."""
+    results = ranks(two, "nan_one_rank_every5:observe")
+    assert all(r["skipped"] == [] and r["applied"] == [] for r in results)
+    assert same_everywhere(results, "params")
+
+
+def test_no_sync_micro_batches_do_not_launch(two: dict[str, list[Any]]) -> None:
+    """Gradient accumulation with DDP's no_sync(): only the all-reduced backward launches the
+    agreement, once per safe point; parameters stay equal."""
+    results = ranks(two, "no_sync_accumulate")
+    assert [r["overlapped"] for r in results] == [STEPS, STEPS]
+    assert same_everywhere(results, "params") and all(r["finite"] for r in results)
 
 
 def test_nan_only_in_the_loss_does_not_split_the_ranks(two: dict[str, list[Any]]) -> None:
