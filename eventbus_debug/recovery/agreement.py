@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final, NoReturn, Protocol, final, runtime_checkable
+from typing import Any, Final, NoReturn, Protocol, final, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -35,21 +35,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .._validate import positive_seconds
 from ..diagnostics import get_logger
-from ..events import NonFiniteDetected, TensorRole
+from ..events import Anomaly, NonFiniteDetected, TensorRole
 from ..exceptions import TrainingStopped
 from . import agreement_codec as codec
 from .actions import ClipGradients, DecidedAction, Decision, RestoreState, SkipStep, Stop
 from .agreement_codec import Slot
 from .agreement_overlap import OutputGradLaunch, split_late
 
-if TYPE_CHECKING:
-    from .engine import RecoveryEngine
-
 __all__ = (
     "AGREE_TIMEOUT",
     "AgreedStep",
     "Agreement",
     "CallAgreed",
+    "DecisionSource",
     "RankAgreement",
     "agreement_for",
     "distributed_active",
@@ -66,6 +64,18 @@ _NON_FINITE_LOSS: Final = NonFiniteDetected(
     source="recovery.agreement", role=TensorRole.LOSS, names=("loss",)
 )
 """What a strategy would be asked about a non-finite loss (to know whether one answers)."""
+
+
+class DecisionSource(Protocol):
+    """What an overlapped agreement takes its decisions from (the recovery engine)."""
+
+    def take_for_agreement(self) -> tuple[tuple[DecidedAction, ...], int]:
+        """Remove and return the pending step decisions and the count of incidents noted."""
+        ...
+
+    def answers(self, incident: Anomaly) -> bool:
+        """Whether some strategy is asked about incidents like *incident*."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +207,7 @@ class RankAgreement:
         """Seconds each recent safe point spent waiting for the other ranks."""
         self._vec = codec.vector(self.world)
         self._launcher: OutputGradLaunch | None = None
-        self._engine: RecoveryEngine | None = None
+        self._engine: DecisionSource | None = None
         self._blocking_at: Callable[[int], bool] | None = None
         self._launched: _Launched | None = None
         self._deferred: tuple[DecidedAction, ...] = ()
@@ -213,7 +223,7 @@ class RankAgreement:
     def attach(
         self,
         model: nn.Module,
-        engine: RecoveryEngine,
+        engine: DecisionSource,
         *,
         blocking_at: Callable[[int], bool] | None = None,
     ) -> bool:
