@@ -27,6 +27,12 @@ __all__ = ("Launcher", "Layout", "Pending", "global_norms")
 _MAX_PLANS: Final = 8
 _PINNED_PER_SIZE: Final = 8
 """Pinned host buffers kept per vector size (deferred mode holds a few steps in flight)."""
+_READ_EACH: Final = 24
+"""On CPU, up to this many result pieces are read one by one instead of stacked first."""
+
+
+_item = torch.Tensor.item
+"""A one-element tensor's value (a float; an int for the activation counts)."""
 
 
 class _GradPlan:
@@ -121,31 +127,48 @@ class _PinnedPool:
 class Pending:
     """One step's results on their way to the host.
 
-    On CUDA the vector is copied into a pinned buffer behind a recorded event: :meth:`ready`
-    asks the event without waiting, :meth:`read` waits only if it is not done yet.
+    On CUDA the pieces are stacked into one vector, copied into a pinned buffer behind a
+    recorded event: :meth:`ready` asks the event without waiting, :meth:`read` waits only if it
+    is not done yet. On CPU nothing needs a transfer: a few pieces are read one by one (cheaper
+    than stacking them), and the vector is stacked only if someone asks for it (:attr:`vector`).
     """
 
-    __slots__ = ("_buffer", "_event", "_pool", "device", "grads", "layout", "vector")
+    __slots__ = ("_buffer", "_event", "_flat", "_pieces", "_pool", "_vector", "grads", "layout")
 
     def __init__(
         self,
         layout: Layout,
-        vector: torch.Tensor,
+        pieces: list[torch.Tensor],
         grads: list[torch.Tensor | None],
         pool: _PinnedPool,
+        *,
+        flat: bool = False,
     ) -> None:
         self.layout = layout
         self.grads = grads
-        self.vector = vector  # the device vector (a device-side found-inf flag reads it)
-        self.device = vector.device
         self._pool = pool
+        self._pieces = pieces
+        self._flat = flat
         self._event: torch.cuda.Event | None = None
-        if vector.device.type == "cuda":  # pragma: no cover - GPU
+        self._vector: torch.Tensor | None = None
+        if pieces and pieces[0].is_cuda:  # pragma: no cover - GPU
+            vector = self._vector = assemble(pieces, flat=flat)
             self._buffer, self._event = pool.acquire(vector.numel(), vector.dtype)
             self._buffer.copy_(vector, non_blocking=True)
             self._event.record()
-        else:
-            self._buffer = vector
+
+    @property
+    def vector(self) -> torch.Tensor:
+        """The step's numbers as one vector on the device (a device-side found-inf flag reads
+        it); on CPU it is stacked on first access."""
+        if self._vector is None:
+            self._vector = assemble(self._pieces, flat=self._flat)
+        return self._vector
+
+    @property
+    def device(self) -> torch.device:
+        """The device the step's numbers were computed on."""
+        return self._pieces[0].device if self._pieces else torch.device("cpu")
 
     def ready(self) -> bool:
         """True when :meth:`read` will not wait for the device."""
@@ -160,8 +183,21 @@ class Pending:
             self._pool.release(self._buffer, event)
             self._event = None
             return values
-        out: list[float] = self._buffer.tolist()
-        return out
+        pieces = self._pieces
+        if not pieces:
+            return []
+        if self._vector is not None or len(pieces) > _READ_EACH or not pieces[0].is_cpu:
+            out: list[float] = self.vector.tolist()  # one transfer (MPS, XLA, ...) or many pieces
+            return out
+        if self._flat:
+            return list(map(_item, pieces))
+        values = []
+        for p in pieces:
+            if p.dim():
+                values += p.tolist()
+            else:
+                values.append(_item(p))
+        return values
 
     def count_non_finite(self, positions: Sequence[int]) -> list[tuple[int | None, int | None]]:
         """NaN and Inf counts of the gradients at *positions* (second transfer, only on a fire)."""
@@ -169,13 +205,14 @@ class Pending:
         slots = self.layout.grad_slots
         if not grads:  # deferred: the gradients of that step are gone
             return [(None, None)] * len(positions)
+        device = self.device
         pairs = []
         for j in positions:
             g = grads[slots[j]]
             assert g is not None
             t = g.coalesce().values() if g.is_sparse else g
             stats = global_norms(torch.stack([t.isnan().sum(), t.isinf().sum()]))
-            pairs.append(stats.to(self.device))
+            pairs.append(stats.to(device))
         counts = torch.stack(pairs).tolist()
         return [(int(n), int(i)) for n, i in counts]
 
@@ -198,6 +235,7 @@ class Launcher:
         "_snapshot_step",
         "_state",
         "_state_plan",
+        "_update_flat",
         "_update_idx",
         "_update_plan",
     )
@@ -217,6 +255,7 @@ class Launcher:
         self._snapshot_step = -1
         self._update_idx: tuple[int, ...] = ()
         self._update_plan: NormPlan | None = None
+        self._update_flat = False  # the update norms are 0-d pieces (no stacked or sharded group)
         self._pool = _PinnedPool()
 
     @property
@@ -280,8 +319,9 @@ class Launcher:
         if checks.loss and loss is not None:
             if isinstance(loss, torch.Tensor):
                 # Checked in its own precision (a finite float64 loss of 1e39 is finite); the
-                # vector takes the widest dtype of its pieces.
-                lt = loss.detach().reshape(())
+                # vector takes the widest dtype of its pieces. No detach: the caller runs this
+                # under no_grad, so nothing is recorded.
+                lt = loss if loss.dim() == 0 else loss.reshape(())
                 if lt.is_complex():
                     lt = lt.abs()
                 pieces.append(lt)
@@ -318,13 +358,13 @@ class Launcher:
             norms_vector, param_slots = self.state_norms()
             home = home or norms_vector.device
             pieces.append(norms_vector)
-        update_slots, update_base = self._updates(step, checks, pieces)
+        update_slots, update_base, updates_flat = self._updates(step, checks, pieces)
         activations: tuple[ActivationSlot, ...] = ()
         if checks.activations:
             activations, counts = self._activations.take()
-            if counts:
-                stats = torch.stack(counts)
-                pieces.append(stats if home is None else stats.to(home, non_blocking=True))
+            if home is not None and counts and counts[0].device != home:
+                counts = [c.to(home, non_blocking=True) for c in counts]
+            pieces += counts  # 0-d each: the vector stays flat
         if lt is not None and home is not None and lt.device != home:
             pieces[0] = lt.to(home, non_blocking=True)
         layout = Layout(
@@ -340,8 +380,8 @@ class Launcher:
             update_base=update_base,
             activations=activations,
         )
-        flat = all_scalars and not (with_state or update_slots or activations)
-        return Pending(layout, assemble(pieces, flat=flat), grads, self._pool)
+        flat = all_scalars and not with_state and updates_flat
+        return Pending(layout, pieces, grads, self._pool, flat=flat)
 
     @staticmethod
     def _scaled(
@@ -359,16 +399,24 @@ class Launcher:
 
     def _updates(
         self, step: int, checks: Checks, pieces: list[torch.Tensor]
-    ) -> tuple[tuple[int, ...], int]:
-        """‖Δw‖ since the snapshot step into *pieces*; a new snapshot when updates are due."""
+    ) -> tuple[tuple[int, ...], int, bool]:
+        """‖Δw‖ since the snapshot step into *pieces*; a new snapshot when updates are due.
+
+        Returns the update slots, the snapshot step, and whether every piece added is 0-d.
+        """
         update_slots: tuple[int, ...] = ()
+        flat = True
         base = self._snapshot_step
         snapshot = self._snapshot
         plan = self._update_plan
         if base >= 0 and snapshot is not None and plan is not None:
             current: list[torch.Tensor] = [self._params[i] for i in self._update_idx]
             torch._foreach_sub_(snapshot, current)  # in place: the buffer is rewritten below
-            pieces.append(global_norms(assemble(plan.reduce(snapshot))))
+            flat = self._update_flat
+            if flat:
+                pieces += plan.reduce(snapshot)  # 0-d pieces: the vector stays flat
+            else:
+                pieces.append(global_norms(assemble(plan.reduce(snapshot))))
             update_slots = tuple(self._update_idx[j] for j in plan.order)
         self._snapshot_step = -1
         if checks.updates and self._params:
@@ -381,7 +429,8 @@ class Launcher:
                 if snapshot is None or idx != self._update_idx:
                     snapshot = [t.detach().clone() for t in now]
                     self._update_plan = NormPlan(snapshot)
+                    self._update_flat = self._update_plan.flat and not any(map(sharded, snapshot))
                 else:
                     torch._foreach_copy_(snapshot, now)  # the persistent buffer: no allocation
                 self._snapshot, self._update_idx, self._snapshot_step = snapshot, idx, step
-        return update_slots, base
+        return update_slots, base, flat

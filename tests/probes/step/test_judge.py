@@ -47,7 +47,7 @@ def _layout(step: int, **kw: object) -> Layout:
 
 
 def _run(judge: Judge, layout: Layout, values: list[float]) -> Judgement:
-    pending = Pending(layout, torch.tensor(values, dtype=torch.float64), [], _PinnedPool())
+    pending = Pending(layout, [torch.tensor(values, dtype=torch.float64)], [], _PinnedPool())
 
     def recheck() -> tuple[list[float], tuple[int, ...]]:
         return [1.0, 1.0, 1.0, 1.0], (0, 1, 2, 3)
