@@ -204,7 +204,9 @@ class RankAgreement:
         self.overlapped = 0
         """Agreements that were launched during backward (the rest blocked at the safe point)."""
         self.waits: deque[float] = deque(maxlen=WAITS_KEPT)
-        """Seconds each recent safe point spent waiting for the other ranks."""
+        """Seconds recent safe points waited for an agreement launched during backward."""
+        self.blocking_waits: deque[float] = deque(maxlen=WAITS_KEPT)
+        """Seconds recent blocking agreements took (the collective, at the safe point)."""
         self._vec = codec.vector(self.world)
         self._launcher: OutputGradLaunch | None = None
         self._engine: DecisionSource | None = None
@@ -401,7 +403,7 @@ class RankAgreement:
         v = codec.encode(self._vec, decisions, noted, self.rank, loss)
         started = time.perf_counter()
         self._reduce(v, f"step {step} (this rank decided: {what})")
-        self.waits.append(time.perf_counter() - started)
+        self.blocking_waits.append(time.perf_counter() - started)
         agreed = v.tolist()
         if agreed[Slot.ANY] or decisions:
             if not _same(decisions, agreed):

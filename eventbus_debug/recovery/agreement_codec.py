@@ -118,10 +118,10 @@ def encode(
             head[Slot.STOP] = 1.0
             head[Slot.STOP_RANK] = float(rank + 1)
     head[Slot.NEG_LR_FACTOR] = -lr_factor
-    v[:SIZE] = torch.tensor(head, dtype=torch.float64)
-    v[SIZE:] = -math.inf
+    losses = [-math.inf] * (len(v) - SIZE)
     if loss is not None and math.isfinite(loss):
-        v[SIZE + rank] = float(loss)
+        losses[rank] = float(loss)
+    v.copy_(torch.tensor(head + losses, dtype=torch.float64))
     return v
 
 
