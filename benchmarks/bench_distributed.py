@@ -71,7 +71,7 @@ async def _run(
                     alerts=False,
                     system_interval=None,
                     distributed=agreements.get(mode, False),
-                )  # fmt: skip
+                )
             )
             for mode in MODES[1:]
         }
