@@ -38,6 +38,8 @@ def _fault(scenario: str, rank: int, step: int, loss: torch.Tensor, model: nn.Mo
     nan_batch = ("nan_one_rank", "nan_one_rank_every5", "blocking_nan_one_rank_every5", "fsdp2")
     if scenario in nan_batch and rank == 1 and step == 12:
         return loss * math.nan
+    if scenario == "nan_three_one_rank_every5" and rank == 1 and 12 <= step < 15:
+        return loss * math.nan  # three in a row: the safe policy escalates to a restore
     if scenario == "nan_loss_only_one_rank" and rank == 1 and step == 12:
         return loss + math.nan  # the NaN is in the loss, not in its gradient
     if scenario == "spike_one_rank" and rank == 0 and step == 20:
@@ -74,7 +76,8 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(100 + rank)
     recorder = RecordingSink()
-    cadence = Cadence(grad_every=5) if scenario == "nan_one_rank_every5" else None
+    every5 = ("nan_one_rank_every5", "nan_three_one_rank_every5")
+    cadence = Cadence(grad_every=5) if scenario in every5 else None
     distributed: Any = None
     if scenario == "crash_one_rank":
         distributed = RankAgreement(timeout=5.0, overlap=False)

@@ -42,6 +42,7 @@ TWO_RANKS = (
     "fsdp2",
     "oom_one_rank",
     "nan_loss_only_one_rank",
+    "nan_three_one_rank_every5",
     "stop_early_one_rank",
     "stop_late_one_rank",
     "blocking_nan_one_rank_every5",
@@ -220,6 +221,17 @@ def test_fsdp_and_overlap_off_fall_back_to_the_blocking_agreement(
     assert [r["overlapped"] for r in results] == [0, 0]
     assert all(r["skipped"] == [12] and r["finite"] for r in results)
     assert same_everywhere(results, "params")
+
+
+def test_escalation_on_one_rank_restores_every_rank_together(two: dict[str, list[Any]]) -> None:
+    """Three NaN batches in a row on rank 1 with gradient checks every 5th step: rank 1's
+    strategy escalates to a restore that only it counted; every rank skips 12-14 and restores
+    at the same safe point (one later, as agreed), ending equal and finite."""
+    results = ranks(two, "nan_three_one_rank_every5")
+    assert all({12, 13, 14} <= set(r["skipped"]) and r["finite"] for r in results)
+    assert any(a[1] == RecoveryAction.RESTORE_STATE.value for a in results[0]["applied"])
+    assert same_everywhere(results, "applied") and same_everywhere(results, "params")
+    assert [r["overlapped"] for r in results] == [STEPS, STEPS]
 
 
 def test_observe_policy_is_not_made_to_skip(two: dict[str, list[Any]]) -> None:
