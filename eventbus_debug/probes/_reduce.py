@@ -110,7 +110,10 @@ class NormPlan:
         pieces: list[torch.Tensor] = []
         for g in self._groups:
             if g.kind == "foreach":
-                ts = list(tensors) if self._whole else [tensors[i] for i in g.indices]
+                if self._whole:
+                    ts = tensors if isinstance(tensors, list) else list(tensors)
+                else:
+                    ts = [tensors[i] for i in g.indices]
                 if g.complex:
                     ts = [t.abs() for t in ts]
                 if ord == 1.0 and ts[0].device.type == "cpu":

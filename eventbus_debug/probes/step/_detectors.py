@@ -70,25 +70,46 @@ class _RunningMedian:
         return _middle(self._sorted)
 
     def mad(self, median: float) -> float:
-        """The median absolute deviation from *median*, without sorting the deviations.
+        """The median absolute deviation from *median* (the window's median), in O(log size).
 
-        The deviations below and above *median* are two already sorted runs (walking out from
-        the median in the sorted window); merging them up to the middle is O(size / 2).
+        The deviations below and above *median* are two already sorted runs, walking out from
+        the median in the sorted window: ``a(i) = median - ordered[hi - 1 - i]`` and
+        ``b(j) = ordered[hi + j] - median``. Their median is found by bisecting how many of the
+        ``n // 2 + 1`` smallest deviations come from ``a`` (the classic k-th smallest of two
+        sorted arrays), without building either run. It runs on every loss above the median.
         """
         ordered = self._sorted
         n = len(ordered)
-        lo = bisect_left(ordered, median) - 1  # the last value below the median
-        hi = lo + 1
-        prev = cur = 0.0
-        for _ in range(n // 2 + 1):
-            if lo >= 0 and (hi >= n or median - ordered[lo] <= ordered[hi] - median):
-                value = median - ordered[lo]
-                lo -= 1
-            else:
-                value = ordered[hi] - median
-                hi += 1
-            prev, cur = cur, value
-        return cur if n % 2 else 0.5 * (prev + cur)
+        hi = bisect_left(ordered, median)  # the first value at or above the median
+        nb = n - hi
+        count = n // 2 + 1  # the middle deviation is the count-th smallest
+        inf = math.inf
+        lo_i, up_i = max(0, count - nb), min(count, hi)
+        while True:  # i deviations come from a, j = count - i from b
+            i = (lo_i + up_i) // 2
+            j = count - i
+            a_last = median - ordered[hi - i] if i > 0 else -inf  # a(i - 1)
+            b_next = ordered[hi + j] - median if j < nb else inf  # b(j)
+            if a_last > b_next:
+                up_i = i - 1
+                continue
+            b_last = ordered[hi + j - 1] - median if j > 0 else -inf  # b(j - 1)
+            a_next = median - ordered[hi - 1 - i] if i < hi else inf  # a(i)
+            if b_last > a_next:
+                lo_i = i + 1
+                continue
+            break
+        # the count-th smallest is the larger of the two last taken; for an even n the median
+        # averages it with the one before (the second largest taken)
+        if a_last >= b_last:
+            if n % 2:
+                return a_last
+            a_prev = median - ordered[hi - i + 1] if i > 1 else -inf  # a(i - 2)
+            return 0.5 * (max(a_prev, b_last) + a_last)
+        if n % 2:
+            return b_last
+        b_prev = ordered[hi + j - 2] - median if j > 1 else -inf  # b(j - 2)
+        return 0.5 * (max(a_last, b_prev) + b_last)
 
 
 def _middle(ordered: list[float]) -> float:

@@ -17,9 +17,8 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from itertools import compress, repeat
-from typing import Final
+from typing import Final, NamedTuple
 
 import torch
 
@@ -51,21 +50,27 @@ RecheckState = Callable[[], tuple[list[float], tuple[int, ...]]]
 """Reads every parameter's and buffer's norm now (one transfer); only called on a fire."""
 
 
-@dataclass(frozen=True, slots=True)
-class Judgement:
-    """What the judge decided for one step: the verdict and the events to publish, in order."""
+class Judgement(NamedTuple):
+    """What the judge decided for one step: the verdict and the events to publish, in order.
+
+    A named tuple (immutable, typed), built once per step: cheaper than a dataclass.
+    """
 
     verdict: StepVerdict
     events: tuple[Event, ...]
 
 
 class _Slots:
-    """Per-layout constants of the dead-layer check, built once per gradient plan."""
+    """Per-layout constants of the gradient checks, built once per gradient plan."""
 
-    __slots__ = ("inv_sqrt", "present", "slots")
+    __slots__ = ("inv_sqrt", "names", "numel", "present", "slots")
 
-    def __init__(self, slots: tuple[int, ...], numels: tuple[int, ...]) -> None:
+    def __init__(
+        self, slots: tuple[int, ...], numels: tuple[int, ...], names: tuple[str, ...]
+    ) -> None:
         self.slots = slots
+        self.names = tuple(names[s] for s in slots)
+        self.numel = sum(numels)
         # 1/sqrt(n); nan for empty tensors, which are then never "low" (and skipped below)
         self.inv_sqrt = [1.0 / math.sqrt(n) if n else math.nan for n in numels]
         self.present = frozenset(s for s, n in zip(slots, numels, strict=True) if n)
@@ -149,13 +154,15 @@ class Judge:
         if lay.has_loss:
             loss_value = values[0]
             pos = 1
-        loss_finite = loss_value is None or math.isfinite(loss_value)
-        finite = loss_finite
+        loss_finite = True
         if loss_value is not None:
-            if loss_finite:
-                self._loss_scale = max(self._loss_scale, abs(loss_value))
-                self._converged = abs(loss_value) <= _CONVERGED * self._loss_scale
+            if math.isfinite(loss_value):
+                scale = abs(loss_value)
+                if scale > self._loss_scale:
+                    self._loss_scale = scale
+                self._converged = scale <= _CONVERGED * self._loss_scale
             else:
+                loss_finite = False
                 incidents.append(
                     NonFiniteDetected(
                         step=step,
@@ -166,6 +173,7 @@ class Judge:
                         inf_count=int(math.isinf(loss_value)),
                     )
                 )
+        finite = loss_finite
         grad_norm: float | None = None
         overflow = False
         layer_norms: dict[str, float] = {}
@@ -177,35 +185,35 @@ class Judge:
             if lay.with_l1:
                 l1 = values[pos : pos + k]
                 pos += k
-            grad_norm, grad_finite, found = self._judge_grads(
-                pending, l2, l1, step, loss_finite=loss_finite
+            grad_norm, grad_finite = self._judge_grads(
+                pending, l2, l1, step, incidents, loss_finite=loss_finite
             )
-            overflow = not grad_finite and not found and loss_finite
-            finite = finite and grad_finite
-            incidents += found
+            if not grad_finite:
+                finite = False
+                overflow = loss_finite and not incidents
             if lay.checks.layers:
-                layer_norms = dict(
-                    zip(map(self._names.__getitem__, lay.grad_slots), l2, strict=True)
-                )
+                layer_norms = dict(zip(self._slot_names(lay.grad_slots), l2, strict=True))
         if loss_value is not None and loss_finite and not overflow and not self.global_spikes:
             spike = self.spike(step, loss_value)
             if spike is not None:
                 incidents.append(spike)
         param_norm: float | None = None
         m = len(lay.param_slots)
-        p2: list[float] = []
+        bad: list[int] = []
         if m:
             p2 = values[pos : pos + m]
             pos += m
             param_norm, bad = self._param_norm(lay.param_slots, p2)
-        elif not finite and not overflow and len(self._state_names):
-            # The loss or the gradients are not finite and the parameters were not due: look
-            # at them now (one more transfer, only on a fire) so that a NaN parameter or
-            # buffer is restored at this step, not up to param_every steps later.
-            norms, slots = recheck()
-            bad = [s for s, v in zip(slots, norms, strict=True) if not math.isfinite(v)]
+            ratios = self._ratios(lay, values[pos : pos + len(lay.update_slots)])
+            self._param_base = (step, lay.param_slots, p2)  # the base of the next ratios
         else:
-            bad = []
+            if not finite and not overflow and self._state_names:
+                # The loss or the gradients are not finite and the parameters were not due:
+                # look at them now (one more transfer, only on a fire) so that a NaN parameter
+                # or buffer is restored at this step, not up to param_every steps later.
+                norms, slots = recheck()
+                bad = [s for s, v in zip(slots, norms, strict=True) if not math.isfinite(v)]
+            ratios = self._ratios(lay, values[pos : pos + len(lay.update_slots)])
         if bad:
             finite = False
             n_params = self._n_params
@@ -215,18 +223,13 @@ class Judge:
                 incidents.append(self._non_finite(TensorRole.PARAMETER, params, None, step))
             if buffers:
                 incidents.append(self._non_finite(TensorRole.BUFFER, buffers, None, step))
-        ratios: dict[str, float] = {}
-        u = len(lay.update_slots)
-        if u:
-            ratios = self._ratios(lay, values[pos : pos + u])
-            pos += u
-        if m:  # the base of the next update ratios (this step's are judged above)
-            self._param_base = (step, lay.param_slots, p2)
+        pos += len(lay.update_slots)
         dead: dict[str, float] = {}
         saturated: dict[str, float] = {}
-        for slot, v in zip(lay.activations, values[pos:], strict=False):
-            (dead if slot.kind == "dead" else saturated)[slot.name] = slot.fraction(v)
-        fired = tuple(e.kind for e in incidents)
+        if lay.activations:
+            for slot, v in zip(lay.activations, values[pos:], strict=False):
+                (dead if slot.kind == "dead" else saturated)[slot.name] = slot.fraction(v)
+        fired = tuple(e.kind for e in incidents) if incidents else ()
         incidents.append(
             StepChecked(
                 step=step,
@@ -290,6 +293,8 @@ class Judge:
 
     def _ratios(self, lay: Layout, d2: list[float]) -> dict[str, float]:
         """‖Δw‖/‖w‖ per parameter, ‖w‖ being the norms judged at the snapshot step."""
+        if not d2:
+            return {}
         base_step, base_slots, base_values = self._param_base
         if base_step != lay.update_base:
             return {}  # the snapshot step's norms were not judged (restarted in between)
@@ -317,12 +322,12 @@ class Judge:
         l2: list[float],
         l1: list[float],
         step: int,
+        incidents: list[Event],
         *,
         loss_finite: bool,
-    ) -> tuple[float, bool, list[Event]]:
+    ) -> tuple[float, bool]:
+        """The total norm and whether the gradients are finite; incidents go to *incidents*."""
         lay = pending.layout
-        th = self._thresholds
-        incidents: list[Event] = []
         total = math.sqrt(math.fsum(map(operator.mul, l2, l2)))
         if not math.isfinite(total):
             bad = [j for j, v in enumerate(l2) if not math.isfinite(v)]
@@ -333,13 +338,13 @@ class Judge:
                     # A GradScaler overflow: scaler.step() skips the update and halves the
                     # scale. Routine in fp16 training, not an incident (the session reports
                     # a StepSkipped with the scales once scaler.update() ran).
-                    return total, False, []
+                    return total, False
                 known = [c for c in counts if c[0] is not None]
                 nan = sum(c[0] or 0 for c in known) if known else None
                 inf = sum(c[1] or 0 for c in known) if known else None
                 slots = [lay.grad_slots[j] for j in really_bad]
                 incidents.append(self._non_finite(TensorRole.GRADIENT, slots, (nan, inf), step))
-                return total, False, incidents
+                return total, False
             # finite values whose fp32 sum of squares overflowed: judge the float64 norm
             total = math.sqrt(math.fsum(float(v) ** 2 for v in l2 if math.isfinite(v)))
             if not math.isfinite(total):
@@ -347,9 +352,9 @@ class Judge:
         exploded = self._explosions.observe(total) if math.isfinite(total) else None
         if exploded is not None or total == math.inf:
             top = sorted(
-                zip((self._names[s] for s in lay.grad_slots), l2, strict=True),
+                zip(self._slot_names(lay.grad_slots), l2, strict=True),
                 key=lambda kv: -kv[1] if not math.isnan(kv[1]) else 0.0,
-            )[: th.top_k]
+            )[: self._thresholds.top_k]
             incidents.append(
                 GradientExploded(
                     step=step,
@@ -362,12 +367,28 @@ class Judge:
                     rule=exploded.rule if exploded else "cap",
                 )
             )
-        incidents += self._vanishing(lay, l2, l1, total, step)
-        return total, True, incidents
+        vanished = self._vanishing(lay, l2, l1, total, step)
+        if vanished is not None:
+            incidents.append(vanished)
+        return total, True
+
+    def _slots_of(self, lay: Layout) -> _Slots:
+        """The per-layout constants of *lay*'s gradient positions (built once per plan)."""
+        info = self._slots
+        if info is None or info.slots is not lay.grad_slots:
+            info = self._slots = _Slots(lay.grad_slots, lay.grad_numels, self._names)
+        return info
+
+    def _slot_names(self, slots: tuple[int, ...]) -> tuple[str, ...]:
+        """The parameter names of *slots*, in order."""
+        info = self._slots
+        if info is not None and info.slots is slots:
+            return info.names
+        return tuple(self._names[s] for s in slots)
 
     def _vanishing(
         self, lay: Layout, l2: list[float], l1: list[float], total: float, step: int
-    ) -> list[Event]:
+    ) -> GradientVanished | None:
         """Dead layers and vanishing gradients: persistent, relative, never on a converged run.
 
         A parameter is a dead layer when its gradient RMS falls below ``vanishing_relative``
@@ -377,23 +398,28 @@ class Judge:
         every gradient is exactly zero) while the loss has not converged.
         """
         th = self._thresholds
-        total_numel = sum(lay.grad_numels)
+        info = self._slots_of(lay)
+        total_numel = info.numel
         if self._converged:
             self._vanish_streak = 0
             for slot in self._dead_streak_slots():
                 self._dead_streak[slot] = 0
                 self._settle_if_quiet(slot)
             self.l1_wanted = False
-            return []
+            return None
         self.l1_wanted = bool(total_numel) and math.fsum(l2) / total_numel < th.vanishing
         all_zero = bool(l2) and not any(l2)
         dead: list[int] = []
         if th.vanishing_per_layer and total_numel and not all_zero:
             floor = th.vanishing_relative * total / math.sqrt(total_numel)
-            dead = self._dead_layers(lay, l2, floor)
-        mean_abs = math.fsum(l1) / total_numel if l1 and total_numel else math.nan
-        vanished = all_zero or (bool(l1) and mean_abs < th.vanishing)
-        if l1 or all_zero:
+            dead = self._dead_layers(info, l2, floor)
+        if not (l1 or all_zero):
+            if not dead:
+                return None  # the every-step case: no mean |grad| pass this step, no dead layer
+            mean_abs, vanished = math.nan, False
+        else:
+            mean_abs = math.fsum(l1) / total_numel if l1 and total_numel else math.nan
+            vanished = all_zero or (bool(l1) and mean_abs < th.vanishing)
             self._vanish_streak = self._vanish_streak + 1 if vanished else 0
             if not vanished:
                 self._vanish_reported = False
@@ -405,41 +431,42 @@ class Judge:
         if model_fired:
             self._vanish_reported = True
         if not (model_fired or dead):
-            return []
+            return None
         # by name: the order of the gradient plan is an implementation detail
         layers = tuple(sorted(self._names[s] for s in (lay.grad_slots if all_zero else dead)))
-        return [
-            GradientVanished(
-                step=step,
-                source=self.source,
-                mean_abs=0.0 if all_zero else mean_abs,
-                threshold=th.vanishing if model_fired else th.vanishing_relative,
-                layers=layers,
-                all_zero=all_zero,
-            )
-        ]
+        return GradientVanished(
+            step=step,
+            source=self.source,
+            mean_abs=0.0 if all_zero else mean_abs,
+            threshold=th.vanishing if model_fired else th.vanishing_relative,
+            layers=layers,
+            all_zero=all_zero,
+        )
 
-    def _dead_layers(self, lay: Layout, l2: list[float], floor: float) -> list[int]:
+    def _dead_layers(self, info: _Slots, l2: list[float], floor: float) -> list[int]:
         """The slots that just died; per-slot work only for slots whose state changes."""
-        info = self._slots
-        if info is None or info.slots is not lay.grad_slots:
-            info = self._slots = _Slots(lay.grad_slots, lay.grad_numels)
-        rms = map(operator.mul, l2, info.inv_sqrt)
-        low_slots = list(compress(lay.grad_slots, map(operator.lt, rms, repeat(floor))))
+        low_slots = list(
+            compress(
+                info.slots, map(operator.lt, map(operator.mul, l2, info.inv_sqrt), repeat(floor))
+            )
+        )
+        unsettled = self._unsettled
+        if not low_slots and not unsettled:
+            return []  # the healthy steady state: every layer alive, none low
         patience = self._thresholds.vanishing_patience
         alive, streak, reported = self._alive, self._dead_streak, self._dead_reported
         dead: list[int] = []
         low = set(low_slots)
-        for slot in list(self._unsettled):
+        for slot in list(unsettled):
             if slot in info.present and slot not in low:
                 alive[slot] = True
                 streak[slot] = 0
                 reported.discard(slot)
-                self._unsettled.discard(slot)
+                unsettled.discard(slot)
         for slot in low_slots:
             if not alive[slot]:
                 continue
-            self._unsettled.add(slot)
+            unsettled.add(slot)
             streak[slot] += 1
             if streak[slot] >= patience and slot not in reported:
                 reported.add(slot)
