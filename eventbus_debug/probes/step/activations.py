@@ -38,8 +38,8 @@ class ActivationSlot:
     Attributes:
         name: the module's name in the model.
         kind: ``"dead"`` (ReLU-like: the count is of *positive* outputs, so the dead fraction is
-            ``1 - count / numel``; NaN when an output was NaN) or ``"saturated"`` (the count is
-            of saturated outputs).
+            ``1 - count / numel``; a NaN output is not counted live) or ``"saturated"`` (the
+            count is of saturated outputs).
         numel: the number of outputs the count is over.
     """
 
@@ -117,7 +117,8 @@ class ActivationHooks:
                     # A ReLU's outputs are >= 0 (or NaN): sign() is 1 for a live unit and 0
                     # for a dead one, so its sum counts the live units. One elementwise pass
                     # and one float reduction: about 2.5x cheaper than count_nonzero on CPU
-                    # (and 3x inside a training loop). A NaN output makes the count NaN.
+                    # (and 3x inside a training loop). A NaN output is not counted live (its
+                    # step's loss is not finite, and the step is judged on that).
                     count = torch.sign(out).sum(dtype=f32)
                 elif sigmoid:
                     count = torch.count_nonzero((out <= low) | (out >= SATURATION))

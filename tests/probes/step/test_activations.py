@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -90,8 +91,48 @@ def test_a_failing_count_never_reaches_the_forward(
         raise RuntimeError("count failed")
 
     monkeypatch.setattr(torch, "sign", broken)  # the ReLU count
+    monkeypatch.setattr(torch, "count_nonzero", broken)  # the saturation counts
     with caplog.at_level(logging.WARNING, logger="eventbus_debug"):
         out = model(torch.randn(4, 8))
     assert out.shape == (4, 32)
     assert any("activation_hook_failed" in r.getMessage() for r in caplog.records)
     assert hooks.take() == ((), [])
+
+
+def test_relu6_and_a_changing_batch_size_count_the_live_units() -> None:
+    """ReLU6 counts like ReLU; a new output size gives a new slot (the fraction stays right)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU6())
+    hooks = ActivationHooks(model)
+    hooks.arm()
+    for rows in (16, 16, 5):
+        x = torch.randn(rows, 8) * 4
+        model(x)
+        with torch.no_grad():
+            out = model(x)
+        (slot,), (count,) = hooks.take()
+        assert slot.numel == rows * 32
+        assert count.item() == (out > 0).sum().item()
+        assert slot.fraction(float(count)) == pytest.approx((out == 0).float().mean().item())
+
+
+def test_the_count_records_no_autograd_graph() -> None:
+    """The hook's count is detached from the user's graph (no grad mode switch needed)."""
+    model = _model()
+    hooks = ActivationHooks(model)
+    hooks.arm()
+    out = model(torch.randn(4, 8))
+    assert out.requires_grad
+    _, counts = hooks.take()
+    assert counts and all(not c.requires_grad and c.grad_fn is None for c in counts)
+
+
+def test_a_nan_output_is_not_counted_live() -> None:
+    """On CPU a NaN among a ReLU's outputs is not a live unit (sign(NaN) is 0); no error."""
+    model = nn.Sequential(nn.ReLU())
+    hooks = ActivationHooks(model)
+    hooks.arm()
+    model(torch.tensor([[1.0, 0.0, math.nan, 2.0]]))
+    assert _fractions(hooks)["0"] == pytest.approx(0.5)
+    model(torch.tensor([[1.0, -1.0, 3.0, 2.0]]))
+    assert _fractions(hooks)["0"] == pytest.approx(0.25)

@@ -8,7 +8,12 @@ import random
 import pytest
 
 from eventbus_debug.probes.levels import Thresholds
-from eventbus_debug.probes.step._detectors import ExplosionDetector, LossSpikeDetector, SpikeRule
+from eventbus_debug.probes.step._detectors import (
+    ExplosionDetector,
+    LossSpikeDetector,
+    SpikeRule,
+    _RunningMedian,
+)
 
 
 def spikes() -> LossSpikeDetector:
@@ -126,3 +131,37 @@ def test_detectors_are_built_from_the_thresholds() -> None:
     assert (spike.patience, spike.rtol, spike.mad_factor) == (3, th.spike_rtol, th.spike_mad)
     assert (boom.cap, boom.factor) == (5.0, 4.0)
     assert boom.observe(6.0) is not None  # the cap applies from the first check
+
+
+class TestRunningMedian:
+    @staticmethod
+    def brute_mad(values: list[float]) -> float:
+        """The median of the absolute deviations from the median, by sorting them."""
+        ordered = sorted(values)
+        n = len(ordered)
+        median = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+        below = [median - v for v in ordered if v < median]
+        above = [v - median for v in ordered if v >= median]
+        devs = sorted(below + above)
+        return devs[n // 2] if n % 2 else 0.5 * (devs[n // 2 - 1] + devs[n // 2])
+
+    def test_mad_equals_the_sorted_deviations_median(self) -> None:
+        """The O(log n) MAD equals sorting the deviations, odd and even windows, with ties."""
+        rng = random.Random(0)
+        for _ in range(3000):
+            window = _RunningMedian(rng.randint(1, 60))
+            for _ in range(rng.randint(1, 120)):
+                if rng.random() < 0.3:
+                    window.add(rng.choice([0.0, 1.0, 2.5, -1.0]))  # ties and exact medians
+                else:
+                    window.add(rng.gauss(0.0, 1.0) * 10.0 ** rng.randint(-12, 12))
+            kept = list(window._order)
+            assert window.mad(window.median()) == self.brute_mad(kept), kept
+
+    def test_mad_of_small_windows(self) -> None:
+        """One value: 0; two: half their distance; a constant window: 0."""
+        for values, expected in (([3.0], 0.0), ([1.0, 4.0], 1.5), ([2.0] * 7, 0.0)):
+            window = _RunningMedian(10)
+            for v in values:
+                window.add(v)
+            assert window.mad(window.median()) == expected
