@@ -117,8 +117,9 @@ class NormPlan:
                 if g.complex:
                     ts = [t.abs() for t in ts]
                 if ord == 1.0 and ts[0].device.type == "cpu":
-                    # abs().sum() is about 3x faster on CPU than a 1-norm.
-                    norms = [t.abs().sum(dtype=g.acc) for t in ts]
+                    # abs then sum is about 3x faster on CPU than a 1-norm (whose kernel is
+                    # not vectorized); one fused abs over the group saves a call per tensor.
+                    norms = [t.sum(dtype=g.acc) for t in torch._foreach_abs(ts)]
                 else:
                     norms = list(torch._foreach_norm(ts, ord, dtype=g.acc))
             elif g.kind == "stacked":
