@@ -298,22 +298,39 @@ class Judge:
         base_step, base_slots, base_values = self._param_base
         if base_step != lay.update_base:
             return {}  # the snapshot step's norms were not judged (restarted in between)
-        w = dict(zip(base_slots, base_values, strict=True))
+        slots = lay.update_slots
         names = self._names
-        ratios: dict[str, float] = {}
-        for s, d in zip(lay.update_slots, d2, strict=True):
-            norm = w.get(s, math.nan)
-            ratios[names[s]] = d / norm if norm > 0 else (0.0 if d == 0 else math.inf)
+        ratios: dict[str, float]
+        n = len(slots)
+        if base_slots[:n] == slots and all(map(operator.gt, base_values[:n], repeat(0.0))):
+            # the usual layout (the same parameters first, every norm > 0): C-level iteration
+            ratios = dict(
+                zip(
+                    map(names.__getitem__, slots),
+                    map(operator.truediv, d2, base_values),
+                    strict=True,
+                )
+            )
+        else:
+            w = dict(zip(base_slots, base_values, strict=True))
+            ratios = {}
+            for s, d in zip(slots, d2, strict=True):
+                norm = w.get(s, math.nan)
+                ratios[names[s]] = d / norm if norm > 0 else (0.0 if d == 0 else math.inf)
         th = self._thresholds
+        values = ratios.values()
+        if not any(map(operator.lt, values, repeat(th.update_ratio_low))) and not any(
+            map(operator.gt, values, repeat(th.update_ratio_high))
+        ):
+            return ratios  # every ratio within bounds (the healthy step)
         low = [n for n, r in ratios.items() if r < th.update_ratio_low]
         high = [n for n, r in ratios.items() if r > th.update_ratio_high]
-        if low or high:
-            _log.warning(
-                "weight_update_ratio_out_of_bounds",
-                step=lay.step,
-                stalled=low[:10],
-                too_large=high[:10],
-            )
+        _log.warning(
+            "weight_update_ratio_out_of_bounds",
+            step=lay.step,
+            stalled=low[:10],
+            too_large=high[:10],
+        )
         return ratios
 
     def _judge_grads(

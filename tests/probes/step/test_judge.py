@@ -113,6 +113,25 @@ def test_update_ratios_divide_by_the_snapshot_steps_parameter_norms() -> None:
     assert isinstance(last, StepChecked) and last.update_ratios == {}
 
 
+def test_update_ratios_with_a_zero_norm_or_another_order(caplog: pytest.LogCaptureFixture) -> None:
+    """A zero ‖w‖ gives inf (0 when ‖Δw‖ is 0 too), slots in another order are matched by slot;
+    ratios out of bounds are logged."""
+    params = Checks(loss=True, grads=True, params=True, updates=True)
+    judge = _judge()
+    _run(judge, _layout(0, checks=params, param_slots=(0, 1, 2, 3)), [0.5, 1, 1, 1, 0, 0, 8, 1])
+    out = _run(judge, _layout(1, update_slots=(0, 1, 2), update_base=0), [0.5, 1, 1, 1, 3, 0, 4])
+    checked = out.events[-1]
+    assert isinstance(checked, StepChecked)
+    assert checked.update_ratios == {"a": math.inf, "b": 0.0, "c": 0.5}
+    assert "weight_update_ratio_out_of_bounds" in caplog.text
+    judge = _judge()
+    _run(judge, _layout(0, checks=params, param_slots=(2, 0, 1, 3)), [0.5, 1, 1, 1, 8, 2, 4, 1])
+    out = _run(judge, _layout(1, update_slots=(0, 1, 2), update_base=0), [0.5, 1, 1, 1, 1, 1, 2])
+    checked = out.events[-1]
+    assert isinstance(checked, StepChecked)
+    assert checked.update_ratios == {"a": 0.5, "b": 0.25, "c": 0.25}
+
+
 def test_the_mean_abs_pass_is_wanted_only_when_the_bound_is_low() -> None:
     """Large gradients clear the bound (no L1 pass next); tiny ones ask for it; convergence not."""
     judge = _judge()
