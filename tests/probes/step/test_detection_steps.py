@@ -163,3 +163,18 @@ class TestFirstIncident:
             ("0.weight",),
             False,
         )
+
+
+def test_a_deferred_step_keeps_no_graph_alive() -> None:
+    """The pieces a deferred step waits with are detached (the loss's graph is not kept)."""
+    model = make_mlp(0)
+    probe = StepProbe(model, None, deferred=True)
+    x, y = batch(0)
+    loss = nn.functional.mse_loss(model(x), y)
+    torch.autograd.backward(loss)
+    assert loss.grad_fn is not None
+    probe.check_step_sync(0, loss=loss)
+    (pending,) = probe._in_flight
+    assert all(p.grad_fn is None and not p.requires_grad for p in pending._pieces)
+    verdict = probe.flush_sync()
+    assert verdict is not None and verdict.step == 0 and verdict.loss == pytest.approx(loss.item())
