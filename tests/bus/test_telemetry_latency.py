@@ -58,13 +58,13 @@ async def _started(bus: EventBus) -> None:
 async def test_steady_telemetry_is_delivered_in_batches_in_order_and_complete() -> None:
     """A loop publishing one event per turn gets them in a few batches, every one, in order."""
     sink = _Batches()
-    async with EventBus(telemetry_latency=0.02) as bus:
+    async with EventBus(telemetry_latency=LONG) as bus:
         bus.subscribe(sink)
         for step in range(300):
             bus.publish_nowait(StepCompleted(step=step))
-            await anyio.sleep(0.0005)
+            await anyio.sleep(0)  # a training step's await: the dispatcher gets a turn
     assert sink.steps() == list(range(300))
-    assert len(sink.batches) < 150  # without the latency: one batch per event
+    assert len(sink.batches) <= 3  # without the latency: one batch per event
 
 
 async def test_telemetry_waits_during_a_hold_and_an_incident_releases_it_at_once() -> None:
