@@ -160,11 +160,27 @@ class StepBoundary:
 
     async def check(self, step: int, loss: torch.Tensor | float | None = None) -> Verdict:
         """Run the checks due at *step* and the safe point; say whether to step."""
-        return await run(self._check(step, loss))
+        # The body of _check without its generator (this runs on every step): the same parts
+        # around the same two waits.
+        started = self._check_begin(step)
+        # The probe does not yield (checkpoint=False): the step's one turn of the event loop
+        # is step_completed's hand-over.
+        verdict = await self.probe.check_step(step, loss=loss, checkpoint=False)
+        safe_point = self._probed(step, loss, verdict)
+        if safe_point is None:
+            return self._check_end(started, self._verdict(step, verdict, None))
+        decision = await safe_point.before_optimizer_step(step, loss=verdict.loss)
+        return self._check_end(started, self._decided(step, verdict, decision))
 
     def check_sync(self, step: int, loss: torch.Tensor | float | None = None) -> Verdict:
         """:meth:`check`, blocking."""
-        return run_sync(self._check(step, loss))
+        started = self._check_begin(step)
+        verdict = self.probe.check_step_sync(step, loss=loss)
+        safe_point = self._probed(step, loss, verdict)
+        if safe_point is None:
+            return self._check_end(started, self._verdict(step, verdict, None))
+        decision = safe_point.before_optimizer_step_sync(step, loss=verdict.loss)
+        return self._check_end(started, self._decided(step, verdict, decision))
 
     async def completed(
         self,
@@ -231,42 +247,57 @@ class StepBoundary:
     # -- the bodies -------------------------------------------------------------------------------
 
     def _check(self, step: int, loss: torch.Tensor | float | None) -> Body[Verdict]:
-        meter = self.meter
-        started = meter.clock()
-        verdict = yield from self._safe_point(step, loss)
-        if self.device_skip is not None and verdict.should_step:
-            self.device_skip.arm()
-        meter.add(meter.clock() - started)
-        return verdict
-
-    def _safe_point(self, step: int, loss: torch.Tensor | float | None) -> Body[Verdict]:
-        self.step = step
+        """The checks of a step as a body (``training_step``'s); :meth:`check` and
+        :meth:`check_sync` run the same parts around the same waits directly."""
+        started = self._check_begin(step)
         probe = self.probe
-        # The probe does not yield (checkpoint=False): the step's one turn of the event loop
-        # is step_completed's hand-over.
         verdict: StepVerdict = yield (
             lambda: probe.check_step(step, loss=loss, checkpoint=False),
             lambda: probe.check_step_sync(step, loss=loss),
         )
-        if self.device_skip is not None:
-            self.device_skip.launched(step, probe.in_flight(step), loss, verdict)
-        if verdict.overflow and self.amp is not None:
-            self.amp.overflowed(verdict.step)
-        if self.leak_detector is not None:
-            self.leak_detector.observe(step)
-        safe_point = self.safe_point
+        safe_point = self._probed(step, loss, verdict)
         if safe_point is None:
-            return self._verdict(step, verdict, None)
+            return self._check_end(started, self._verdict(step, verdict, None))
         checked = verdict.loss
         decision: StepDecision = yield (
             lambda: safe_point.before_optimizer_step(step, loss=checked),
             lambda: safe_point.before_optimizer_step_sync(step, loss=checked),
         )
-        agreed = safe_point.agreed
+        return self._check_end(started, self._decided(step, verdict, decision))
+
+    def _check_begin(self, step: int) -> float:
+        """The start of a step's checks: its number, and the time they started."""
+        self.step = step
+        return self.meter.clock()
+
+    def _probed(
+        self, step: int, loss: torch.Tensor | float | None, verdict: StepVerdict
+    ) -> SafePoint | None:
+        """After the probe: hand its results on; the safe point to wait for (None: none)."""
+        if self.device_skip is not None:
+            self.device_skip.launched(step, self.probe.in_flight(step), loss, verdict)
+        if verdict.overflow and self.amp is not None:
+            self.amp.overflowed(verdict.step)
+        if self.leak_detector is not None:
+            self.leak_detector.observe(step)
+        return self.safe_point
+
+    def _decided(self, step: int, verdict: StepVerdict, decision: StepDecision) -> Verdict:
+        """After the safe point: judge the ranks' agreed loss, then the step's verdict."""
+        safe_point = self.safe_point
+        agreed = safe_point.agreed if safe_point is not None else None
         if agreed is not None and agreed.loss is not None:
             # the ranks' mean loss, judged for spikes after agreeing (identical on every rank)
-            probe.observe_global_loss(verdict.step, agreed.loss)
+            self.probe.observe_global_loss(verdict.step, agreed.loss)
         return self._verdict(step, verdict, decision)
+
+    def _check_end(self, started: float, verdict: Verdict) -> Verdict:
+        """The end of a step's checks: arm the device-side skip, count the session's time."""
+        if self.device_skip is not None and verdict.should_step:
+            self.device_skip.arm()
+        meter = self.meter
+        meter.add(meter.clock() - started)
+        return verdict
 
     def _verdict(self, step: int, verdict: StepVerdict, decision: StepDecision | None) -> Verdict:
         if decision is not None:
