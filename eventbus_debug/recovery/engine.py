@@ -366,10 +366,7 @@ class RecoveryEngine:
             if self._counting:
                 self._mark_good()
             return _CLEAN
-        with self._lock:
-            actions = tuple(self._pending)
-            self._pending.clear()
-            noted, self._noted = self._noted, 0
+        actions, noted = self._take_pending()
         if agreement is None:
             return Pending(actions=actions, clean=not noted)
         agreed = agreement.agree(step, actions, bool(noted), loss=loss)
@@ -383,6 +380,10 @@ class RecoveryEngine:
         An overlapped agreement sends them during ``backward()`` (before the safe point) and
         returns them, agreed, from :meth:`take`'s call; nothing else changes.
         """
+        return self._take_pending()
+
+    def _take_pending(self) -> tuple[tuple[DecidedAction, ...], int]:
+        """Remove and return the pending step decisions and the count of incidents noted."""
         with self._lock:
             actions = tuple(self._pending)
             self._pending.clear()
