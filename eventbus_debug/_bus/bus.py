@@ -26,7 +26,7 @@ from typing_extensions import Self
 
 from .._validate import non_negative, positive_int, positive_seconds
 from ..diagnostics import get_logger
-from ..events import SELF_EXCLUDING, Delivery, Event, refresh_rank
+from ..events import SELF_EXCLUDING, Delivery, Event, has_incident, refresh_rank
 from ..exceptions import BusClosedError, SubscriptionError
 from ..threads import threadsafe_scheduler
 from . import subscription as _subscription
@@ -415,7 +415,7 @@ class EventBus:
         self._buffer.extend(batch)
         if not self._holding:
             self._wake_dispatcher()
-        elif len(self._buffer) >= HOLD_MAX or any(e.delivery is _INCIDENT for e in batch):
+        elif len(self._buffer) >= HOLD_MAX or has_incident(batch):
             self._end_hold()
 
     async def publish(self, event: Event, /) -> None:
@@ -533,6 +533,18 @@ class EventBus:
             return False
         if not event_types:
             return True
+        if not self._buffered_incident_count():
+            incident_only = self._incident_only.get(event_types)
+            if incident_only is None:
+                incident_only = self._incident_only[event_types] = _all_incidents(event_types)
+            if incident_only:
+                return False
+        return any(isinstance(e, event_types) for e in buffer)
+
+    def _buffered_incident_count(self) -> int:
+        """How many incidents the buffer holds: a tally that looks at each event once (reset at
+        each dispatch), so that asking at every step costs a few hundred ns."""
+        buffer = self._buffer
         classified = self._classified
         if classified < len(buffer):
             incidents = self._buffered_incidents
@@ -541,13 +553,7 @@ class EventBus:
                     incidents += 1
             self._buffered_incidents = incidents
             self._classified = len(buffer)
-        if not self._buffered_incidents:
-            incident_only = self._incident_only.get(event_types)
-            if incident_only is None:
-                incident_only = self._incident_only[event_types] = _all_incidents(event_types)
-            if incident_only:
-                return False
-        return any(isinstance(e, event_types) for e in buffer)
+        return self._buffered_incidents
 
     def statistics(self) -> BusStatistics:
         """A snapshot of the bus's counters and of every subscription's."""
@@ -564,19 +570,17 @@ class EventBus:
     def _wake_dispatcher(self) -> None:
         if not self._wake_pending:
             self._wake_pending = True
-            wake = self._wake
-            if wake is not None:
-                self._wake = None
-                try:
-                    wake()
-                except asyncio.InvalidStateError:  # the dispatcher's wait was just cancelled
-                    pass
+            self._trigger()
         elif self._holding:
             self._end_hold()
 
     def _end_hold(self) -> None:
         """Stop the dispatcher's wait for more telemetry: dispatch now."""
         self._holding = False
+        self._trigger()
+
+    def _trigger(self) -> None:
+        """Wake the dispatcher's current wait, if it waits (the waiter is used once)."""
         wake = self._wake
         if wake is not None:
             self._wake = None
@@ -592,9 +596,7 @@ class EventBus:
             return
         self._thread_wake_pending = False  # the next wake from a thread is scheduled again
         queued = tuple(self._thread_queue)
-        if len(queued) + len(self._buffer) >= HOLD_MAX or any(
-            e.delivery is _INCIDENT for e in queued
-        ):
+        if len(queued) + len(self._buffer) >= HOLD_MAX or has_incident(queued):
             self._end_hold()
 
     def _signal_progress(self) -> None:
@@ -669,7 +671,7 @@ class EventBus:
             or time.monotonic() - self._last_dispatch >= self._linger
         ):
             return False
-        return not any(e.delivery is _INCIDENT for e in self._buffer)
+        return not self._buffered_incident_count()
 
     async def _hold(self) -> None:
         """Wait until the latency since the last dispatch ran out, or an urgent publish.

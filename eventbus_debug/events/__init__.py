@@ -22,6 +22,7 @@ from ._base import (
     current_rank as current_rank,
     event_type as event_type,
     event_types as event_types,
+    has_incident as has_incident,
     refresh_rank as refresh_rank,
 )
 from .bus import (
@@ -130,6 +131,7 @@ __all__ = (
     "current_rank",
     "event_type",
     "event_types",
+    "has_incident",
     "new_run_id",
     "refresh_rank",
 )

@@ -27,7 +27,7 @@ import inspect
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Final, TypeVar
@@ -285,6 +285,12 @@ class Anomaly(Event):
     """
 
     severity: Severity = Severity.WARNING
+
+
+def has_incident(events: Iterable[Event]) -> bool:
+    """Whether any of *events* is an incident (its class's ``delivery`` is ``INCIDENT``)."""
+    incident = Delivery.INCIDENT
+    return any(type(event).delivery is incident for event in events)
 
 
 def event_types() -> Mapping[str, type[Event]]:

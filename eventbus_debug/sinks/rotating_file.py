@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
-from eventbus_debug.events import Delivery, Event, current_rank
+from eventbus_debug.events import Event, current_rank, has_incident
 from eventbus_debug.log.files import log_file_name
 from eventbus_debug.threads import DaemonWorker
 
@@ -305,7 +305,7 @@ class RotatingFileSink:
             await self._worker.run(self._writer.write_batch, events)
             return
         backlog = self._writer.submit(events)
-        if backlog >= self._high_water or _has_incident(events):
+        if backlog >= self._high_water or has_incident(events):
             await self._worker.run(self._writer.write_pending)
 
     async def flush(self) -> None:
@@ -358,14 +358,6 @@ class RotatingFileSink:
                 "(it is created if missing) or fix its permissions"
             )
             raise os_error(LogDirectoryError, exc.errno, msg) from None
-
-
-def _has_incident(events: Sequence[Event]) -> bool:
-    incident = Delivery.INCIDENT
-    for event in events:
-        if type(event).delivery is incident:
-            return True
-    return False
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
