@@ -2,9 +2,12 @@
 
 Each step's logic is one generator body that *yields* where it must wait (for the probe, the
 safe point, the hand-over of the step's events), each wait given in both colours (a
-``Wait``). :meth:`StepBoundary.check` drives a body with ``await``;
-:meth:`StepBoundary.check_sync` drives the same body blocking. So the async and the sync session
-run the same code between their waits, in the same order.
+``Wait``). :meth:`StepBoundary.check_sync` drives a body blocking, ``training_step`` drives it
+with ``await``. The two per-step async entries, :meth:`StepBoundary.check` and
+:meth:`StepBoundary.completed`, call the same parts of the body around the same waits without
+the generator (a few µs a step, and every line costs about three times as much inside a
+training loop as alone). So the async and the sync session run the same code between their
+waits, in the same order.
 """
 
 from __future__ import annotations
@@ -170,17 +173,11 @@ class StepBoundary:
         if safe_point is None:
             return self._check_end(started, self._verdict(step, verdict, None))
         decision = await safe_point.before_optimizer_step(step, loss=verdict.loss)
-        return self._check_end(started, self._decided(step, verdict, decision))
+        return self._check_end(started, self._decided(step, verdict, safe_point, decision))
 
     def check_sync(self, step: int, loss: torch.Tensor | float | None = None) -> Verdict:
         """:meth:`check`, blocking."""
-        started = self._check_begin(step)
-        verdict = self.probe.check_step_sync(step, loss=loss)
-        safe_point = self._probed(step, loss, verdict)
-        if safe_point is None:
-            return self._check_end(started, self._verdict(step, verdict, None))
-        decision = safe_point.before_optimizer_step_sync(step, loss=verdict.loss)
-        return self._check_end(started, self._decided(step, verdict, decision))
+        return run_sync(self._check(step, loss))
 
     async def completed(
         self,
@@ -194,11 +191,7 @@ class StepBoundary:
         # The body of _completed without its generator (this runs on every step): the same
         # two halves around the async hand-over.
         started, event = self._completed_begin(step, loss, learning_rate, samples)
-        if self._publish is not None:
-            await self._publish(event)
-        else:
-            self.publisher.publish_nowait(event)
-            await anyio.lowlevel.checkpoint()
+        await self._hand_over(event)
         self._completed_end(started)
 
     def completed_sync(
@@ -210,9 +203,7 @@ class StepBoundary:
         samples: int | None = None,
     ) -> None:
         """:meth:`completed`, blocking."""
-        started, event = self._completed_begin(step, loss, learning_rate, samples)
-        self._hand_over_sync(event)
-        self._completed_end(started)
+        run_sync(self._completed(step, loss, learning_rate, samples))
 
     async def training_step(
         self,
@@ -247,8 +238,8 @@ class StepBoundary:
     # -- the bodies -------------------------------------------------------------------------------
 
     def _check(self, step: int, loss: torch.Tensor | float | None) -> Body[Verdict]:
-        """The checks of a step as a body (``training_step``'s); :meth:`check` and
-        :meth:`check_sync` run the same parts around the same waits directly."""
+        """The checks of a step as a body (``check_sync``'s and ``training_step``'s);
+        :meth:`check` runs the same parts around the same waits directly."""
         started = self._check_begin(step)
         probe = self.probe
         verdict: StepVerdict = yield (
@@ -263,7 +254,7 @@ class StepBoundary:
             lambda: safe_point.before_optimizer_step(step, loss=checked),
             lambda: safe_point.before_optimizer_step_sync(step, loss=checked),
         )
-        return self._check_end(started, self._decided(step, verdict, decision))
+        return self._check_end(started, self._decided(step, verdict, safe_point, decision))
 
     def _check_begin(self, step: int) -> float:
         """The start of a step's checks: its number, and the time they started."""
@@ -282,10 +273,11 @@ class StepBoundary:
             self.leak_detector.observe(step)
         return self.safe_point
 
-    def _decided(self, step: int, verdict: StepVerdict, decision: StepDecision) -> Verdict:
+    def _decided(
+        self, step: int, verdict: StepVerdict, safe_point: SafePoint, decision: StepDecision
+    ) -> Verdict:
         """After the safe point: judge the ranks' agreed loss, then the step's verdict."""
-        safe_point = self.safe_point
-        agreed = safe_point.agreed if safe_point is not None else None
+        agreed = safe_point.agreed
         if agreed is not None and agreed.loss is not None:
             # the ranks' mean loss, judged for spikes after agreeing (identical on every rank)
             self.probe.observe_global_loss(verdict.step, agreed.loss)
