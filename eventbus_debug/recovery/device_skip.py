@@ -274,10 +274,10 @@ class DeviceSkip:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def _device(self) -> torch.device:
-        for p in self._params():
+        params = self._params()
+        for p in params:
             if p.grad is not None:
                 return p.grad.device
-        params = self._params()
         return params[0].device if params else torch.device("cpu")
 
     def _check_grads(self, flag: torch.Tensor) -> None:

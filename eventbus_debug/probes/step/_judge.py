@@ -199,21 +199,21 @@ class Judge:
                 incidents.append(spike)
         param_norm: float | None = None
         m = len(lay.param_slots)
+        u = len(lay.update_slots)
+        # judged against the base of the previous snapshot, before this step's becomes the base
+        ratios = self._ratios(lay, values[pos + m : pos + m + u])
         bad: list[int] = []
         if m:
             p2 = values[pos : pos + m]
-            pos += m
             param_norm, bad = self._param_norm(lay.param_slots, p2)
-            ratios = self._ratios(lay, values[pos : pos + len(lay.update_slots)])
             self._param_base = (step, lay.param_slots, p2)  # the base of the next ratios
-        else:
-            if not finite and not overflow and self._state_names:
-                # The loss or the gradients are not finite and the parameters were not due:
-                # look at them now (one more transfer, only on a fire) so that a NaN parameter
-                # or buffer is restored at this step, not up to param_every steps later.
-                norms, slots = recheck()
-                bad = [s for s, v in zip(slots, norms, strict=True) if not math.isfinite(v)]
-            ratios = self._ratios(lay, values[pos : pos + len(lay.update_slots)])
+        elif not finite and not overflow and self._state_names:
+            # The loss or the gradients are not finite and the parameters were not due: look
+            # at them now (one more transfer, only on a fire) so that a NaN parameter or
+            # buffer is restored at this step, not up to param_every steps later.
+            norms, slots = recheck()
+            bad = [s for s, v in zip(slots, norms, strict=True) if not math.isfinite(v)]
+        pos += m + u
         if bad:
             finite = False
             n_params = self._n_params
@@ -223,7 +223,6 @@ class Judge:
                 incidents.append(self._non_finite(TensorRole.PARAMETER, params, None, step))
             if buffers:
                 incidents.append(self._non_finite(TensorRole.BUFFER, buffers, None, step))
-        pos += len(lay.update_slots)
         dead: dict[str, float] = {}
         saturated: dict[str, float] = {}
         if lay.activations:

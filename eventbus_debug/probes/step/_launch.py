@@ -351,8 +351,6 @@ class Launcher:
                     pieces += self._scaled(norms[:k], False, inverse_scale)
                     state_norms = norms[k:]
                     with_state = False
-                elif inverse_scale is None and not planned.sharded:
-                    pieces += plan.reduce(present)  # the every-step case
                 else:
                     norms = plan.reduce(present)
                     pieces += self._scaled(norms, planned.sharded, inverse_scale)
