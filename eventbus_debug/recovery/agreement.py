@@ -211,11 +211,29 @@ class RankAgreement:
         self._launcher: OutputGradLaunch | None = None
         self._engine: DecisionSource | None = None
         self._blocking_at: Callable[[int], bool] | None = None
-        self._launched: _Launched | None = None
-        self._deferred: tuple[DecidedAction, ...] = ()
-        self._deferred_noted = False
+        self._launched: _Launched | None
+        self._deferred: tuple[DecidedAction, ...]
+        self._deferred_noted: bool
+        self._applied: tuple[bool, bool, bool]
+        self._last_loss: float | None
+        self._start_run()
+
+    def _start_run(self) -> None:
+        """Nothing launched, deferred or applied yet (a new run)."""
+        self._launched = None
+        self._deferred, self._deferred_noted = (), False
         self._applied = (False, False, False)
-        self._last_loss: float | None = None
+        self._last_loss = None
+
+    def _take_deferred(
+        self, decisions: Sequence[DecidedAction], noted: bool
+    ) -> tuple[tuple[DecidedAction, ...], bool]:
+        """*decisions* after the ones deferred from the last safe point, and whether this rank
+        had an incident (the deferred ones count); the deferred ones are taken."""
+        carried = (*self._deferred, *decisions)
+        any_noted = noted or self._deferred_noted or bool(self._deferred)
+        self._deferred, self._deferred_noted = (), False
+        return carried, any_noted
 
     @property
     def attached(self) -> bool:
@@ -248,10 +266,7 @@ class RankAgreement:
             msg = f"blocking_at must be callable or None, got {blocking_at!r}"
             raise TypeError(msg)
         self.detach()
-        self._launched = None  # a new run: nothing launched, deferred or applied yet
-        self._deferred, self._deferred_noted = (), False
-        self._applied = (False, False, False)
-        self._last_loss = None
+        self._start_run()
         if not self.overlap or not isinstance(model, DistributedDataParallel):
             return False
         self._engine = engine
@@ -309,12 +324,9 @@ class RankAgreement:
             return self._agree_blocking(step, decisions, noted, loss)
         if launched is None:
             # Attached, but no backward since the last safe point: all in one blocking round.
-            late = (*self._deferred, *decisions)
+            late, any_noted = self._take_deferred(decisions, noted)
             early_loss, self._last_loss = self._last_loss, loss
-            agreed = self._agree_blocking(
-                step, late, noted or self._deferred_noted or bool(self._deferred), early_loss
-            )
-            self._deferred, self._deferred_noted = (), False
+            agreed = self._agree_blocking(step, late, any_noted, early_loss)
             self._applied = _applied(agreed.decisions, agreed.noted)
             return agreed
         return self._agree_overlapped(step, launched, decisions, noted, loss)
@@ -329,9 +341,7 @@ class RankAgreement:
         if loss_grad_bad and not engine.answers(_NON_FINITE_LOSS):
             loss_grad_bad = False  # no strategy acts on a non-finite loss (policy "observe")
         actions, noted = engine.take_for_agreement()
-        carried = (*self._deferred, *actions)
-        any_noted = bool(noted) or self._deferred_noted or bool(self._deferred)
-        self._deferred, self._deferred_noted = (), False
+        carried, any_noted = self._take_deferred(actions, bool(noted))
         vec = codec.vector(self.world)
         codec.encode(
             vec,
