@@ -19,6 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "exceptions",
         "typing",
         "_validate",
+        "_records",
         "diagnostics",
         "threads",
         "step_context",

@@ -21,16 +21,16 @@ overload). Declare your own with :func:`event_type`::
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import inspect
 import os
 import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Final, TypeVar
+from typing import ClassVar, Final, TypeVar
+
+from .._records import fast_init
 
 if sys.version_info >= (3, 11):
     from typing import dataclass_transform
@@ -196,83 +196,10 @@ def event_type(cls: type[E]) -> type[E]:
         )
         raise ValueError(msg)
     new_cls = dataclass(frozen=True, slots=True, kw_only=True)(cls)
-    _install_fast_init(new_cls)
+    # the rank is read from this module's cached global, live (see refresh_rank)
+    fast_init(new_cls, live={current_rank: "_rank"}, namespace=globals())
     _REGISTRY[kind] = new_cls
     return new_cls
-
-
-class _Factory:
-    """Default marker of a field built by a ``default_factory`` (shown as ``<factory>``)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<factory>"
-
-
-_FACTORY: Final = _Factory()
-
-
-def _install_fast_init(cls: type[Event]) -> None:
-    """Replace the dataclass ``__init__`` of *cls* by an equivalent one about twice as fast.
-
-    A frozen dataclass sets each field with ``object.__setattr__(self, name, value)``, a generic
-    attribute lookup per field; an event is built on the training thread for every step, so the
-    generated ``__init__`` calls each slot's descriptor directly instead (same signature, same
-    defaults and factories, same immutability afterwards). ``time_ns`` and ``rank`` read the
-    clock and the cached rank inline. Classes using ``__post_init__``, ``InitVar`` or
-    ``init=False`` fields keep the dataclass ``__init__``.
-    """
-    if hasattr(cls, "__post_init__"):
-        return
-    fields = dataclasses.fields(cls)
-    params = list(inspect.signature(cls.__init__).parameters)[1:]
-    if params != [f.name for f in fields] or not all(f.init and f.kw_only for f in fields):
-        return
-    closure: dict[str, object] = {"_FACTORY": _FACTORY, "_time_ns": time.time_ns}
-    args: list[str] = []
-    body: list[str] = []
-    for i, f in enumerate(fields):
-        descriptor = getattr(cls, f.name, None)
-        setter = getattr(type(descriptor), "__set__", None)
-        if setter is None or type(descriptor).__name__ != "member_descriptor":
-            return  # not a plain slot: keep the dataclass __init__
-        closure[f"_set{i}"] = descriptor.__set__  # type: ignore[union-attr]
-        name = f.name
-        if f.default is not dataclasses.MISSING:
-            closure[f"_default{i}"] = f.default
-            args.append(f"{name}=_default{i}")
-            value = name
-        elif f.default_factory is not dataclasses.MISSING:
-            args.append(f"{name}=_FACTORY")
-            factory = f.default_factory
-            if factory is time.time_ns:
-                make = "_time_ns()"
-            elif factory is current_rank:
-                make = "_rank"  # this module's global, read live
-            else:
-                closure[f"_factory{i}"] = factory
-                make = f"_factory{i}()"
-            value = f"{make} if {name} is _FACTORY else {name}"
-        else:
-            args.append(name)
-            value = name
-        body.append(f"    _set{i}(self, {value})")
-    names = ", ".join(closure)
-    src = (
-        f"def __create_init__({names}):\n"
-        f"  def __init__(self, *, {', '.join(args)}):\n"
-        + "\n".join("  " + line for line in body)
-        + "\n  return __init__\n"
-    )
-    namespace: dict[str, Any] = {}
-    exec(src, globals(), namespace)  # the source holds field names (identifiers) only
-    init = namespace["__create_init__"](**closure)
-    init.__qualname__ = f"{cls.__qualname__}.__init__"
-    init.__module__ = cls.__module__
-    init.__doc__ = cls.__init__.__doc__
-    init.__annotations__ = dict(cls.__init__.__annotations__)
-    cls.__init__ = init  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

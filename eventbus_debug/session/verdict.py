@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._records import fast_init
 from ..probes.step import StepVerdict
 from ..recovery.safepoint import StepDecision
 
 __all__ = ("TrainingStepResult", "Verdict")
 
 
+@fast_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Verdict:
     """What the session concluded at a step's safe point (after backward, before the step).

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..._records import fast_init
+
 __all__ = ("StepVerdict",)
 
 
+@fast_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepVerdict:
     """What one step check found; what the training loop acts on.

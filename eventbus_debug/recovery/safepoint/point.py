@@ -11,6 +11,7 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
+from ..._records import fast_init
 from ...events import RecoveryAction, RecoveryApplied, StepSkipped
 from ...exceptions import TrainingStopped
 from ..actions import Action, ClipGradients, DecidedAction, RestoreState, ScaleLR, SkipStep
@@ -40,6 +41,7 @@ def _identity(decisions: Sequence[DecidedAction]) -> Sequence[DecidedAction]:
     return decisions
 
 
+@fast_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepDecision:
     """What a safe point did, and whether the loop should call ``optimizer.step()``.
