@@ -105,3 +105,22 @@ class TestRestore:
         assert snaps.step == 0
         snaps.restore(model, opt)
         assert torch.equal(_first(model).weight, first)
+
+    def test_a_reused_plan_still_refuses_non_finite_parameters_of_any_group(self) -> None:
+        """Once the copies are planned, an Inf in a float64 parameter (a second group) still
+        refuses the capture, as a NaN in the float32 ones does."""
+        torch.manual_seed(0)
+        first, second = nn.Linear(4, 4), nn.Linear(4, 2).double()
+        model = nn.Sequential(first, second)
+        snaps = StateSnapshots(every=1)
+        assert snaps.capture(0, model, None) and snaps.capture(1, model, None)  # plan reused
+        with torch.no_grad():
+            second.bias[0] = math.inf
+        assert not snaps.capture(2, model, None)
+        with torch.no_grad():
+            second.bias[0] = 0.0
+            first.weight[1, 1] = math.nan
+        assert not snaps.capture(3, model, None)
+        with torch.no_grad():
+            first.weight[1, 1] = 0.5
+        assert snaps.capture(4, model, None) and snaps.step == 4
