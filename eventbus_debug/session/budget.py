@@ -11,7 +11,9 @@ stretches (or, well under budget, relaxes) the cadence of the costly checks thro
 probe's public :attr:`~eventbus_debug.StepProbe.cadence`: parameter norms, update ratios, the
 vanishing pass and activation statistics. The loss and gradient checks, which catch
 non-finite values, keep their cadence: a NaN is caught at the step it appears, whatever the
-budget.
+budget. A budget still exceeded with the costly checks at their longest periods is one the
+every-step checks alone exceed (small steps): the meter says so once, in a warning that names
+the measured overhead, and keeps the checks as they are.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class OverheadMeter:
         self._window_step = 0.0
         self._window_steps = 0
         self._own_since_last = 0.0
+        self.unreachable = False
+        """True once the budget was exceeded with the costly checks at their longest periods."""
 
     @property
     def overhead(self) -> float | None:
@@ -113,7 +117,19 @@ class OverheadMeter:
         if budget is None:
             return
         stretch = self.stretch
-        if share > budget and stretch < MAX_STRETCH:
+        if share > budget and stretch >= MAX_STRETCH:
+            if not self.unreachable:
+                self.unreachable = True
+                _log.warning(
+                    "overhead_budget_unreachable",
+                    overhead=round(share, 4),
+                    budget=budget,
+                    stretch=stretch,
+                    detail="the every-step checks (loss, gradients, non-finite) alone cost more "
+                    "than the budget on this step size; they keep their cadence",
+                )
+            return
+        if share > budget:
             stretch *= 2
         elif share < budget * _RELAX and stretch > 1:
             stretch //= 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Iterator
 
@@ -63,6 +64,20 @@ class TestOverheadMeter:
         assert cadence.param_every == 10 * MAX_STRETCH
         assert cadence.vanishing_every == 10 * MAX_STRETCH
         assert cadence.activation_every == MAX_STRETCH
+
+    def test_an_unreachable_budget_is_said_once(self, caplog: pytest.LogCaptureFixture) -> None:
+        """Still over budget at the cap: one warning naming the overhead, nothing relaxed; a
+        budget met at the cap never warns."""
+        meter = _meter(0.02)
+        with caplog.at_level(logging.WARNING, logger="eventbus_debug"):
+            _run(meter, 4000, own=0.01, step=0.11)
+        assert meter.unreachable and meter.stretch == MAX_STRETCH
+        warned = [r for r in caplog.records if "overhead_budget_unreachable" in r.getMessage()]
+        assert len(warned) == 1 and "overhead" in warned[0].getMessage()
+        assert meter.probe.cadence.grad_every == 1
+        fine = _meter(0.02)
+        _run(fine, 2000, own=0.001, step=0.101)
+        assert not fine.unreachable
 
     def test_relaxes_well_under_budget(self) -> None:
         """Once the cost falls well under the budget the stretch is halved back, window by window."""
