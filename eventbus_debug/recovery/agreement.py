@@ -59,6 +59,8 @@ AGREE_TIMEOUT: Final = 60.0
 """Seconds a rank waits for the others at an agreement (torch's default is 30 minutes)."""
 WAITS_KEPT: Final = 4096
 """How many recent waits :attr:`RankAgreement.waits` keeps."""
+_NOTHING: Final = (False, False, False)
+"""What a safe point that applied nothing reports in the next agreement."""
 _DECISION_SLOTS: Final = tuple(range(Slot.ANY, Slot.STOP_RANK + 1))
 _NON_FINITE_LOSS: Final = NonFiniteDetected(
     source="recovery.agreement", role=TensorRole.LOSS, names=("loss",)
@@ -189,13 +191,14 @@ class RankAgreement:
             msg = "RankAgreement needs an initialized torch.distributed process group"
             raise RuntimeError(msg)
         self.timeout = positive_seconds("timeout", timeout)
+        self._wait_timeout = timedelta(seconds=self.timeout)
         self.overlap = overlap
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.group = (
             group
             if group is not None
-            else dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+            else dist.new_group(backend="gloo", timeout=self._wait_timeout)
         )
         self.agreements = 0
         """Agreements run (one per safe point)."""
@@ -208,6 +211,8 @@ class RankAgreement:
         self.blocking_waits: deque[float] = deque(maxlen=WAITS_KEPT)
         """Seconds recent blocking agreements took (the collective, at the safe point)."""
         self._vec = codec.vector(self.world)
+        self._spare: torch.Tensor | None = None
+        """The overlapped agreement's vector, collected at the last safe point (reused)."""
         self._launcher: OutputGradLaunch | None = None
         self._engine: DecisionSource | None = None
         self._blocking_at: Callable[[int], bool] | None = None
@@ -222,7 +227,7 @@ class RankAgreement:
         """Nothing launched, deferred or applied yet (a new run)."""
         self._launched = None
         self._deferred, self._deferred_noted = (), False
-        self._applied = (False, False, False)
+        self._applied = _NOTHING
         self._last_loss = None
 
     def _take_deferred(
@@ -295,7 +300,7 @@ class RankAgreement:
             [float(failed), float(fatal), -float(batch_size) if batch_size else -math.inf],
             dtype=torch.float64,
         )
-        self._reduce(v, f"a retried call (this rank failed: {failed})")
+        self._reduce(v, lambda: f"a retried call (this rank failed: {failed})")
         any_failed, any_fatal, neg_batch = v.tolist()
         return CallAgreed(
             failed=bool(any_failed),
@@ -334,7 +339,7 @@ class RankAgreement:
     # -- the overlapped path -------------------------------------------------------------------
 
     def _launch(self, loss_grad_bad: bool) -> None:
-        """Launch this step's agreement (from the output gradient's hook; once per safe point)."""
+        """Launch this step's agreement (from the backward hook; once per safe point)."""
         engine = self._engine
         if self._launched is not None or engine is None:
             return
@@ -342,7 +347,10 @@ class RankAgreement:
             loss_grad_bad = False  # no strategy acts on a non-finite loss (policy "observe")
         actions, noted = engine.take_for_agreement()
         carried, any_noted = self._take_deferred(actions, bool(noted))
-        vec = codec.vector(self.world)
+        # The vector the last safe point collected is reused; one never collected may still be
+        # written by its collective, so a new one is made then.
+        vec = self._spare if self._spare is not None else codec.vector(self.world)
+        self._spare = None
         codec.encode(
             vec,
             carried,
@@ -367,17 +375,17 @@ class RankAgreement:
         noted: bool,
         loss: float | None,
     ) -> AgreedStep:
-        what = ", ".join(d.kind.value for d in (*launched.carried, *late)) or "nothing"
         started = time.perf_counter()
         if launched.error is not None:
-            self._failed(f"step {step} (this rank decided: {what})", launched.error)
+            self._failed(_at(step, (*launched.carried, *late)), launched.error)
         try:
-            launched.work.wait(timeout=timedelta(seconds=self.timeout))
+            launched.work.wait(timeout=self._wait_timeout)
         except RuntimeError as exc:  # gloo raises on a timeout or a peer that left
-            self._failed(f"step {step} (this rank decided: {what})", exc)
+            self._failed(_at(step, (*launched.carried, *late)), exc)
         self.waits.append(time.perf_counter() - started)
         self.overlapped += 1
         agreed = launched.vec.tolist()
+        self._spare = launched.vec
         mean = codec.mean_loss(agreed)
         early = codec.decode(agreed, launched.carried, step, self.world)
         mismatch = codec.digest_mismatch(agreed)
@@ -385,23 +393,25 @@ class RankAgreement:
             early = (*early, _diverged(step, mismatch, self.world))
         noted_now = bool(agreed[Slot.NOTED]) or bool(agreed[Slot.LOSS_GRAD_BAD])
         blocking = self._blocking_at is not None and self._blocking_at(step)
+        now: tuple[DecidedAction, ...] = ()
         if blocking:
             # The probe checked rank-local state: the late decisions are agreed now, in full.
             extra = self._agree_blocking(step, late, noted, None)
-            now: tuple[DecidedAction, ...] = extra.decisions
+            now = extra.decisions
             noted_now = noted_now or extra.noted
-        else:
+        elif late or noted:
             uncovered = loss is not None and not math.isfinite(loss) and not launched.loss_grad_bad
             now, later = split_late(late, local_loss_uncovered=uncovered)
             self._deferred = later
             self._deferred_noted = noted and not now
             noted_now = noted_now or bool(now)
-        decisions = (*early, *now)
-        self._applied = _applied(decisions, noted_now)
+        decisions = (*early, *now) if now else early
+        self._applied = _applied(decisions, noted_now) if decisions or noted_now else _NOTHING
         self._last_loss = loss
         if agreed[Slot.ANY] or late:
             self.disagreements += int(not _same(launched.carried, agreed))
-            _log.info("ranks_agreed", step=step, rank=self.rank, local=what, overlapped=True)
+            local = _kinds((*launched.carried, *late))
+            _log.info("ranks_agreed", step=step, rank=self.rank, local=local, overlapped=True)
         return AgreedStep(decisions=decisions, noted=noted_now, loss=mean)
 
     # -- the blocking path ---------------------------------------------------------------------
@@ -409,27 +419,28 @@ class RankAgreement:
     def _agree_blocking(
         self, step: int, decisions: Sequence[DecidedAction], noted: bool, loss: float | None
     ) -> AgreedStep:
-        what = ", ".join(d.kind.value for d in decisions) or "nothing"
         v = codec.encode(self._vec, decisions, noted, self.rank, loss)
         started = time.perf_counter()
-        self._reduce(v, f"step {step} (this rank decided: {what})")
+        self._reduce(v, lambda: _at(step, decisions))
         self.blocking_waits.append(time.perf_counter() - started)
         agreed = v.tolist()
         if agreed[Slot.ANY] or decisions:
             if not _same(decisions, agreed):
                 self.disagreements += 1
-            _log.info("ranks_agreed", step=step, rank=self.rank, local=what, overlapped=False)
+            local = _kinds(decisions)
+            _log.info("ranks_agreed", step=step, rank=self.rank, local=local, overlapped=False)
         return AgreedStep(
             decisions=codec.decode(agreed, decisions, step, self.world),
             noted=bool(agreed[Slot.NOTED]),
             loss=codec.mean_loss(agreed),
         )
 
-    def _reduce(self, tensor: torch.Tensor, what: str) -> None:
+    def _reduce(self, tensor: torch.Tensor, what: Callable[[], str]) -> None:
+        """All-reduce *tensor* with MAX; *what* names what was being agreed if that fails."""
         try:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         except RuntimeError as exc:  # gloo raises on a timeout or a peer that left
-            self._failed(what, exc)
+            self._failed(what(), exc)
 
     def _failed(self, what: str, exc: RuntimeError) -> NoReturn:
         msg = (
@@ -439,6 +450,16 @@ class RankAgreement:
         _log.error("agreement_failed", rank=self.rank, what=what)
         self.detach()
         raise TrainingStopped(msg) from exc
+
+
+def _kinds(decisions: Sequence[DecidedAction]) -> str:
+    """The kinds of *decisions*, for the log (``"nothing"`` when there are none)."""
+    return ", ".join(d.kind.value for d in decisions) or "nothing"
+
+
+def _at(step: int, decisions: Sequence[DecidedAction]) -> str:
+    """What a failed agreement was about: *step* and this rank's own *decisions*."""
+    return f"step {step} (this rank decided: {_kinds(decisions)})"
 
 
 def _same(local: Sequence[DecidedAction], agreed: Sequence[float]) -> bool:

@@ -14,8 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from enum import IntEnum
+from functools import cache
 from typing import Final
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from .actions import (
@@ -62,6 +65,7 @@ class Slot(IntEnum):
 SIZE: Final = len(Slot)
 """Slots before the per-rank losses."""
 
+_NOTHING_APPLIED: Final = (False, False, False)
 _DIGEST: Final = (
     (Slot.APPLIED_SKIP, Slot.NEG_APPLIED_SKIP, "skipped"),
     (Slot.APPLIED_CLIP, Slot.NEG_APPLIED_CLIP, "clipped"),
@@ -82,12 +86,20 @@ def encode(
     loss: float | None = None,
     *,
     loss_grad_bad: bool = False,
-    applied: tuple[bool, bool, bool] = (False, False, False),
+    applied: tuple[bool, bool, bool] = _NOTHING_APPLIED,
 ) -> torch.Tensor:
     """Write this rank's part into *v* (in place, returned): its decisions, flags and loss.
 
     A non-finite or missing *loss* leaves the rank's loss slot at ``-inf`` (not averaged).
+    A rank with nothing to say (no decision, no incident, no flag: a healthy step) copies a
+    cached vector and writes its loss, without building the head slot by slot.
     """
+    if not decisions and not noted and not loss_grad_bad and applied == _NOTHING_APPLIED:
+        slots = v.numpy()  # the same memory: numpy writes are cheaper than torch indexing
+        slots[:] = _quiet(len(slots))
+        if loss is not None and math.isfinite(loss):
+            slots[SIZE + rank] = loss
+        return v
     head = [0.0] * SIZE
     head[Slot.NEG_MAX_NORM] = -math.inf
     head[Slot.NOTED] = float(noted)
@@ -123,6 +135,17 @@ def encode(
         losses[rank] = float(loss)
     v.copy_(torch.tensor(head + losses, dtype=torch.float64))
     return v
+
+
+@cache
+def _quiet(length: int) -> npt.NDArray[np.float64]:
+    """The vector of a rank with nothing to say and no loss (*length* slots in all)."""
+    head = [0.0] * SIZE
+    head[Slot.NEG_MAX_NORM] = -math.inf
+    head[Slot.NEG_LR_FACTOR] = -1.0
+    quiet = np.array(head + [-math.inf] * (length - SIZE), dtype=np.float64)
+    quiet.flags.writeable = False
+    return quiet
 
 
 def mean_loss(agreed: Sequence[float]) -> float | None:

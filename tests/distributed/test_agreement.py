@@ -27,7 +27,7 @@ from eventbus_debug.recovery.actions import (
     Stop,
 )
 from eventbus_debug.recovery.agreement import AgreedStep, RankAgreement
-from eventbus_debug.recovery.agreement_overlap import OutputGradLaunch, split_late
+from eventbus_debug.recovery.agreement_overlap import OutputGradLaunch, finite, split_late
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 120.0  # seconds for a whole group; a regression fails instead of hanging
@@ -384,6 +384,33 @@ class TestOverlap:
         model(x).sum().backward()
         assert seen == [False, True]
 
+    @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+    def test_finite_finds_one_bad_element(self, bad: float) -> None:
+        """One NaN, +inf or -inf among finite gradient values makes the check fail."""
+        grad = torch.randn(128, 10, generator=torch.Generator().manual_seed(0))
+        assert finite(grad)
+        grad[7, 3] = bad
+        assert not finite(grad)
+
+    def test_finite_values_whose_sum_overflows_are_finite(self) -> None:
+        """Huge finite values overflow their float32 sum: the elements are checked, not the sum,
+        so the flag (which makes every rank skip) is not raised for them."""
+        huge = torch.full((64,), 3e38)
+        assert not math.isfinite(float(huge.sum()))
+        assert finite(huge)
+        assert finite(torch.full((100,), 6e4, dtype=torch.float16))
+        huge[-1] = math.nan
+        assert not finite(huge)
+
+    def test_finite_handles_complex_half_and_empty(self) -> None:
+        """Complex, bfloat16 and empty gradients are judged like any other."""
+        z = torch.randn(4, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+        assert finite(z)
+        z[2] = complex(0.0, math.inf)
+        assert not finite(z)
+        assert not finite(torch.tensor([1.0, math.nan], dtype=torch.bfloat16))
+        assert finite(torch.empty(0))
+
     def test_launch_needs_a_callable(self) -> None:
         """A launch that is not callable is a clear error."""
         with pytest.raises(TypeError, match="launch must be callable"):
@@ -447,6 +474,33 @@ class TestEncoding:
         v = self.enc([], True, 0)
         assert codec.decode(v.tolist(), [], 3, 2) == ()
         assert AgreedStep((), noted=True).noted
+
+    @pytest.mark.parametrize(
+        ("world", "rank", "loss"),
+        [(2, 0, 1.5), (2, 1, None), (3, 2, math.nan), (3, 0, -math.inf), (4, 3, 0.0)],
+    )
+    def test_a_rank_with_nothing_to_say_encodes_as_the_general_path(
+        self, world: int, rank: int, loss: float | None
+    ) -> None:
+        """The healthy-step shortcut (a cached vector plus the loss) writes exactly what the
+        slot-by-slot encoding writes, into a vector that held another step's decisions."""
+        reused = codec.encode(
+            codec.vector(world),
+            [self.decided(Stop()), self.decided(ScaleLR(factor=0.5, steps=3))],
+            True,
+            rank,
+            9.0,
+            loss_grad_bad=True,
+            applied=(True, True, True),
+        )
+        quiet = codec.encode(reused, [], False, rank, loss)
+        general = codec.encode(codec.vector(world), [], True, rank, loss)
+        general[codec.Slot.NOTED] = 0.0  # the only slot the general path was asked to set
+        assert quiet is reused and torch.equal(quiet, general)
+        agreed = quiet.tolist()
+        assert codec.decode(agreed, [], 3, world) == () and codec.digest_mismatch(agreed) is None
+        finite_loss = loss is not None and math.isfinite(loss)
+        assert codec.mean_loss(agreed) == (loss if finite_loss else None)
 
     def test_needs_a_process_group(self) -> None:
         """RankAgreement outside a process group is a clear error."""
