@@ -406,7 +406,7 @@ class TestOverlap:
         """Complex, bfloat16 and empty gradients are judged like any other."""
         z = torch.randn(4, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
         assert finite(z)
-        z[2] = complex(0.0, math.inf)
+        z[2] = torch.tensor(complex(0.0, math.inf))
         assert not finite(z)
         assert not finite(torch.tensor([1.0, math.nan], dtype=torch.bfloat16))
         assert finite(torch.empty(0))
