@@ -66,6 +66,9 @@ def main(steps: int = 300, log_dir: str = "debug_logs/ddp") -> dict[str, object]
         mine = anyio.run(train, steps, log_dir)
         everyone: list[object] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
+        # Every rank is done with the group before any tears it down (gloo in torch 2.13 can
+        # abort a rank whose peer destroys the group under it, after the run succeeded).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     if mine["rank"] == 0:

@@ -358,15 +358,14 @@ class TestEdges:
         assert render_html(merged).count("<tr id=") == render_html(live).count("<tr id=") + 1
 
 
-@pytest.mark.timeout(300)
-def test_ddp_example_report_counts_its_300_steps(tmp_path: Path) -> None:
-    """torchrun --nproc-per-node 2 examples/ddp_training.py (the example's own test): the ranks
-    skip and roll back together with equal parameters; the merged report says 300 steps and
-    the agreed skip at step 100 is one row per kind naming ranks 0 and 1."""
+_GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _torchrun_example(log: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run examples/ddp_training.py on 2 CPU ranks under torchrun, logging into *log*."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    log = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
+    return subprocess.run(
         [
             str(torchrun),
             "--standalone",
@@ -381,8 +380,30 @@ def test_ddp_example_report_counts_its_300_steps(tmp_path: Path) -> None:
         timeout=240,
         env=env,
         check=False,
-        cwd=tmp_path,
+        cwd=cwd,
     )
+
+
+def _gloo_teardown_abort(done: subprocess.CompletedProcess[str]) -> bool:
+    """torch 2.13's gloo sometimes aborts a rank at exit, after a run that succeeded (a plain
+    DDP script without this library does it too): that, and only that, is run once more."""
+    return (
+        done.returncode != 0
+        and "parameters identical on every rank: True" in done.stdout
+        and _GLOO_TEARDOWN_ABORT in done.stderr
+    )
+
+
+@pytest.mark.timeout(560)
+def test_ddp_example_report_counts_its_300_steps(tmp_path: Path) -> None:
+    """torchrun --nproc-per-node 2 examples/ddp_training.py (the example's own test): the ranks
+    skip and roll back together with equal parameters; the merged report says 300 steps and
+    the agreed skip at step 100 is one row per kind naming ranks 0 and 1."""
+    for attempt in range(2):
+        log = tmp_path / f"ddp{attempt}"
+        done = _torchrun_example(log, tmp_path)
+        if not _gloo_teardown_abort(done):
+            break
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     # the example itself: both ranks skipped and rolled back together, parameters equal
     assert "parameters identical on every rank: True" in done.stdout
