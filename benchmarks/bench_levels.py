@@ -9,7 +9,11 @@ time of each is compared with the bare loop's (ratio). The last column is the ov
 session measured itself (its time in check_step/step_completed over the rest of the step).
 Printed beside seed 002's claimed overheads.
 
-Run: python benchmarks/bench_levels.py [--steps 300] [--width 256] [--rounds 5]
+Run: python benchmarks/bench_levels.py [--steps 300] [--width 256] [--rounds 5] [--threads N]
+
+``--threads 1`` pins torch to one thread: on a machine shared with other jobs, torch's OpenMP
+threads stall whenever another process takes a core, which moves every ratio by points between
+runs; one thread gives the steadier comparison (the default keeps torch's own choice).
 """
 
 from __future__ import annotations
@@ -98,7 +102,10 @@ async def main(steps: int, width: int, rounds: int) -> None:
             times[v].append(await _session(v, steps, width, measured[v]))
     base = statistics.median(times["bare"])
     params = sum(p.numel() for p in _setup(width)[0].parameters())
-    print(f"model: MLP, {params:,} parameters, batch 128; {steps} steps x {rounds} rounds (median)")
+    print(
+        f"model: MLP, {params:,} parameters, batch 128; {steps} steps x {rounds} rounds (median); "
+        f"{torch.get_num_threads()} torch threads"
+    )
     print(
         f"{'variant':<11} {'ms/step':>8} {'ratio':>7} {'overhead':>9} {'self-measured':>14}   seed 002 claims"
     )
@@ -117,5 +124,10 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     anyio.run(main, args.steps, args.width, args.rounds)
