@@ -239,6 +239,7 @@ class Launcher:
         "_update_flat",
         "_update_idx",
         "_update_plan",
+        "_update_slots",
     )
 
     def __init__(
@@ -256,6 +257,7 @@ class Launcher:
         self._snapshot_step = -1
         self._update_idx: tuple[int, ...] = ()
         self._update_plan: NormPlan | None = None
+        self._update_slots: tuple[int, ...] = ()  # parameter index per update-norm position
         self._update_flat = False  # the update norms are 0-d pieces (no stacked or sharded group)
         self._pool = _PinnedPool()
 
@@ -422,7 +424,7 @@ class Launcher:
                 pieces += plan.reduce(snapshot)  # 0-d pieces: the vector stays flat
             else:
                 pieces.append(global_norms(assemble(plan.reduce(snapshot))))
-            update_slots = tuple(self._update_idx[j] for j in plan.order)
+            update_slots = self._update_slots
         self._snapshot_step = -1
         if checks.updates and self._params:
             # Only parameters that train now: frozen and gradient-less ones never "stall".
@@ -435,6 +437,7 @@ class Launcher:
                     snapshot = [t.detach().clone() for t in now]
                     self._update_plan = NormPlan(snapshot)
                     self._update_flat = self._update_plan.flat and not any(map(sharded, snapshot))
+                    self._update_slots = tuple(idx[j] for j in self._update_plan.order)
                 else:
                     torch._foreach_copy_(snapshot, now)  # the persistent buffer: no allocation
                 self._snapshot, self._update_idx, self._snapshot_step = snapshot, idx, step
