@@ -59,8 +59,6 @@ AGREE_TIMEOUT: Final = 60.0
 """Seconds a rank waits for the others at an agreement (torch's default is 30 minutes)."""
 WAITS_KEPT: Final = 4096
 """How many recent waits :attr:`RankAgreement.waits` keeps."""
-_NOTHING: Final = (False, False, False)
-"""What a safe point that applied nothing reports in the next agreement."""
 _DECISION_SLOTS: Final = tuple(range(Slot.ANY, Slot.STOP_RANK + 1))
 _NON_FINITE_LOSS: Final = NonFiniteDetected(
     source="recovery.agreement", role=TensorRole.LOSS, names=("loss",)
@@ -227,7 +225,7 @@ class RankAgreement:
         """Nothing launched, deferred or applied yet (a new run)."""
         self._launched = None
         self._deferred, self._deferred_noted = (), False
-        self._applied = _NOTHING
+        self._applied = codec.NOTHING_APPLIED
         self._last_loss = None
 
     def _take_deferred(
@@ -406,7 +404,9 @@ class RankAgreement:
             self._deferred_noted = noted and not now
             noted_now = noted_now or bool(now)
         decisions = (*early, *now) if now else early
-        self._applied = _applied(decisions, noted_now) if decisions or noted_now else _NOTHING
+        self._applied = (
+            _applied(decisions, noted_now) if decisions or noted_now else codec.NOTHING_APPLIED
+        )
         self._last_loss = loss
         if agreed[Slot.ANY] or late:
             self.disagreements += int(not _same(launched.carried, agreed))

@@ -33,7 +33,16 @@ from .actions import (
     Stop,
 )
 
-__all__ = ("SIZE", "Slot", "decode", "digest_mismatch", "encode", "mean_loss", "vector")
+__all__ = (
+    "NOTHING_APPLIED",
+    "SIZE",
+    "Slot",
+    "decode",
+    "digest_mismatch",
+    "encode",
+    "mean_loss",
+    "vector",
+)
 
 
 class Slot(IntEnum):
@@ -65,7 +74,8 @@ class Slot(IntEnum):
 SIZE: Final = len(Slot)
 """Slots before the per-rank losses."""
 
-_NOTHING_APPLIED: Final = (False, False, False)
+NOTHING_APPLIED: Final = (False, False, False)
+"""What a safe point that applied nothing reports in the next agreement."""
 _DIGEST: Final = (
     (Slot.APPLIED_SKIP, Slot.NEG_APPLIED_SKIP, "skipped"),
     (Slot.APPLIED_CLIP, Slot.NEG_APPLIED_CLIP, "clipped"),
@@ -86,7 +96,7 @@ def encode(
     loss: float | None = None,
     *,
     loss_grad_bad: bool = False,
-    applied: tuple[bool, bool, bool] = _NOTHING_APPLIED,
+    applied: tuple[bool, bool, bool] = NOTHING_APPLIED,
 ) -> torch.Tensor:
     """Write this rank's part into *v* (in place, returned): its decisions, flags and loss.
 
@@ -94,12 +104,28 @@ def encode(
     A rank with nothing to say (no decision, no incident, no flag: a healthy step) copies a
     cached vector and writes its loss, without building the head slot by slot.
     """
-    if not decisions and not noted and not loss_grad_bad and applied == _NOTHING_APPLIED:
+    if not decisions and not noted and not loss_grad_bad and applied == NOTHING_APPLIED:
         slots = v.numpy()  # the same memory: numpy writes are cheaper than torch indexing
         slots[:] = _quiet(len(slots))
         if loss is not None and math.isfinite(loss):
             slots[SIZE + rank] = loss
         return v
+    head = _head(decisions, noted, rank, loss_grad_bad, applied)
+    losses = [-math.inf] * (len(v) - SIZE)
+    if loss is not None and math.isfinite(loss):
+        losses[rank] = float(loss)
+    v.copy_(torch.tensor(head + losses, dtype=torch.float64))
+    return v
+
+
+def _head(
+    decisions: Sequence[DecidedAction],
+    noted: bool,
+    rank: int,
+    loss_grad_bad: bool,
+    applied: tuple[bool, bool, bool],
+) -> list[float]:
+    """The slots before the losses: one flag per action, the factors, the flags, the digest."""
     head = [0.0] * SIZE
     head[Slot.NEG_MAX_NORM] = -math.inf
     head[Slot.NOTED] = float(noted)
@@ -130,19 +156,13 @@ def encode(
             head[Slot.STOP] = 1.0
             head[Slot.STOP_RANK] = float(rank + 1)
     head[Slot.NEG_LR_FACTOR] = -lr_factor
-    losses = [-math.inf] * (len(v) - SIZE)
-    if loss is not None and math.isfinite(loss):
-        losses[rank] = float(loss)
-    v.copy_(torch.tensor(head + losses, dtype=torch.float64))
-    return v
+    return head
 
 
 @cache
 def _quiet(length: int) -> npt.NDArray[np.float64]:
     """The vector of a rank with nothing to say and no loss (*length* slots in all)."""
-    head = [0.0] * SIZE
-    head[Slot.NEG_MAX_NORM] = -math.inf
-    head[Slot.NEG_LR_FACTOR] = -1.0
+    head = _head((), False, 0, False, NOTHING_APPLIED)
     quiet = np.array(head + [-math.inf] * (length - SIZE), dtype=np.float64)
     quiet.flags.writeable = False
     return quiet
