@@ -68,11 +68,24 @@ async def _bare(steps: int, *, floor: bool = False) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-async def _session(steps: int, log_dir: str, **knobs: Any) -> float:
+async def _session(
+    steps: int,
+    log_dir: str,
+    *,
+    warmup: int = 0,
+    warmed: Callable[[], object] | None = None,
+    **knobs: Any,
+) -> float:
+    """Seconds per step of *steps* session steps after *warmup* untimed ones (*warmed* is
+    called between them)."""
     model, opt, x, y = _setup()
     async with Session(model, opt, log_dir=log_dir, report=False, alerts=False, **knobs) as s:
         t0 = time.perf_counter()
-        for step in range(steps):
+        for step in range(warmup + steps):
+            if step == warmup:
+                if warmed is not None:
+                    warmed()
+                t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             loss = nn.functional.cross_entropy(model(x), y)
             torch.autograd.backward(loss)
@@ -123,20 +136,7 @@ async def _parts(steps: int, log_dir: str) -> dict[str, float]:
     for (cls, name, label), (_, _, fn) in zip(_PARTS, originals, strict=True):
         setattr(cls, name, _timed(fn, label, spent))
     try:
-        model, opt, x, y = _setup()
-        async with Session(
-            model, opt, log_dir=log_dir, level=DebugLevel.BASIC, report=False, alerts=False
-        ) as s:
-            for step in range(steps + 100):
-                if step == 100:
-                    spent.clear()
-                opt.zero_grad(set_to_none=True)
-                loss = nn.functional.cross_entropy(model(x), y)
-                torch.autograd.backward(loss)
-                verdict = await s.check_step(step, loss=loss)
-                if verdict.should_step:
-                    opt.step()
-                await s.step_completed(step, loss=verdict.loss)
+        await _session(steps, log_dir, warmup=100, warmed=spent.clear, level=DebugLevel.BASIC)
     finally:
         for cls, name, fn in originals:
             setattr(cls, name, fn)
