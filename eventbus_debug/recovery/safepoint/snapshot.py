@@ -101,8 +101,14 @@ class _Plan:
     finite: list[list[torch.Tensor]]
 
     @classmethod
-    def build(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> _Plan:
-        """Allocate the copies (the first capture, or after the live tensors changed)."""
+    def build(
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        finite: list[list[torch.Tensor]],
+    ) -> _Plan:
+        """Allocate the copies (the first capture, or after the live tensors changed);
+        *finite* is :func:`_finite_groups` of *model*, already computed by the caller."""
         key = _live_key(model, optimizer)
         live_model = model.state_dict(keep_vars=True)
         model_src = [t.detach() for t in live_model.values()]
@@ -136,7 +142,7 @@ class _Plan:
             opt_src,
             opt_dst,
             scalars,
-            _finite_groups(model),
+            finite,
         )
 
     def refresh(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -237,12 +243,14 @@ class StateSnapshots:
         # optimizer.state_dict() per tensor cost 490-610 us per capture (issue #13, item 7).
         # The plan also holds the parameters' grouping for the finite check (78 -> 30 us).
         plan = self._plan
-        fresh = plan is None or plan.key != _live_key(model, optimizer)
-        if not _all_finite(_finite_groups(model) if fresh or plan is None else plan.finite):
+        if plan is not None and plan.key != _live_key(model, optimizer):
+            plan = None  # the live tensors changed: plan the copies again
+        groups = plan.finite if plan is not None else _finite_groups(model)
+        if not _all_finite(groups):
             _log.warning("snapshot_refused", step=step, reason="non-finite parameters")
             return False
-        if fresh or plan is None:
-            plan = self._plan = _Plan.build(model, optimizer)
+        if plan is None:
+            plan = self._plan = _Plan.build(model, optimizer, groups)
         else:
             plan.refresh(optimizer)
         self._model = plan.model
