@@ -166,9 +166,7 @@ class SafePoint:
                 was needed and no good state exists).
             TimeoutError: if the engine does not catch up within its ``drain_timeout``.
         """
-        engine = self.engine
-        if engine.blocking or not engine.caught_up():  # a healthy step: no drain coroutine
-            await engine.drain()
+        await self.engine.drain()
         return self._apply(step, loss)
 
     def before_optimizer_step_sync(self, step: int, *, loss: float | None = None) -> StepDecision:
