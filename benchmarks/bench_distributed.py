@@ -15,7 +15,10 @@ Prints the per-step medians, the ratios agreed/session (the agreement's own cost
 <= 1.03), floor/bare (the collective alone), blocking/session and agreed/bare, what the
 agreement costs beyond the floor, and how long the safe point waited for the other
 ranks (median, p90, p99): for the overlapped agreement the wait on the launched collective (and
-the blocking round its parameter-check steps add), for the blocking one the collective itself.
+the blocking round its parameter-check steps add), for the blocking one the collective itself;
+and how long launching the overlapped collective held the training thread (the asynchronous
+``all_reduce`` call, which hands the collective to gloo's thread: on a machine with as many
+busy ranks as cores the thread switch it causes is most of what the agreement costs).
 
     .venv/bin/python benchmarks/bench_distributed.py [--steps 500] [--warmup 20]
 """
@@ -175,7 +178,11 @@ def _worker(rank: int, world: int, init: str, steps: int, warmup: int) -> None:
         print(f"  blocking / no agreement     {m['blocking'] / m['session']:8.3f}x")
         print(f"  agreed / bare               {m['agreed'] / m['bare']:8.3f}x")
         fast, blocking = agreements["agreed"], agreements["blocking"]
-        print(f"  agreed:   the safe point waited   {_spread(fast.waits)}")
+        print(f"  agreed:   the launch call took     {_spread(fast.launches)}")
+        print(
+            "            (dist.all_reduce(async_op=True) during backward: the hand-over to gloo's thread)"
+        )
+        print(f"            the safe point waited   {_spread(fast.waits)}")
         print(f"            blocking rounds         {_spread(fast.blocking_waits)}")
         print("            (parameter-check steps, every 10th, add one)")
         print(f"  blocking: the collective took     {_spread(blocking.blocking_waits)}")

@@ -217,7 +217,10 @@ class Anomaly(Event):
 def has_incident(events: Iterable[Event]) -> bool:
     """Whether any of *events* is an incident (its class's ``delivery`` is ``INCIDENT``)."""
     incident = Delivery.INCIDENT
-    return any(type(event).delivery is incident for event in events)
+    for event in events:  # a loop, not any(genexpr): a batch is often one or two events
+        if type(event).delivery is incident:
+            return True
+    return False
 
 
 def event_types() -> Mapping[str, type[Event]]:

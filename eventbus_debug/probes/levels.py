@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final
 
@@ -185,11 +185,12 @@ class Checks:
     updates: bool = False
     activations: bool = False
     vanishing: bool = False
+    any: bool = field(init=False, repr=False, compare=False)
+    """True when at least one check is due (a field, not a property: it is read every step)."""
 
-    @property
-    def any(self) -> bool:
-        """True when at least one check is due."""
-        return self.loss or self.grads or self.params or self.updates or self.activations
+    def __post_init__(self) -> None:
+        due = self.loss or self.grads or self.params or self.updates or self.activations
+        object.__setattr__(self, "any", due)
 
 
 _NONE: Final = Checks()

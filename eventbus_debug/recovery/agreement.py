@@ -208,6 +208,9 @@ class RankAgreement:
         """Seconds recent safe points waited for an agreement launched during backward."""
         self.blocking_waits: deque[float] = deque(maxlen=WAITS_KEPT)
         """Seconds recent blocking agreements took (the collective, at the safe point)."""
+        self.launches: deque[float] = deque(maxlen=WAITS_KEPT)
+        """Seconds recent overlapped launches held the training thread during backward (the
+        asynchronous ``all_reduce`` call: handing the collective to the backend's thread)."""
         self._vec = codec.vector(self.world)
         self._spare: torch.Tensor | None = None
         """The overlapped agreement's vector, collected at the last safe point (reused)."""
@@ -358,11 +361,13 @@ class RankAgreement:
             loss_grad_bad=loss_grad_bad,
             applied=self._applied,
         )
+        started = time.perf_counter()
         try:
             work = dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         except RuntimeError as exc:  # a peer already left: said at the safe point
             self._launched = _Launched(None, vec, carried, loss_grad_bad, exc)
             return
+        self.launches.append(time.perf_counter() - started)
         self._launched = _Launched(work, vec, carried, loss_grad_bad)
 
     def _agree_overlapped(

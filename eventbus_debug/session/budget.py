@@ -87,9 +87,11 @@ class OverheadMeter:
         """Count *seconds* spent inside a session call."""
         self._own_since_last += seconds
 
-    def step_finished(self, now: float) -> None:
-        """Close a step at *now* (the end of its ``step_completed``); decide with a budget."""
-        own, self._own_since_last = self._own_since_last, 0.0
+    def step_finished(self, now: float, own: float = 0.0) -> None:
+        """Close a step at *now* (the end of its ``step_completed``, which took *own* seconds
+        of the session's time: counted as :meth:`add` would); decide with a budget."""
+        own += self._own_since_last
+        self._own_since_last = 0.0
         last, self._last_end = self._last_end, now
         if last is None:
             return  # the first step has no start: its time is unknown

@@ -160,6 +160,8 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
     result["steps_completed"] = session.steps_completed
     agreement = session.agreement
     result["overlapped"] = agreement.overlapped if isinstance(agreement, RankAgreement) else 0
+    launches = agreement.launches if isinstance(agreement, RankAgreement) else ()
+    result["launches"] = [len(launches), all(0.0 <= s < 60.0 for s in launches)]
     return result
 
 

@@ -202,8 +202,10 @@ def test_a_crashed_rank_stops_the_others_with_a_reason(two: dict[str, list[Any]]
     ],
 )
 def test_ddp_agrees_during_backward_at_every_step(two: dict[str, list[Any]], scenario: str) -> None:
-    """Under DDP every safe point's agreement was launched during backward (the fast path)."""
+    """Under DDP every safe point's agreement was launched during backward (the fast path),
+    and every launch's hold on the training thread was measured."""
     assert [r["overlapped"] for r in ranks(two, scenario)] == [STEPS, STEPS]
+    assert [r["launches"] for r in ranks(two, scenario)] == [[STEPS, True], [STEPS, True]]
 
 
 def test_sustained_spike_agreed_during_backward(three: dict[str, list[Any]]) -> None:

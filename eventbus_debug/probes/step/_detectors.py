@@ -45,11 +45,14 @@ with one loss seen, the plain ``rtol`` from five on)."""
 class _RunningMedian:
     """The median and MAD of the last *size* values, kept sorted incrementally (bisect)."""
 
-    __slots__ = ("_order", "_sorted")
+    __slots__ = ("_order", "_sorted", "values")
 
     def __init__(self, size: int) -> None:
         self._order: deque[float] = deque(maxlen=size)
         self._sorted: list[float] = []
+        self.values = self._sorted
+        """The window's values in ascending order (read only; ``len(window.values)`` is the
+        count without a Python call: the detectors run on every step)."""
 
     def __len__(self) -> int:
         return len(self._order)
@@ -67,7 +70,10 @@ class _RunningMedian:
         self._sorted.clear()
 
     def median(self) -> float:
-        return _middle(self._sorted)
+        ordered = self._sorted  # _middle inline (every step)
+        n = len(ordered)
+        mid = n // 2
+        return ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
     def mad(self, median: float) -> float:
         """The median absolute deviation from *median* (the window's median), in O(log size).
@@ -110,13 +116,6 @@ class _RunningMedian:
             return b_last
         b_prev = ordered[hi + j - 2] - median if j > 1 else -inf  # b(j - 2)
         return 0.5 * (max(a_last, b_prev) + b_last)
-
-
-def _middle(ordered: list[float]) -> float:
-    """The median of an already sorted, non-empty list."""
-    n = len(ordered)
-    mid = n // 2
-    return ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
 class SpikeRule(Enum):
@@ -238,7 +237,7 @@ class LossSpikeDetector:
     def observe(self, loss: float) -> SpikeVerdict | None:
         """Judge one finite loss; returns the verdict when it is a spike, else ``None``."""
         window = self._window
-        if len(window) < self.warmup:
+        if len(window.values) < self.warmup:
             window.add(loss)
             return None
         median = window.median()
@@ -248,7 +247,7 @@ class LossSpikeDetector:
             self._streak = 0
             window.add(loss)
             return None
-        n = len(window)
+        n = len(window.values)
         sigma = _MAD_TO_SIGMA * window.mad(median) if n >= _MIN_NOISE else 0.0
         floor = max(self.atol, self.scale_tol * self._scale)
         tolerance = max(
@@ -349,13 +348,12 @@ class ExplosionDetector:
         if norm == 0.0:
             return None  # a zero gradient (a converged or satisfied loss) says nothing of scale
         window = self._window
-        baseline = window.median() if len(window) else math.nan
+        count = len(window.values)
+        baseline = window.median() if count else math.nan
         # A converged model's norms shrink by orders of magnitude while a hard batch still has
         # the norms of early training: 10x that tiny median is noise, not an explosion, as long
         # as it stays within what the run has already seen (and accepted).
-        growth = (
-            max(self.factor * baseline, self.floor * self._largest) if len(window) else math.inf
-        )
+        growth = max(self.factor * baseline, self.floor * self._largest) if count else math.inf
         cap = self.cap if self.cap is not None else math.inf
         threshold = min(cap, growth)
         if norm > threshold:

@@ -353,6 +353,8 @@ class Launcher:
                     pieces += self._scaled(norms[:k], False, inverse_scale)
                     state_norms = norms[k:]
                     with_state = False
+                elif inverse_scale is None and not planned.sharded:
+                    pieces += plan.reduce(present)  # the every-step case: no unscaling
                 else:
                     norms = plan.reduce(present)
                     pieces += self._scaled(norms, planned.sharded, inverse_scale)
@@ -365,7 +367,10 @@ class Launcher:
             norms_vector, param_slots = self.state_norms()
             home = home or norms_vector.device
             pieces.append(norms_vector)
-        update_slots, update_base, updates_flat = self._updates(step, checks, pieces)
+        if checks.updates or self._snapshot_step >= 0:
+            update_slots, update_base, updates_flat = self._updates(step, checks, pieces)
+        else:  # no update ratio due, none measured this step
+            update_slots, update_base, updates_flat = (), self._snapshot_step, True
         activations: tuple[ActivationSlot, ...] = ()
         if checks.activations:
             activations, counts = self._activations.take()
