@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final
@@ -196,12 +197,54 @@ class Checks:
 _NONE: Final = Checks()
 _DUE: dict[tuple[object, ...], Checks] = {}
 """The few distinct ``Checks`` a run meets, built once each (a frozen dataclass costs ~2 µs)."""
+_CYCLE_MAX: Final = 1024
+"""The longest repeating pattern of due checks kept as a table (longer ones are computed)."""
+_CYCLES: dict[tuple[DebugLevel, Cadence], tuple[Checks, ...] | None] = {}
+_last: tuple[DebugLevel, Cadence, tuple[Checks, ...] | None] | None = None
+"""The last (level, cadence) asked about and its table: one identity test per step."""
 
 
 def checks_due(level: DebugLevel, cadence: Cadence, step: int) -> Checks:
     """The checks *level* runs at *step* under *cadence*."""
+    global _last  # a one-entry memo, replaced whole (no lock needed)
     if level is DebugLevel.OFF:
         return _NONE
+    last = _last
+    if last is not None and last[0] is level and last[1] is cadence:
+        cycle = last[2]
+    else:
+        key = (level, cadence)
+        if key in _CYCLES:
+            cycle = _CYCLES[key]
+        else:
+            cycle = _CYCLES[key] = _cycle(level, cadence)
+            if len(_CYCLES) > 64:
+                _CYCLES.clear()  # cadences change rarely (an overhead budget); keep it bounded
+        _last = (level, cadence, cycle)
+    if cycle is not None:
+        return cycle[step % len(cycle)]
+    return _checks_at(level, cadence, step)
+
+
+def _cycle(level: DebugLevel, cadence: Cadence) -> tuple[Checks, ...] | None:
+    """The due checks of steps ``0 .. period - 1``, which repeat (None: the period is long)."""
+    if level is DebugLevel.EXTREME:
+        periods: tuple[int, ...] = (cadence.activation_every,)
+    else:
+        periods = (
+            cadence.loss_every,
+            cadence.grad_every,
+            cadence.param_every,
+            cadence.update_every,
+            cadence.vanishing_every,
+        )
+    period = math.lcm(*periods)
+    if period > _CYCLE_MAX:
+        return None
+    return tuple(_checks_at(level, cadence, step) for step in range(period))
+
+
+def _checks_at(level: DebugLevel, cadence: Cadence, step: int) -> Checks:
     if level is DebugLevel.EXTREME:
         key: tuple[object, ...] = (level, step % cadence.activation_every == 0)
     else:

@@ -60,3 +60,48 @@ def test_thresholds_refuse_bad_values(field: str, value: object, match: str) -> 
 def test_no_explosion_cap_is_allowed() -> None:
     """explosion=None switches the absolute cap off."""
     assert Thresholds(explosion=None).explosion is None
+
+
+def _expected(level: DebugLevel, cadence: Cadence, step: int) -> Checks:
+    """The due checks written out from the cadence's definition (step % every == 0)."""
+    if level is DebugLevel.OFF:
+        return Checks()
+    if level is DebugLevel.EXTREME:
+        return Checks(
+            True, True, True, True, True, step % cadence.activation_every == 0, vanishing=True
+        )
+    grads = step % cadence.grad_every == 0
+    return Checks(
+        loss=step % cadence.loss_every == 0,
+        grads=grads,
+        params=step % cadence.param_every == 0,
+        layers=level is DebugLevel.ADVANCED and grads,
+        updates=level is DebugLevel.ADVANCED and step % cadence.update_every == 0,
+        vanishing=grads and step % cadence.vanishing_every == 0,
+    )
+
+
+@pytest.mark.parametrize(
+    "cadence",
+    [
+        Cadence(),
+        Cadence(loss_every=3, grad_every=2, param_every=7, update_every=5, vanishing_every=4),
+        # a pattern longer than the table kept (lcm 997 x 991): computed step by step
+        Cadence(param_every=997, update_every=991),
+        Cadence(activation_every=6),
+    ],
+)
+def test_checks_due_follows_the_cadence_at_every_step(cadence: Cadence) -> None:
+    """The table of a repeating pattern gives what each step's cadence says, for every level,
+    also when levels and cadences alternate between calls (two probes in one process)."""
+    other = Cadence(param_every=3)
+    for step in [*range(2_100), 982_081, 10**9 + 7]:
+        for level in DebugLevel:
+            assert checks_due(level, cadence, step) == _expected(level, cadence, step)
+            assert checks_due(level, other, step) == _expected(level, other, step)
+
+
+def test_checks_any_is_whether_something_is_due() -> None:
+    assert not Checks().any
+    assert Checks(loss=True).any and Checks(activations=True).any
+    assert not Checks(layers=True, vanishing=True).any  # parts of the gradient check only

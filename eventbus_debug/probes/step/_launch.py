@@ -11,9 +11,10 @@ At the every-step cadence without an AMP scaler, a CUDA step costs one ``_foreac
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, cast
+from typing import Final
 
 import torch
 from torch import nn
@@ -31,6 +32,8 @@ _PINNED_PER_SIZE: Final = 8
 
 _item = torch.Tensor.item
 """A one-element tensor's value (a float; an int for the activation counts)."""
+_grad = operator.attrgetter("grad")
+_layout = operator.attrgetter("layout")
 
 
 class _GradPlan:
@@ -277,7 +280,10 @@ class Launcher:
         self._pool = _PinnedPool()
 
     def _grad_plan(self, grads: list[torch.Tensor | None]) -> _GradPlan | None:
-        key = tuple([None if g is None else g.layout for g in grads])
+        try:  # C-level iteration when every parameter has a gradient (the usual case)
+            key: tuple[object, ...] = tuple(map(_layout, grads))
+        except AttributeError:  # some gradient is None
+            key = tuple([None if g is None else g.layout for g in grads])
         cached = self._grad_plans.get(key)
         if cached is None:
             present = tuple(i for i, g in enumerate(grads) if g is not None)
@@ -331,18 +337,18 @@ class Launcher:
             else:
                 host_loss = float(loss)
         if checks.grads:
-            grads = [p.grad for p in self._params]
+            grads = list(map(_grad, self._params))
             planned = self._grad_plan(grads)
             if planned is not None:
                 plan = planned.plan
                 grad_slots = planned.ordered
                 grad_numels = plan.numels
                 home = plan.home
-                # every parameter has a gradient (the usual case): the list as it is
-                present = cast(
-                    "list[torch.Tensor]",
-                    grads if planned.every else [grads[i] for i in planned.present],
-                )
+                present: list[torch.Tensor]
+                if planned.every:  # every parameter has a gradient (the usual case)
+                    present = grads  # type: ignore[assignment]  # no None in it
+                else:  # the gradients at planned.present, in order
+                    present = [g for g in grads if g is not None]
                 all_scalars = plan.flat and not planned.sharded
                 fused = planned.fused(present, self._state) if with_state else None
                 state_norms: list[torch.Tensor] = []
