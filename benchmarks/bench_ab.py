@@ -40,6 +40,10 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_step_parts import _setup  # noqa: E402 - the same model as there
+
 PACKAGE = "eventbus_debug"
 BASE = "eventbus_debug_base"
 _NAME = re.compile(rf"\b{PACKAGE}\b")
@@ -66,15 +70,6 @@ def extract(rev: str, dest: Path) -> Path:
     for path in target.rglob("*.py"):  # its absolute imports and logger names
         path.write_text(_NAME.sub(BASE, path.read_text(encoding="utf-8")), encoding="utf-8")
     return target
-
-
-def _setup() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return model, opt, torch.randn(128, 64), torch.randint(0, 10, (128,))
 
 
 async def compare(
