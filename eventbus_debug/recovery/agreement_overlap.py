@@ -79,8 +79,8 @@ class OutputGradLaunch:
     A forward hook on *model* hooks the first output tensor that requires a gradient; the
     hook runs at the start of that output's backward, with whether that gradient has a
     non-finite element (see :func:`finite`: the output's gradient, not the parameters').
-    Steps under DDP's ``no_sync()`` are not hooked (their gradients are this rank's own). The gradient itself is
-    never changed.
+    Steps under DDP's ``no_sync()`` are not hooked (their gradients are this rank's own). The
+    gradient itself is never changed.
 
     Raises:
         TypeError: if *launch* is not callable.

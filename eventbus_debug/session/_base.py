@@ -213,12 +213,9 @@ class SessionBase(Generic[BusT]):
     def _running(self) -> StepBoundary:
         boundary = self._boundary
         if boundary is None or not self._live:
-            raise self._not_running()
+            msg = f"session {self.name!r} is not running; use `{self._ENTER}`"
+            raise RuntimeError(msg)
         return boundary
-
-    def _not_running(self) -> RuntimeError:
-        """The error of a per-step call outside the session (the hot entries test inline)."""
-        return RuntimeError(f"session {self.name!r} is not running; use `{self._ENTER}`")
 
     @property
     def validator(self) -> InputValidator | None:

@@ -196,10 +196,7 @@ class Session(SessionBase[EventBus]):
             RuntimeError: if the session is not running.
             TrainingStopped: if recovery decided to stop.
         """
-        boundary = self._boundary  # _running() inline: this runs on every step
-        if boundary is None or not self._live:
-            raise self._not_running()
-        return await boundary.check(step, loss)
+        return await self._running().check(step, loss)
 
     async def step_completed(
         self,
@@ -215,10 +212,9 @@ class Session(SessionBase[EventBus]):
         Raises:
             RuntimeError: if the session is not running.
         """
-        boundary = self._boundary  # _running() inline: this runs on every step
-        if boundary is None or not self._live:
-            raise self._not_running()
-        await boundary.completed(step, loss=loss, learning_rate=learning_rate, samples=samples)
+        await self._running().completed(
+            step, loss=loss, learning_rate=learning_rate, samples=samples
+        )
 
     async def training_step(
         self,

@@ -163,17 +163,13 @@ class StepBoundary:
 
     async def check(self, step: int, loss: torch.Tensor | float | None = None) -> Verdict:
         """Run the checks due at *step* and the safe point; say whether to step."""
-        # The body of _check without its generator, and with _check_begin inline: this runs on
-        # every step, where each Python call costs about a microsecond (the step's tensors
-        # evict the interpreter's caches). The same parts around the same two waits.
-        meter = self.meter
-        started = meter.clock()
-        self.step = step
+        # The body of _check without its generator (this runs on every step): the same parts
+        # around the same two waits.
+        started = self._check_begin(step)
         # The probe does not yield (checkpoint=False): the step's one turn of the event loop
         # is step_completed's hand-over.
         verdict = await self.probe.check_step(step, loss=loss, checkpoint=False)
-        if self.device_skip is not None or self.amp is not None or self.leak_detector is not None:
-            self._probed(step, loss, verdict)
+        self._probed(step, loss, verdict)
         safe_point = self.safe_point
         if safe_point is None:
             return self._check_end(started, self._verdict(step, verdict))
@@ -196,15 +192,8 @@ class StepBoundary:
         # The body of _completed without its generator (this runs on every step): the same
         # two halves around the async hand-over.
         started, event = self._completed_begin(step, loss, learning_rate, samples)
-        publish = self._publish  # _hand_over inline (every step)
-        if publish is not None:
-            await publish(event)
-        else:
-            self.publisher.publish_nowait(event)
-            await anyio.lowlevel.checkpoint()
-        meter = self.meter  # _completed_end inline
-        ended = meter.clock()
-        meter.step_finished(ended, ended - started)
+        await self._hand_over(event)
+        self._completed_end(started)
 
     def completed_sync(
         self,
@@ -258,8 +247,7 @@ class StepBoundary:
             lambda: probe.check_step(step, loss=loss, checkpoint=False),
             lambda: probe.check_step_sync(step, loss=loss),
         )
-        if self.device_skip is not None or self.amp is not None or self.leak_detector is not None:
-            self._probed(step, loss, verdict)
+        self._probed(step, loss, verdict)
         safe_point = self.safe_point
         if safe_point is None:
             return self._check_end(started, self._verdict(step, verdict))

@@ -45,14 +45,11 @@ with one loss seen, the plain ``rtol`` from five on)."""
 class _RunningMedian:
     """The median and MAD of the last *size* values, kept sorted incrementally (bisect)."""
 
-    __slots__ = ("_order", "_sorted", "values")
+    __slots__ = ("_order", "_sorted")
 
     def __init__(self, size: int) -> None:
         self._order: deque[float] = deque(maxlen=size)
         self._sorted: list[float] = []
-        self.values = self._sorted
-        """The window's values in ascending order (read only; ``len(window.values)`` is the
-        count without a Python call: the detectors run on every step)."""
 
     def __len__(self) -> int:
         return len(self._order)
@@ -70,7 +67,7 @@ class _RunningMedian:
         self._sorted.clear()
 
     def median(self) -> float:
-        ordered = self._sorted  # _middle inline (every step)
+        ordered = self._sorted
         n = len(ordered)
         mid = n // 2
         return ordered[mid] if n % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
@@ -237,7 +234,7 @@ class LossSpikeDetector:
     def observe(self, loss: float) -> SpikeVerdict | None:
         """Judge one finite loss; returns the verdict when it is a spike, else ``None``."""
         window = self._window
-        if len(window.values) < self.warmup:
+        if len(window) < self.warmup:
             window.add(loss)
             return None
         median = window.median()
@@ -247,7 +244,7 @@ class LossSpikeDetector:
             self._streak = 0
             window.add(loss)
             return None
-        n = len(window.values)
+        n = len(window)
         sigma = _MAD_TO_SIGMA * window.mad(median) if n >= _MIN_NOISE else 0.0
         floor = max(self.atol, self.scale_tol * self._scale)
         tolerance = max(
@@ -348,7 +345,7 @@ class ExplosionDetector:
         if norm == 0.0:
             return None  # a zero gradient (a converged or satisfied loss) says nothing of scale
         window = self._window
-        count = len(window.values)
+        count = len(window)
         baseline = window.median() if count else math.nan
         # A converged model's norms shrink by orders of magnitude while a hard batch still has
         # the norms of early training: 10x that tiny median is noise, not an explosion, as long

@@ -201,7 +201,7 @@ class Judge:
         m = len(lay.param_slots)
         u = len(lay.update_slots)
         # judged against the base of the previous snapshot, before this step's becomes the base
-        ratios = self._ratios(lay, values[pos + m : pos + m + u]) if u else {}
+        ratios = self._ratios(lay, values[pos + m : pos + m + u])
         bad: list[int] = []
         if m:
             p2 = values[pos : pos + m]
@@ -414,9 +414,7 @@ class Judge:
         every gradient is exactly zero) while the loss has not converged.
         """
         th = self._thresholds
-        info = self._slots
-        if info is None or info.slots is not lay.grad_slots:
-            info = self._slots_of(lay)
+        info = self._slots_of(lay)
         total_numel = info.numel
         if self._converged:
             self._vanish_streak = 0

@@ -33,7 +33,6 @@ _PINNED_PER_SIZE: Final = 8
 _item = torch.Tensor.item
 """A one-element tensor's value (a float; an int for the activation counts)."""
 _grad = operator.attrgetter("grad")
-_layout = operator.attrgetter("layout")
 
 
 class _GradPlan:
@@ -280,10 +279,7 @@ class Launcher:
         self._pool = _PinnedPool()
 
     def _grad_plan(self, grads: list[torch.Tensor | None]) -> _GradPlan | None:
-        try:  # C-level iteration when every parameter has a gradient (the usual case)
-            key: tuple[object, ...] = tuple(map(_layout, grads))
-        except AttributeError:  # some gradient is None
-            key = tuple([None if g is None else g.layout for g in grads])
+        key = tuple([None if g is None else g.layout for g in grads])
         cached = self._grad_plans.get(key)
         if cached is None:
             present = tuple(i for i, g in enumerate(grads) if g is not None)
@@ -359,8 +355,6 @@ class Launcher:
                     pieces += self._scaled(norms[:k], False, inverse_scale)
                     state_norms = norms[k:]
                     with_state = False
-                elif inverse_scale is None and not planned.sharded:
-                    pieces += plan.reduce(present)  # the every-step case: no unscaling
                 else:
                     norms = plan.reduce(present)
                     pieces += self._scaled(norms, planned.sharded, inverse_scale)
@@ -373,10 +367,7 @@ class Launcher:
             norms_vector, param_slots = self.state_norms()
             home = home or norms_vector.device
             pieces.append(norms_vector)
-        if checks.updates or self._snapshot_step >= 0:
-            update_slots, update_base, updates_flat = self._updates(step, checks, pieces)
-        else:  # no update ratio due, none measured this step
-            update_slots, update_base, updates_flat = (), self._snapshot_step, True
+        update_slots, update_base, updates_flat = self._updates(step, checks, pieces)
         activations: tuple[ActivationSlot, ...] = ()
         if checks.activations:
             activations, counts = self._activations.take()

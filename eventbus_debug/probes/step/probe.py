@@ -261,7 +261,7 @@ class StepProbe:
         """
         self._validate(step, loss)
         checks = checks_due(self._level, self.cadence, step)
-        if checks.grads and self._numel > self.offload_numel and self._offload(checks):
+        if checks.any and self._offload(checks):
             return await anyio.to_thread.run_sync(self._check, step, loss, checks)
         verdict = self._check(step, loss, checks)
         if checkpoint:
@@ -368,8 +368,9 @@ class StepProbe:
             grad_mode = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)
             try:
-                scale = self._inverse_scale() if self._scaler is not None else None
-                pending = launcher.launch(step, loss, checks, l1=vanishing, inverse_scale=scale)
+                pending = launcher.launch(
+                    step, loss, checks, l1=vanishing, inverse_scale=self._inverse_scale()
+                )
             finally:
                 torch._C._set_grad_enabled(grad_mode)
             if not self.deferred:

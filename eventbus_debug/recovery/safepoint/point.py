@@ -126,7 +126,6 @@ class SafePoint:
             msg = f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             raise TypeError(msg)
         self.engine = engine
-        self._blocking = engine.blocking  # its bus, fixed at its construction
         self.model = model
         self.optimizer = optimizer
         self.schedulers: tuple[Any, ...] = lr_schedulers(tuple(schedulers))
@@ -167,11 +166,7 @@ class SafePoint:
                 was needed and no good state exists).
             TimeoutError: if the engine does not catch up within its ``drain_timeout``.
         """
-        engine = self.engine
-        # The healthy step: nothing in flight for the engine, no drain() coroutine to build
-        # (drain() itself says that a blocking engine needs drain_sync()).
-        if self._blocking or not engine.caught_up():
-            await engine.drain()
+        await self.engine.drain()
         return self._apply(step, loss)
 
     def before_optimizer_step_sync(self, step: int, *, loss: float | None = None) -> StepDecision:
