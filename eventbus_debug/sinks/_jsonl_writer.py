@@ -224,17 +224,24 @@ class JsonlWriter:
                 if self._closed:
                     return
                 try:
-                    self._write_backlog_locked()
+                    self._write_backlog_locked(background=True)
                     due = self._flush_interval > 0 and (
                         _clock() - self._last_flush >= self._flush_interval
                     )
                     if due and self._buffer and self._retry_due():
-                        self._flush_locked()
+                        self._flush_due_locked()
                 except LogWriteError as exc:
                     with self._backlog_lock:
                         self._deferred = self._deferred or exc  # the next submit raises it
                 except Exception:  # never let the writer die quietly: log and go on
                     _log.exception("log_writer_failed", path=str(self._path))
+
+    def _flush_due_locked(self) -> None:
+        """The writer thread's interval flush: a failure is an outage like a batch's."""
+        try:
+            self._flush_locked()
+        except LogWriteError as exc:
+            self._note_outage_locked(exc, background=True)  # kept for the next batch
 
     def _retry_due(self) -> bool:
         return self._outage_since is None or _clock() >= self._next_attempt
@@ -271,17 +278,21 @@ class JsonlWriter:
             if deferred is not None:
                 raise deferred
 
-    def _write_backlog_locked(self) -> None:
-        """Encode the backlog into the buffer and write it (as the flush settings say)."""
+    def _write_backlog_locked(self, *, background: bool = False) -> None:
+        """Encode the backlog into the buffer and write it (as the flush settings say).
+
+        *background*: the writer thread writes; a failure that starts an outage is kept for
+        the next batch (see :meth:`_note_outage_locked`).
+        """
         with self._backlog_lock:
             batches, self._backlog = self._backlog, []
             self._backlog_events = 0
         if not batches:
             return
         events = batches[0] if len(batches) == 1 else list(chain.from_iterable(batches))
-        self._write_batch_locked(events)
+        self._write_batch_locked(events, background=background)
 
-    def _write_batch_locked(self, events: Sequence[Event]) -> None:
+    def _write_batch_locked(self, events: Sequence[Event], *, background: bool = False) -> None:
         data, bad = _encode_all(events)
         self._encode_errors += len(bad)
         try:
@@ -293,7 +304,7 @@ class JsonlWriter:
             elif self._flush_interval == 0 or len(self._buffer) >= self._buffer_size:
                 self._flush_locked()
         except LogWriteError as exc:
-            if self._note_outage_locked(exc):
+            if self._note_outage_locked(exc, background=background):
                 raise  # the first failure of an outage: one SinkFailed incident
         if bad:
             event, error = bad[0]
@@ -303,11 +314,19 @@ class JsonlWriter:
             )
             raise LogWriteError(msg)
 
-    def _note_outage_locked(self, exc: LogWriteError) -> bool:
-        """Schedule the next attempt with backoff; returns True if this failure starts an outage."""
+    def _note_outage_locked(self, exc: LogWriteError, *, background: bool = False) -> bool:
+        """Schedule the next attempt with backoff; returns True if this failure starts an outage.
+
+        *background*: the writer thread met it; the failure is kept for the next batch to raise
+        before the outage shows in :meth:`statistics` (whoever sees ``failing`` and submits
+        gets the error).
+        """
         now = _clock()
         self._outage_error = str(exc)
         if self._outage_since is None:
+            if background:
+                with self._backlog_lock:
+                    self._deferred = self._deferred or exc
             self._outage_since = now
             self._outage_errors = 1
             self._outage_lost = 0

@@ -638,6 +638,55 @@ class TestWriteBehind:
         assert (stats.write_errors, stats.lines_lost) == (1, 0)
         assert len(_resumed(tmp_path)) == 1
 
+    async def test_a_background_outage_is_kept_for_the_next_batch_before_it_shows(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Whoever sees ``failing`` and hands a batch over gets the error: the writer thread
+        keeps the failure for the next batch before the outage shows in the statistics."""
+        sink = RotatingFileSink(tmp_path, wake_interval=0.005)
+        await sink.start()
+        seen: list[tuple[bool, bool]] = []
+        note = jw.JsonlWriter._note_outage_locked
+
+        def noting(self: jw.JsonlWriter, exc: LogWriteError, *, background: bool = False) -> bool:
+            starts = note(self, exc, background=background)
+            seen.append((self._outage_since is not None, self._deferred is not None))
+            return starts
+
+        monkeypatch.setattr(jw.JsonlWriter, "_note_outage_locked", noting)
+        monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
+        await sink.handle_batch(_steps(0, 3))
+        with anyio.fail_after(5):
+            while not sink.statistics().failing:
+                await anyio.sleep(0.005)
+        assert seen[0] == (True, True)
+        with pytest.raises(LogWriteError, match="No space left"):
+            await sink.handle_batch(_steps(3, 1))
+        await sink.aclose()
+        assert _step_numbers(tmp_path) == list(range(4))
+
+    async def test_a_failed_interval_flush_is_an_outage_raised_once(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """``flush_interval > 0``: the writer thread's timed flush fails; the next batch raises
+        it once, later batches do not, and close writes every line."""
+        sink = RotatingFileSink(tmp_path, wake_interval=0.005, flush_interval=0.01)
+        await sink.start()
+        monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
+        await sink.handle_batch(_steps(0, 3))
+        with anyio.fail_after(5):
+            while not sink.statistics().failing:
+                await anyio.sleep(0.005)
+        with pytest.raises(LogWriteError, match="No space left"):
+            await sink.handle_batch(_steps(3, 1))
+        await sink.handle_batch(_steps(4, 1))  # the outage is reported once
+        await sink.aclose()
+        assert _step_numbers(tmp_path) == list(range(5))
+        stats = sink.statistics()
+        assert stats.lines_lost == 0
+        assert not stats.failing
+        assert len(_resumed(tmp_path)) == 1
+
     async def test_unencodable_event_is_reported_by_the_next_batch(self, tmp_path: Path) -> None:
         """An event JSON cannot carry, met by the writer thread: the next batch raises it."""
         sink = RotatingFileSink(tmp_path, wake_interval=3600.0)
