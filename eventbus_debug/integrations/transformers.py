@@ -12,7 +12,12 @@ then calls ``on_pre_optimizer_step``. An injected explosion would show a norm of
   a :class:`~eventbus_debug.SyncSession` on the model, the optimizer (unwrapped from
   accelerate's ``AcceleratedOptimizer``), the ``lr_scheduler`` and accelerate's ``GradScaler``
   (fp16), and registers a forward hook on the model that keeps ``outputs.loss`` of each
-  training micro-batch (the step's loss is their mean).
+  training micro-batch. The step's loss is their mean; when ``Trainer`` passes the model
+  ``num_items_in_batch`` (causal LMs and other models that take loss kwargs), each
+  micro-batch's loss is already divided by the whole step's token count, so the step's loss is
+  their sum (times the number of processes when ``average_tokens_across_devices`` counts
+  tokens over all ranks, as ``Trainer`` does for the loss it logs): the same figure ``Trainer``
+  logs, whatever ``gradient_accumulation_steps``.
 - ``on_pre_optimizer_step``: the safe point. The session checks the pre-clip gradients and the
   loss; a skipped step has its gradients set to ``None`` (``optimizer.step()`` is then a no-op
   for the parameters and the optimizer state; ``global_step`` and the scheduler advance as
@@ -23,8 +28,8 @@ then calls ``on_pre_optimizer_step``. An injected explosion would show a norm of
 Not covered: DeepSpeed and FSDP clip sharded gradients inside their engines; the callback
 refuses them with a clear error rather than checking a shard-local norm. A loss computed
 outside the model (a custom ``compute_loss``) is not seen: the gradients are still checked.
-Distributed (DDP) runs: each rank checks its own (all-reduced) gradients; agreement of skip
-decisions across ranks comes with the distributed layer.
+Distributed (DDP) runs: the session agrees every decision across the ranks (see the README's
+"Distributed training"): a NaN or a spike on one rank is skipped or rolled back on all of them.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
     ) -> None:
         self._fit = FitSession("transformers", log_dir, session_options)
         self._loss = LossAccumulator()
+        self._normalized = False  # the step's micro-batch losses were divided by its item count
         self._hook: RemovableHandle | None = None
         self._args: TrainingArguments | None = None
         self._max_grad_norm = 0.0
@@ -122,8 +128,9 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         args.max_grad_norm = 0.0
         self._model = model
         self._loss.take()
+        self._normalized = False
         self._pending = None
-        self._hook = model.register_forward_hook(self._keep_loss)
+        self._hook = model.register_forward_hook(self._keep_loss, with_kwargs=True)
         try:
             self._fit.open(
                 model,
@@ -149,7 +156,7 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         step = state.global_step
         lr = learning_rate(fit.optimizer)
         try:
-            verdict = fit.check(step, self._loss.take(mean=True))
+            verdict = fit.check(step, self._step_loss(args))
         except BaseException as exc:  # TrainingStopped: no Trainer hook runs after this
             self._teardown(exc)
             raise
@@ -182,12 +189,31 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _keep_loss(self, module: nn.Module, inputs: Any, output: Any) -> None:
+    def _keep_loss(
+        self, module: nn.Module, args: Any, kwargs: Mapping[str, Any], output: Any
+    ) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
         if isinstance(loss, torch.Tensor):
             self._loss.add(loss)
+            if kwargs.get("num_items_in_batch") is not None:
+                self._normalized = True
+
+    def _step_loss(self, args: TrainingArguments) -> torch.Tensor | None:
+        """The step's loss from its micro-batches' (see the module's docstring)."""
+        normalized, self._normalized = self._normalized, False
+        if not normalized:
+            return self._loss.take(mean=True)
+        total = self._loss.take()
+        world = int(getattr(args, "world_size", 1) or 1)
+        if (
+            total is not None
+            and world > 1
+            and getattr(args, "average_tokens_across_devices", False)
+        ):
+            total = total * world  # Trainer divides by the tokens of every rank
+        return total
 
     def _clip(self, verdict: Verdict) -> None:
         model = self._model

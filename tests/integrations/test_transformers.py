@@ -226,3 +226,57 @@ def test_log_dir_as_session_option_is_rejected() -> None:
     """log_dir is the callback's own argument; as a session option it is a TypeError."""
     with pytest.raises(TypeError, match="log_dir"):
         EventBusDebugCallback(**{"log_dir": None, "optimizer": None})
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=32)
+    return GPT2LMHeadModel(config)
+
+
+def _lm_data(n: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(1, 100, (12,), generator=gen)
+        labels = ids.clone()
+        labels[: int(torch.randint(0, 6, (), generator=gen))] = -100  # uneven token counts
+        out.append(
+            {"input_ids": ids, "attention_mask": torch.ones(12, dtype=torch.long), "labels": labels}
+        )
+    return out
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_a_token_normalized_loss_is_the_step_loss_trainer_logs(
+    tmp_path: Path, accumulation: int
+) -> None:
+    """GPT-2 takes ``num_items_in_batch``: each micro-batch's loss is divided by the step's
+    token count, so the step's loss is their sum; it matches Trainer's logged loss whatever
+    the accumulation (the mean would read 1/accumulation of it)."""
+    debug = EventBusDebugCallback(log_dir=tmp_path / "logs", alerts=False, system_interval=None)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "hf"),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        learning_rate=1e-3,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(model=_gpt2(), args=args, train_dataset=_lm_data(32), callbacks=[debug])
+    assert trainer.model_accepts_loss_kwargs
+    trainer.train()
+    completed = [e for e in read_events(tmp_path / "logs") if isinstance(e, StepCompleted)]
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(completed) == len(logged) == 4
+    for event, loss in zip(completed, logged, strict=True):
+        assert event.loss is not None
+        assert event.loss == pytest.approx(loss, rel=1e-3, abs=1e-3)
+        assert 3.0 < event.loss < 6.0  # about log(100): an untrained 100-token vocabulary
