@@ -255,3 +255,21 @@ def batch_size(batch: Any) -> int | None:
             if size is not None:
                 return size
     return None
+
+
+def clip_after_check(model: nn.Module, max_norm: float, verdict: Verdict) -> None:
+    """Clip *model*'s gradients to *max_norm* after the step's check, as the framework would.
+
+    The norm the probe already measured is reused (no second pass) unless it was not measured
+    at this step or recovery clipped already; parameters without a gradient are left alone.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return
+    norm = verdict.grad_norm
+    if norm is None or "clip_gradients" in verdict.actions:
+        # Not measured this step, or recovery already clipped: measure what is there now.
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        total = torch.tensor(norm, device=params[0].grad.device)  # type: ignore[union-attr]
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)

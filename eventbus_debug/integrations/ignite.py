@@ -16,8 +16,16 @@ no-op for the parameters and the optimizer state.
 - ``Events.ITERATION_COMPLETED``: checks ``engine.state.output`` exactly as Ignite's
   ``TerminateOnNan`` does (numbers, tensors, and tuples, lists and dicts of them, through
   ``ignite.utils.apply_to_type``); a non-finite value not already reported by the step's check
-  becomes a ``NonFiniteDetected`` (role OUTPUT: reported, never acted on after the fact). Then
-  the step is recorded (``StepCompleted``, its loss the output when it is a number).
+  becomes a ``NonFiniteDetected`` (role OUTPUT: reported, never acted on after the fact). With
+  gradient accumulation, an iteration that does not step waits for the step that closes its
+  window: one fault, one incident (the step's own check usually reports it, through the
+  gradients). Then the step is recorded (``StepCompleted``, its loss the output when it is a
+  number).
+
+Clipping: an update function that clips (``clip_grad_norm_``, or
+``supervised_training_step(clip_grad_norm=...)``) does it before ``optimizer.step()``, so the
+check would see the clipped norm and an explosion would not show. Pass ``max_grad_norm=`` to the
+handler instead: it clips after the check, with the norm the check measured.
 - ``Events.COMPLETED`` / ``TERMINATE`` / ``EXCEPTION_RAISED``: ends the session.
 
 Steps are numbered by Ignite's iteration (``engine.state.iteration - 1``). Under AMP an
@@ -34,7 +42,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, final
 
-from ._common import DEFAULT_LOG_DIR, FitSession, FitViews, LossAccumulator, learning_rate, require
+from ._common import (
+    DEFAULT_LOG_DIR,
+    FitSession,
+    FitViews,
+    LossAccumulator,
+    clip_after_check,
+    learning_rate,
+    require,
+)
 
 require("ignite", "ignite")
 
@@ -44,6 +60,7 @@ from ignite.utils import apply_to_type  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.hooks import RemovableHandle  # noqa: E402
 
+from .._validate import positive_number  # noqa: E402
 from ..events import NonFiniteDetected, TensorRole  # noqa: E402
 from ..session import Verdict  # noqa: E402
 
@@ -71,12 +88,15 @@ class EventBusDebugHandler(FitViews):
         log_dir: where the JSON-lines log and the report go (``None``: neither).
         output_transform: turns ``engine.state.output`` into what is checked (as
             ``TerminateOnNan``'s argument).
+        max_grad_norm: clip the gradients to this norm after the check (``None``: no clipping
+            by the handler); use it instead of clipping in the update function.
         **session_options: any other :class:`~eventbus_debug.SyncSession` keyword argument
             (``level``, ``policy``, ``scheduler``, ``scaler``, ``recovery``, ``alerts``, ...).
 
     Raises:
         TypeError: if *model* is not a module, *optimizer* not an optimizer, *output_transform*
             not callable, or a session option names ``model``, ``optimizer`` or ``log_dir``.
+        ValueError: if *max_grad_norm* is not a positive finite number.
     """
 
     def __init__(
@@ -86,6 +106,7 @@ class EventBusDebugHandler(FitViews):
         log_dir: str | Path | None = DEFAULT_LOG_DIR,
         *,
         output_transform: Callable[[Any], Any] = _identity,
+        max_grad_norm: float | None = None,
         **session_options: Any,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -99,12 +120,16 @@ class EventBusDebugHandler(FitViews):
             raise TypeError(msg)
         self.model = model
         self.optimizer = optimizer
+        self.max_grad_norm = (
+            None if max_grad_norm is None else positive_number("max_grad_norm", max_grad_norm)
+        )
         self._output_transform = output_transform
         self._fit = FitSession("ignite", log_dir, session_options)
         self._loss = LossAccumulator()
         self._engine: Engine | None = None
         self._hook: RemovableHandle | None = None
         self._pending: tuple[int, Verdict, float | None] | None = None
+        self._bad_output: int | None = None  # the first non-finite output since the last step
 
     # -- wiring -----------------------------------------------------------------------------------
 
@@ -192,6 +217,8 @@ class EventBusDebugHandler(FitViews):
         step = max(engine.state.iteration - 1, 0)
         lr = learning_rate(optimizer)
         verdict = self._fit.check(step, self._loss.take(mean=True))
+        if verdict.should_step and self.max_grad_norm is not None:
+            clip_after_check(self.model, self.max_grad_norm, verdict)
         self._pending = (step, verdict, lr)
 
     def _iteration_completed(self, engine: Engine) -> None:
@@ -199,19 +226,13 @@ class EventBusDebugHandler(FitViews):
             return
         pending, self._pending = self._pending, None
         output = self._output_transform(engine.state.output)
-        if not _finite(output) and (pending is None or pending[1].finite):
-            session = self._fit.session
-            if session is not None:
-                session.publish(
-                    NonFiniteDetected(
-                        step=max(engine.state.iteration - 1, 0),
-                        source=f"{session.name}.ignite",
-                        role=TensorRole.OUTPUT,
-                        names=(OUTPUT_NAME,),
-                    )
-                )
+        if not _finite(output) and self._bad_output is None:
+            self._bad_output = max(engine.state.iteration - 1, 0)
         if pending is None:
-            return
+            return  # no optimizer step this iteration (accumulation, an AMP overflow): wait
+        bad, self._bad_output = self._bad_output, None
+        if bad is not None and pending[1].finite:  # not reported by the step's own check
+            self._report_output(bad)
         step, verdict, lr = pending
         loss = verdict.loss
         if loss is None and isinstance(output, numbers.Real):
@@ -219,6 +240,18 @@ class EventBusDebugHandler(FitViews):
         elif loss is None and isinstance(output, torch.Tensor) and output.numel() == 1:
             loss = float(output.detach())
         self._fit.completed(step, loss=loss, learning_rate=lr)
+
+    def _report_output(self, step: int) -> None:
+        session = self._fit.session
+        if session is not None:
+            session.publish(
+                NonFiniteDetected(
+                    step=step,
+                    source=f"{session.name}.ignite",
+                    role=TensorRole.OUTPUT,
+                    names=(OUTPUT_NAME,),
+                )
+            )
 
     def _completed(self, engine: Engine) -> None:
         if engine is self._engine:
@@ -234,6 +267,9 @@ class EventBusDebugHandler(FitViews):
 
     def _close(self, exc: BaseException | None) -> None:
         self._engine = None
+        bad, self._bad_output = self._bad_output, None
+        if bad is not None:  # the run ended inside an accumulation window
+            self._report_output(bad)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

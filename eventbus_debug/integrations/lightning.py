@@ -17,9 +17,8 @@ Where it plugs in (Lightning 2.x, automatic optimization):
 - ``on_train_batch_end``: records the step (``StepCompleted``); ``teardown`` /
   ``on_exception``: ends the session, recording why.
 
-Distributed runs: each rank runs its own session on its own (all-reduced) gradients; the
-agreement of skip decisions across ranks comes with the distributed layer (the safe point's
-``agree`` hook), not from this callback.
+Distributed runs: each rank runs its own session, which agrees every decision with the other
+ranks (see the README's "Distributed training"), so no rank skips, restores or stops alone.
 """
 
 from __future__ import annotations

@@ -38,7 +38,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ._common import DEFAULT_LOG_DIR, FitSession, FitViews, LossAccumulator, learning_rate, require
+from ._common import (
+    DEFAULT_LOG_DIR,
+    FitSession,
+    FitViews,
+    LossAccumulator,
+    clip_after_check,
+    learning_rate,
+    require,
+)
 
 require("transformers", "transformers")
 
@@ -216,19 +224,8 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         return total
 
     def _clip(self, verdict: Verdict) -> None:
-        model = self._model
-        if model is None:
-            return
-        params = [p for p in model.parameters() if p.grad is not None]
-        if not params:
-            return
-        norm = verdict.grad_norm
-        if norm is None or "clip_gradients" in verdict.actions:
-            # Not measured this step, or recovery already clipped: measure what is there now.
-            torch.nn.utils.clip_grad_norm_(params, self._max_grad_norm)
-        else:
-            total = torch.tensor(norm, device=params[0].grad.device)  # type: ignore[union-attr]
-            torch.nn.utils.clip_grads_with_norm_(params, self._max_grad_norm, total)
+        if self._model is not None:
+            clip_after_check(self._model, self._max_grad_norm, verdict)
 
     def _teardown(self, exc: BaseException | None = None) -> None:
         if self._args is not None:

@@ -220,6 +220,80 @@ def test_output_check_takes_what_terminate_on_nan_takes(output: Any, finite: boo
     assert _finite(output) is finite
 
 
+def test_one_fault_inside_an_accumulation_window_is_one_incident(tmp_path: Path) -> None:
+    """A NaN micro-batch that does not step: the step closing its window skips and reports it
+    (through the loss and the gradients), not a second OUTPUT incident of the same fault."""
+    model, optimizer = _setup()
+    handler = EventBusDebugHandler(model, optimizer, log_dir=tmp_path, alerts=False)
+    step = supervised_training_step(
+        model, optimizer, handler.track_loss(nn.MSELoss()), gradient_accumulation_steps=4
+    )
+    trainer = Engine(step)
+    handler.attach(trainer)
+    trainer.run(_batches(nan_at=1), max_epochs=1)
+    nan = _kinds(tmp_path, NonFiniteDetected)
+    assert {e.step for e in nan} == {3}
+    assert TensorRole.OUTPUT not in {e.role for e in nan}
+    assert [e.step for e in _kinds(tmp_path, StepSkipped)] == [3]
+
+
+def test_a_non_finite_output_of_a_window_that_steps_healthily_is_reported_once(
+    tmp_path: Path,
+) -> None:
+    """Accumulation, a NaN only in the reported metrics of a non-stepping iteration: one OUTPUT
+    incident, at the iteration it came from, once its window's step is known to be finite."""
+    model, optimizer = _setup()
+    handler = EventBusDebugHandler(
+        model, optimizer, log_dir=tmp_path, alerts=False, output_transform=lambda o: o["metric"]
+    )
+
+    def update(engine: Engine, batch: Batch) -> dict[str, Any]:
+        loss = nn.functional.mse_loss(model(batch[0]), batch[1])
+        torch.autograd.backward(loss)
+        if engine.state.iteration % 4 == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+        bad = math.nan if engine.state.iteration in (2, 3) else 1.0
+        return {"loss": loss.item(), "metric": bad}
+
+    trainer = Engine(update)
+    handler.attach(trainer)
+    trainer.run(_batches(), max_epochs=1)
+    nan = _kinds(tmp_path, NonFiniteDetected)
+    assert [(e.step, e.role) for e in nan] == [(1, TensorRole.OUTPUT)]
+    assert handler.steps_skipped == 0
+
+
+def test_max_grad_norm_clips_after_the_check_which_sees_the_real_norm(tmp_path: Path) -> None:
+    """``max_grad_norm=``: the explosion is seen at its real norm; the optimizer gets clipped
+    gradients on every step it takes."""
+    model, optimizer = _setup()
+    handler = EventBusDebugHandler(
+        model, optimizer, log_dir=tmp_path, alerts=False, max_grad_norm=1.0
+    )
+    trainer = create_supervised_trainer(model, optimizer, handler.track_loss(nn.MSELoss()))
+    handler.attach(trainer)
+    applied: list[float] = []
+
+    def measure(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if grads:
+            applied.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+    @trainer.on(Events.STARTED)
+    def after_the_handler(_: Engine) -> None:  # the handler's hook is installed before this one
+        optimizer.register_step_pre_hook(measure)
+
+    trainer.run(_batches(explode_at=6), max_epochs=1)
+    exploded = _kinds(tmp_path, GradientExploded)
+    assert [e.step for e in exploded] == [6] and exploded[0].total_norm > 1e3
+    assert applied and all(n <= 1.0 + 1e-4 for n in applied)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        EventBusDebugHandler(model, optimizer, log_dir=None, max_grad_norm=0.0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        EventBusDebugHandler(model, optimizer, log_dir=None, max_grad_norm="1")  # type: ignore[arg-type]
+
+
 def test_bad_arguments_are_named() -> None:
     """Wrong types and a wrong event raise errors that say what was wrong."""
     model, optimizer = _setup()
