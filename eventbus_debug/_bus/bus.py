@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -35,6 +36,9 @@ from ._waiters import AnyioWaiter, Waiter, waiter_factory
 from .statistics import BusStatistics
 from .subscription import Subscription
 
+if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
+
 __all__ = ("EventBus",)
 
 _log = get_logger(__name__)
@@ -46,6 +50,11 @@ DEFAULT_DROP_REPORT_INTERVAL: Final = 1.0
 DEFAULT_STALL_THRESHOLD: Final = 0.25
 DISPATCH_ROUND: Final = 4096
 """The dispatcher yields to the event loop after fanning out at most this many events."""
+OWN_TASKS_FAILED: Final = (
+    "the EventBus's own tasks failed (its dispatcher, or a sink's task: a sink raising a "
+    "BaseException that is not an Exception); the block's exception, if any, comes first"
+)
+"""The message of the group raised on leaving the bus when its own tasks failed."""
 HOLD_MAX: Final = 512
 """With a ``telemetry_latency``, this many waiting events are dispatched without waiting more."""
 _INCIDENT: Final = Delivery.INCIDENT
@@ -83,6 +92,18 @@ class EventBus:
     Use it as ``async with EventBus() as bus:``. Leaving the block stops accepting events,
     drains every queue, then closes sinks in reverse subscription order; the whole close is
     bounded (see :meth:`aclose`), also when the caller's scope is cancelled.
+
+    Exceptions: whatever the block raises leaves it as itself, never wrapped in an
+    ``ExceptionGroup`` (the bus's task group stays inside): ``except ValueError`` around the
+    block catches a ``ValueError`` from it, the bus's own errors (``SubscriptionError``,
+    ``TypeError``, ``TimeoutError`` from :meth:`drain`) included; ``KeyboardInterrupt`` and
+    ``SystemExit`` keep their meaning (``sys.exit(3)`` exits with 3), and a cancellation goes on
+    propagating after the close. A group comes out only if the bus's own tasks failed (its
+    dispatcher, or a sink raising a ``BaseException`` that is not an ``Exception``): an
+    ``ExceptionGroup`` (a ``BaseExceptionGroup`` if one of them is not an ``Exception``;
+    message ``OWN_TASKS_FAILED``) holding the block's exception first, if it raised one, then
+    those failures, which are also logged (``bus_task_failed``). A ``KeyboardInterrupt`` or
+    ``SystemExit``, from the block or a sink, is never wrapped.
 
     Example::
 
@@ -195,10 +216,25 @@ class EventBus:
     ) -> bool | None:
         await self.aclose()
         tg = self._tg
-        if tg is not None:
-            self._tg = None
+        if tg is None:
+            return None
+        self._tg = None
+        try:
             return await tg.__aexit__(exc_type, exc, tb)
-        return None
+        except BaseExceptionGroup as group:
+            # anyio wraps whatever reaches its task group: the block's own exception and the
+            # failures of the bus's tasks (the dispatcher, the sinks' pumps).
+            failures = [e for e in group.exceptions if e is not exc]
+        for failure in failures:
+            _log.error("bus_task_failed", error=repr(failure), exc_info=failure)
+        # A KeyboardInterrupt or SystemExit in a task of the bus (a sink calling sys.exit())
+        # already left the event loop by itself (asyncio re-raises them there), and one raised
+        # in the block wins over the bus's failures, as in asyncio.TaskGroup: never wrapped.
+        failures = [e for e in failures if not isinstance(e, KeyboardInterrupt | SystemExit)]
+        if not failures or isinstance(exc, KeyboardInterrupt | SystemExit):
+            return False  # the block's exception (if any) propagates as itself, unwrapped
+        body = [] if exc is None or isinstance(exc, anyio.get_cancelled_exc_class()) else [exc]
+        raise BaseExceptionGroup(OWN_TASKS_FAILED, [*body, *failures]) from None
 
     async def aclose(self) -> None:
         """Stop accepting events, deliver everything queued, close the sinks. Idempotent.
@@ -485,10 +521,17 @@ class EventBus:
         was shed. Disabled sinks are skipped. Pass subscriptions to wait for those only (a
         recovery safe point waits for its engine, not for a slow report writer).
 
+        *timeout* is ``None`` (wait as long as it takes) or a finite number of seconds >= 0
+        (``0``: only check that everything is handled already).
+
         Raises:
             TimeoutError: if *timeout* seconds pass first.
+            ValueError: if *timeout* is not None nor a finite number >= 0 (NaN, negative,
+                infinite, a bool or a string).
             BusClosedError: if the bus was never started.
         """
+        if timeout is not None:
+            timeout = non_negative("timeout", timeout)
         if self._state is _State.NEW:
             msg = "drain() needs a running bus; use `async with EventBus() as bus:`"
             raise BusClosedError(msg)
@@ -630,6 +673,7 @@ class EventBus:
         finally:
             if self._dispatcher_done is not None:
                 self._dispatcher_done.set()
+            self._signal_progress()  # a close waiting for the dispatcher stops waiting
 
     async def _dispatch_forever(self) -> None:
         while True:
@@ -780,13 +824,21 @@ class EventBus:
             while True:
                 self._pull_thread_events()
                 self._report_drops(force=True)
-                target = self._seq + len(self._buffer)
-                if self._drained_up_to(target, None) and not self._buffer:
+                target = self._close_target()
+                if self._drained_up_to(target, None) and self._seq == target:
                     if not self._thread_queue and not any(s.shed_unreported for s in self._subs):
                         return []
                 await self._await_progress()
-        target = self._seq + len(self._buffer)
+        target = self._close_target()
         return [s for s in self._subs if not s._idle_up_to(target)]
+
+    def _close_target(self) -> int:
+        """The seq a close waits for: every event published, or, once the dispatcher is gone
+        before its time (it crashed: leaving the bus raises the crash), what it dispatched."""
+        done = self._dispatcher_done
+        if done is not None and done.is_set() and not self._stop_dispatcher:
+            return self._seq
+        return self._seq + len(self._buffer)
 
     async def _await_progress(self) -> None:
         progress = self._progress
@@ -808,7 +860,7 @@ class EventBus:
             with anyio.move_on_after(max(deadline - time.monotonic(), grace)):
                 while True:
                     self._pull_thread_events()
-                    target = self._seq + len(self._buffer)
+                    target = self._close_target()
                     if self._drained_up_to(target, (sub,)):
                         break
                     await self._await_progress()

@@ -10,7 +10,7 @@ from typing import Any, TypeVar, final
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from typing_extensions import Self
 
-from .._validate import positive_int
+from .._validate import non_negative, positive_int
 from ..events import Delivery, Event
 from ..exceptions import BusClosedError
 from .bus import EventBus
@@ -163,7 +163,15 @@ class SyncEventBus:
             self._call_async(self._bus._wait_for_room)
 
     def drain(self, *subscriptions: Subscription, timeout: float | None = None) -> None:
-        """Block until everything published so far was handled (see :meth:`EventBus.drain`)."""
+        """Block until everything published so far was handled (see :meth:`EventBus.drain`).
+
+        Raises:
+            TimeoutError: if *timeout* seconds pass first.
+            ValueError: if *timeout* is not None nor a finite number >= 0.
+            BusClosedError: if the bus is not running.
+        """
+        if timeout is not None:
+            timeout = non_negative("timeout", timeout)
         self.flush()
         self._call_async(lambda: self._bus.drain(*subscriptions, timeout=timeout))
 
