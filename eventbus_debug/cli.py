@@ -4,14 +4,18 @@ Commands::
 
     eventbus-debug --version
     eventbus-debug demo [--log-dir DIR] [--steps N] [--quiet]
-    eventbus-debug report LOGDIR [--out DIR] [--no-html] [--title T]
+    eventbus-debug report LOGDIR [--out DIR] [--no-html] [--title T] [--run RUN]
     eventbus-debug tail LOGDIR [-n N | --all] [--follow] [--json] [--kind K ...] [--min-severity S]
-    eventbus-debug summary LOGDIR [--json]
+    eventbus-debug summary LOGDIR [--json] [--run RUN]
+
+A log that several runs appended to (reruns into one directory) is never merged silently:
+``report`` and ``summary`` show the latest run and name the others; ``--run ID`` picks one,
+``--run all`` folds them together (and says so).
 
 Every command reads the JSON-lines log of every rank, rotated (and gzipped) files included.
 Errors are one line on standard error and a non-zero exit status, never a traceback: 1 for a
 run-time error (missing directory, no log inside, unreadable, undecodable or crafted file), 2
-for bad arguments (an unknown ``--kind`` included). On a terminal, ``tail`` and ``summary``
+for bad arguments (an unknown ``--kind`` or ``--run`` included). On a terminal, ``tail`` and ``summary``
 use colours (``--color never`` or ``NO_COLOR`` turns them off).
 """
 
@@ -111,6 +115,7 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--skip-bad-lines", action="store_true", help="skip undecodable lines instead of failing"
     )
+    _add_run_option(report, "report")
 
     tail = sub.add_parser(
         "tail",
@@ -186,7 +191,18 @@ def _build_parser() -> argparse.ArgumentParser:
     summary.add_argument(
         "--skip-bad-lines", action="store_true", help="skip undecodable lines instead of failing"
     )
+    _add_run_option(summary, "summary")
     return parser
+
+
+def _add_run_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--run",
+        default="latest",
+        metavar="RUN",
+        help=f"which run of a log that several runs appended to the {what} shows: 'latest' "
+        "(default), a run id, or 'all' to fold every run together",
+    )
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -204,11 +220,58 @@ def _check_logdir(path: Path) -> None:
         raise CommandError(msg)
 
 
-def _summarize(logdir: Path, *, strict: bool) -> RunSummary:
-    from .sinks.report import summarize
+def _check_run(run: str) -> None:
+    if not run.strip():
+        msg = "--run must be 'latest', 'all' or a run id, got an empty string"
+        raise UsageError(msg)
 
+
+@contextlib.contextmanager
+def _run_choice(run: str) -> Iterator[None]:
+    """Turn the run selection's "no such run" ``ValueError`` into a usage error (exit 2).
+
+    The selection is the report's own (:func:`~eventbus_debug.sinks.report.summarize_runs`);
+    its message names the runs the log holds.
+    """
+    try:
+        yield
+    except ValueError as exc:
+        if run not in ("latest", "all") and "is not in this log" in str(exc):
+            msg = f"--run: {exc}"
+            raise UsageError(msg) from None
+        raise
+
+
+def _summarize(logdir: Path, *, strict: bool, run: str = "latest") -> RunSummary:
+    """The summary of *run* in *logdir*: the same run selection as ``report``."""
+    from .sinks.report import summarize_runs
+
+    _check_run(run)
     _check_logdir(logdir)
-    return summarize(read_events(logdir, strict=strict))
+    with _run_choice(run):
+        return summarize_runs(read_events(logdir, strict=strict), run=run)
+
+
+def _runs_lines(summary: RunSummary) -> list[tuple[str, str]]:
+    """Which run a summary shows, and the log's other runs (nothing for a one-run log)."""
+    if len(summary.runs) <= 1:
+        return [("run", summary.run_id)] if summary.run_id else []
+
+    def label(run_id: str) -> str:
+        return run_id or "(events before any session)"
+
+    if summary.mixed_runs:
+        ids = ", ".join(label(r.run_id) for r in summary.runs)
+        return [("runs", f"{len(summary.runs)} folded together (--run all): {ids}")]
+    shown = next((r for r in summary.runs if r.shown), None)
+    latest = " (the latest)" if shown is not None and shown is summary.runs[-1] else ""
+    others = ", ".join(
+        f"{label(r.run_id)} ({r.events} events)" for r in summary.runs if not r.shown
+    )
+    return [
+        ("run", f"{label(shown.run_id) if shown else '-'}{latest}, 1 of {len(summary.runs)}"),
+        ("other runs", f"{others}; pick one with --run ID, fold all with --run all"),
+    ]
 
 
 def format_event(event: Event, /, *, colors: bool = False) -> str:
@@ -365,14 +428,17 @@ def _cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
 def _cmd_report(args: argparse.Namespace, out: IO[str]) -> int:
     from .sinks.report import build_report
 
+    _check_run(args.run)
     _check_logdir(args.logdir)
-    summary, paths = build_report(
-        args.logdir,
-        args.out,
-        html=not args.no_html,
-        title=args.title,
-        strict=not args.skip_bad_lines,
-    )
+    with _run_choice(args.run):
+        summary, paths = build_report(
+            args.logdir,
+            args.out,
+            html=not args.no_html,
+            title=args.title,
+            strict=not args.skip_bad_lines,
+            run=args.run,
+        )
     out.write(f"{paths.json}\n")
     if paths.html is not None:
         out.write(f"{paths.html}\n")
@@ -380,6 +446,9 @@ def _cmd_report(args: argparse.Namespace, out: IO[str]) -> int:
         f"{summary.events} events, {summary.steps} steps, {summary.anomalies} anomalies, "
         f"{summary.incidents_total} incidents\n"
     )
+    if len(summary.runs) > 1:
+        for key, value in _runs_lines(summary):
+            out.write(f"{key}: {value}\n")
     return 0
 
 
@@ -458,7 +527,7 @@ def _fmt_opt(value: float | None, spec: str = ".4g") -> str:
 def _cmd_summary(args: argparse.Namespace, out: IO[str]) -> int:
     from .sinks.report import summary_to_dict
 
-    summary = _summarize(args.logdir, strict=not args.skip_bad_lines)
+    summary = _summarize(args.logdir, strict=not args.skip_bad_lines, run=args.run)
     if args.json:
         out.write(
             orjson.dumps(summary_to_dict(summary), option=orjson.OPT_INDENT_2).decode() + "\n"
@@ -466,6 +535,7 @@ def _cmd_summary(args: argparse.Namespace, out: IO[str]) -> int:
         return 0
     s = summary
     rows: list[tuple[str, str]] = [
+        *_runs_lines(s),
         ("events", f"{s.events}"),
         ("ranks", ", ".join(map(str, s.ranks)) or "-"),
         ("steps", f"{s.steps} ({_fmt_opt(s.first_step, 'd')}..{_fmt_opt(s.last_step, 'd')})"),

@@ -433,3 +433,131 @@ class TestBadLogs:
         proc.stderr.close()
         assert proc.wait(timeout=60) in (0, 141)
         assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+def _rerun_log(directory: Path) -> Path:
+    """Two runs appended to one log, as a rerun into the same directory writes it: 'monday'
+    (30 steps, two explosions) then 'tuesday' (12 steps, one explosion)."""
+    from eventbus_debug.events import GradientExploded, SessionStarted
+
+    events: list[Event] = []
+    for run_id, steps, t0 in (("monday", 30, 1), ("tuesday", 12, 10**15)):
+        events.append(SessionStarted(name="train", run_id=run_id, time_ns=t0))
+        for step in range(steps):
+            events.append(StepCompleted(step=step, loss=1.0, time_ns=t0 + 2 * step + 1))
+            if step in ((3, 20) if run_id == "monday" else (5,)):
+                events.append(
+                    GradientExploded(
+                        step=step, total_norm=500.0, threshold=10.0, time_ns=t0 + 2 * step + 2
+                    )
+                )
+    write_log(directory, events)
+    return directory
+
+
+def _table(out: str) -> dict[str, str]:
+    rows = {}
+    for line in out.splitlines():
+        key, _, value = line.partition("  ")
+        rows[key.strip()] = value.strip()
+    return rows
+
+
+class TestRuns:
+    """summary and report choose the run of a rerun log the same way (never merged silently)."""
+
+    def test_summary_shows_the_latest_run_and_names_the_others(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """By default summary shows the latest run, as report does, and lists the others."""
+        log = _rerun_log(tmp_path / "log")
+        assert main(["summary", str(log)]) == 0
+        rows = _table(capsys.readouterr().out)
+        assert rows["run"] == "tuesday (the latest), 1 of 2"
+        assert rows["other runs"].startswith("monday (") and "--run ID" in rows["other runs"]
+        assert rows["steps"] == "12 (0..11)" and rows["incidents"] == "1"
+
+    def test_run_option_picks_one_or_folds_all(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """--run ID shows that run; --run all folds every run and says so."""
+        log = _rerun_log(tmp_path / "log")
+        assert main(["summary", str(log), "--run", "monday"]) == 0
+        rows = _table(capsys.readouterr().out)
+        assert rows["run"] == "monday, 1 of 2" and rows["other runs"].startswith("tuesday (")
+        assert rows["steps"] == "30 (0..29)" and rows["incidents"] == "2"
+        assert main(["summary", str(log), "--run", "all"]) == 0
+        rows = _table(capsys.readouterr().out)
+        assert rows["runs"] == "2 folded together (--run all): monday, tuesday"
+        assert rows["incidents"] == "3" and "run" not in rows
+
+    def test_summary_json_matches_the_report_for_each_choice(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """summary --json and report.json hold the same summary, whichever run is chosen."""
+        log = _rerun_log(tmp_path / "log")
+        for choice in (None, "monday", "tuesday", "all"):
+            extra = [] if choice is None else ["--run", choice]
+            out = tmp_path / f"report-{choice}"
+            assert main(["report", str(log), "--out", str(out), "--no-html", *extra]) == 0
+            capsys.readouterr()
+            assert main(["summary", str(log), "--json", *extra]) == 0
+            from_summary = orjson.loads(capsys.readouterr().out)
+            from_report = orjson.loads((out / "report.json").read_bytes())["summary"]
+            assert from_summary == from_report, choice
+            shown = [r["run_id"] for r in from_summary["runs"] if r["shown"]]
+            expected = {None: ["tuesday"], "all": ["monday", "tuesday"]}.get(choice, [choice])
+            assert shown == expected
+
+    def test_report_prints_which_run_it_shows(
+        self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """report's output says which run the files show and which others the log holds."""
+        log = _rerun_log(tmp_path / "log")
+        assert main(["report", str(log), "--out", str(tmp_path / "r"), "--no-html"]) == 0
+        out = capsys.readouterr().out
+        assert "run: tuesday (the latest), 1 of 2\n" in out
+        assert "other runs: monday (" in out
+        assert "12 steps" in out
+
+    @pytest.mark.parametrize("command", ["summary", "report"])
+    def test_unknown_run_is_a_usage_error_listing_the_runs(
+        self, tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """An unknown --run id exits 2 with one line naming the log's runs; nothing written."""
+        log = _rerun_log(tmp_path / "log")
+        out = tmp_path / "r"
+        extra = ["--out", str(out)] if command == "report" else []
+        assert main([command, str(log), "--run", "friday", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"eventbus-debug {command}: error: --run")
+        assert "'friday'" in err and "'monday'" in err and "'tuesday'" in err
+        assert not out.exists()
+
+    @pytest.mark.parametrize("command", ["summary", "report"])
+    def test_empty_run_is_a_usage_error(
+        self, tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """--run '' is refused before the log is read."""
+        assert main([command, str(_rerun_log(tmp_path / "log")), "--run", " "]) == 2
+        assert "--run must be" in capsys.readouterr().err
+
+    def test_a_one_run_log_has_no_other_runs_row(
+        self, tmp_path: Path, logdir: Path, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        """One run: its id is shown and no 'other runs' row; a log without a session start
+        shows neither."""
+        from eventbus_debug.events import SessionStarted
+
+        one = tmp_path / "one"
+        write_log(one, [SessionStarted(name="t", run_id="only"), StepCompleted(step=0, loss=1.0)])
+        assert main(["summary", str(one)]) == 0
+        rows = _table(capsys.readouterr().out)
+        assert rows["run"] == "only" and "other runs" not in rows
+        assert main(["report", str(one), "--no-html"]) == 0
+        assert len(capsys.readouterr().out.splitlines()) == 2  # report.json, the counts
+        assert main(["summary", str(logdir)]) == 0
+        rows = _table(capsys.readouterr().out)
+        assert "run" not in rows and "other runs" not in rows
+        assert main(["summary", str(logdir), "--run", "nope"]) == 2
+        assert "none" in capsys.readouterr().err
