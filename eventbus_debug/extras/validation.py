@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from enum import Enum
 from typing import Final
 
+import numpy as np
 import torch
 
 from ..events import Event, InputValidationFailed, OutputAnomalyDetected, Severity
@@ -378,11 +382,15 @@ class OutputChecker:
     ) -> tuple[OutputAnomalyDetected, ...]:
         """Check *outputs* and publish an incident per anomaly.
 
-        *outputs* is what a model returns: a tensor (any dtype or layout), a number, or a
-        tuple, list or mapping of them (a Hugging Face ``ModelOutput`` included). Each tensor
-        is checked on its own, named by its path (``outputs['logits']``, ``outputs[0]``); the
-        numbers of a structure are checked for NaN/Inf. Each tensor costs one device-to-host
-        transfer.
+        *outputs* is what a model returns: a tensor (any dtype or layout), a numpy array, a
+        number, or a tuple, list or mapping of them (a Hugging Face ``ModelOutput`` included).
+        Each tensor or numpy array is checked on its own (NaN/Inf, range, collapse), named by
+        its path (``outputs['logits']``, ``outputs[0]``); the plain numbers of an output
+        (Python or numpy scalars, or a bare number) are checked together for NaN/Inf and
+        range, with one incident per rule naming their paths. A value gets the same range
+        verdict whatever its form: ``3.0``, ``[3.0]``, ``{"p": 3.0}``, ``np.array([3.0])``
+        and ``torch.tensor(3.0)`` are all out of ``expected_range=(0, 1)``. Each tensor
+        costs one device-to-host transfer.
 
         Collapse is measured per output feature across the batch (dimension 0): a classifier
         that gives every sample the same scores is collapsed even if its scores differ
@@ -398,26 +406,18 @@ class OutputChecker:
             ValueError: if an output tensor is a meta tensor (it holds no values).
         """
         if isinstance(outputs, torch.Tensor):
-            tensors: list[tuple[str, torch.Tensor]] = [(self.name, outputs)]
             found = self._tensor(self.name, outputs, step)
         else:
-            counts = non_finite_counts(outputs, name=self.name)  # TypeError for the unknown
-            tensors = list(_tensor_leaves(outputs, self.name))
+            non_finite_counts(outputs, name=self.name)  # TypeError / ValueError for the unknown
             found = []
-            tensor_paths = {p for p, _ in tensors}
-            loose = [p for p in counts.non_finite if p not in tensor_paths]
-            if loose:
-                found.append(
-                    OutputAnomalyDetected(
-                        step=step,
-                        source=_OUTPUT_SOURCE,
-                        name=self.name,
-                        rule="non_finite",
-                        message=f"{self.name} hold NaN or infinite numbers at {', '.join(loose)}",
-                        severity=Severity.ERROR,
-                        nonfinite_count=len(loose),
-                    )
-                )
+            loose: list[tuple[str, float]] = []
+            tensors: list[tuple[str, torch.Tensor]] = []
+            for path, leaf in _output_leaves(outputs, self.name):
+                if isinstance(leaf, torch.Tensor):
+                    tensors.append((path, leaf))
+                else:
+                    loose.append((path, leaf))
+            found.extend(self._numbers(loose, step))
             for path, t in tensors:
                 found.extend(self._tensor(path, t, step))
         events = tuple(found)
@@ -425,6 +425,48 @@ class OutputChecker:
             for ev in events:
                 publish(ev)
         return events
+
+    def _numbers(
+        self, values: Sequence[tuple[str, float]], step: int | None
+    ) -> list[OutputAnomalyDetected]:
+        """The anomalies of an output's plain numbers: one incident per broken rule."""
+        if not values:
+            return []
+        bad = [path for path, v in values if not math.isfinite(v)]
+        finite = [(path, v) for path, v in values if math.isfinite(v)]
+        lo = min((v for _, v in finite), default=None)
+        hi = max((v for _, v in finite), default=None)
+        finding = functools.partial(
+            OutputAnomalyDetected,
+            step=step,
+            source=_OUTPUT_SOURCE,
+            name=self.name,
+            min_value=lo,
+            max_value=hi,
+            nonfinite_count=len(bad),
+        )
+        found: list[OutputAnomalyDetected] = []
+        if bad:
+            found.append(
+                finding(
+                    rule="non_finite",
+                    message=f"{self.name} hold NaN or infinite numbers{_at(bad, self.name)}",
+                    severity=Severity.ERROR,
+                )
+            )
+        if self.expected_range is not None and lo is not None and hi is not None:
+            low, high = self.expected_range
+            outside = [path for path, v in finite if v < low or v > high]
+            if outside:
+                found.append(
+                    finding(
+                        rule="range",
+                        message=f"{self.name} span [{lo:g}, {hi:g}], outside the expected "
+                        f"[{low:g}, {high:g}]{_at(outside, self.name)}",
+                        severity=Severity.WARNING,
+                    )
+                )
+        return found
 
     def _tensor(
         self, name: str, outputs: torch.Tensor, step: int | None
@@ -499,13 +541,62 @@ class OutputChecker:
         return found
 
 
-def _tensor_leaves(value: object, path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors inside a structure, with the paths :func:`non_finite_counts` gives them."""
+_MAX_PATHS: Final = 8  # the paths an incident about plain numbers names
+
+
+def _at(paths: Sequence[str], name: str) -> str:
+    """`` at PATHS`` for an incident about plain numbers (nothing for one bare number)."""
+    if list(paths) == [name]:
+        return ""
+    shown = ", ".join(paths[:_MAX_PATHS])
+    more = len(paths) - _MAX_PATHS
+    return f" at {shown}" if more <= 0 else f" at {shown} (and {more} more)"
+
+
+def _number_value(value: object) -> float:
+    """A plain number as the real value a range is taken of (complex: ``|z|``)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, Decimal) and value.is_nan():  # a signalling NaN refuses float()
+        return math.nan
+    if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Real):
+        return abs(complex(value))
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond the float range: finite, and as far out as a float goes
+        return sys.float_info.max if value > 0 else -sys.float_info.max  # type: ignore[operator]
+
+
+def _array_tensor(array: np.ndarray) -> torch.Tensor:
+    """A numpy array as a CPU tensor of the dtype torch checks it in (a writable copy)."""
+    kind = array.dtype.kind
+    if kind == "b":
+        dtype: type[np.generic] | np.dtype[np.generic] = np.dtype(np.bool_)
+    elif kind in "iu":
+        dtype = np.dtype(np.int64) if array.dtype.itemsize < 8 or kind == "i" else np.float64
+    elif kind == "f":
+        dtype = array.dtype if array.dtype.itemsize <= 8 else np.dtype(np.float64)
+    else:  # "c": non_finite_counts refused every other kind
+        dtype = array.dtype if array.dtype.itemsize <= 16 else np.dtype(np.complex128)
+    return torch.from_numpy(np.array(array, dtype=dtype, copy=True))
+
+
+def _output_leaves(value: object, path: str) -> Iterator[tuple[str, torch.Tensor | float]]:
+    """The tensors (numpy arrays as tensors) and plain numbers inside an output, with the
+    paths :func:`non_finite_counts` gives them; strings, bytes and ``None`` are left out.
+
+    Only called after :func:`non_finite_counts` accepted *value* (every leaf's type is known
+    and the structure is a tree).
+    """
     if isinstance(value, torch.Tensor):
         yield path, value
+    elif isinstance(value, np.ndarray):
+        yield path, _array_tensor(value)
+    elif isinstance(value, numbers.Number | np.generic):
+        yield path, _number_value(value)
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            yield from _tensor_leaves(item, f"{path}[{key!r}]")
+            yield from _output_leaves(item, f"{path}[{key!r}]")
     elif isinstance(value, tuple | list):
         for i, item in enumerate(value):
-            yield from _tensor_leaves(item, f"{path}[{i}]")
+            yield from _output_leaves(item, f"{path}[{i}]")
