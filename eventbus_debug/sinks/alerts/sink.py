@@ -133,6 +133,8 @@ class AlertSink:
         name: the ``source`` of the incidents this sink publishes.
 
     Raises:
+        TypeError: if *bus* has no callable ``publish_nowait`` (a failing handler would then
+            go unreported), *clock* is not callable or *name* is not a string.
         ValueError: if *timeout* or *flush_interval* is not a positive number.
     """
 
@@ -145,6 +147,18 @@ class AlertSink:
         flush_interval: float | None = DEFAULT_FLUSH_INTERVAL,
         name: str = "alerts",
     ) -> None:
+        if not callable(getattr(bus, "publish_nowait", None)):
+            msg = (
+                "bus must be an EventBus or another object with a publish_nowait(event) method "
+                f"(where handler failures are published), got {type(bus).__qualname__} {bus!r}"
+            )
+            raise TypeError(msg)
+        if not callable(clock):
+            msg = f"clock must be a callable returning seconds, got {type(clock).__qualname__}"
+            raise TypeError(msg)
+        if not isinstance(name, str):
+            msg = f"name must be a str, got {type(name).__qualname__}"
+            raise TypeError(msg)
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             msg = f"timeout must be a positive number of seconds, got {timeout!r}"
             raise ValueError(msg)
@@ -184,8 +198,11 @@ class AlertSink:
         The arguments are those of :class:`AlertRule`; the handler is returned unchanged.
 
         Raises:
-            ValueError, TypeError: as :class:`AlertRule` and :meth:`add_rule`.
+            ValueError, TypeError: as :class:`AlertRule` and :meth:`add_rule` (a *when* or
+                *key* that is not callable is a ``TypeError`` here, not a failure on every
+                event).
         """
+        _check_rule_callables(when=when, key=key)
         rule = AlertRule(
             event_types=event_types,
             name=name,
@@ -209,11 +226,13 @@ class AlertSink:
         The same rule may be registered with several handlers; each keeps its own cooldown.
 
         Raises:
-            TypeError: if *rule* is not an :class:`AlertRule` or *handler* is not callable.
+            TypeError: if *rule* is not an :class:`AlertRule`, its ``when`` (when given) or
+                ``key`` is not callable, or *handler* is not callable.
         """
         if not isinstance(rule, AlertRule):
             msg = f"rule must be an AlertRule, got {rule!r}"
             raise TypeError(msg)
+        _check_rule_callables(when=rule.when, key=rule.key)
         if not callable(handler):
             msg = f"handler must be a callable taking an Alert, got {handler!r}"
             raise TypeError(msg)
@@ -442,6 +461,16 @@ class AlertSink:
                 error=f"{publish_exc}",
                 handler=reg.name,
             )
+
+
+def _check_rule_callables(*, when: object, key: object) -> None:
+    """A rule's predicate and dedup key must be callables: else every event would fail."""
+    if when is not None and not callable(when):
+        msg = f"when must be None or a callable taking an event, got {type(when).__qualname__} {when!r}"
+        raise TypeError(msg)
+    if not callable(key):
+        msg = f"key must be a callable mapping an event to a hashable, got {type(key).__qualname__} {key!r}"
+        raise TypeError(msg)
 
 
 def _is_async_callable(fn: object) -> bool:
