@@ -90,6 +90,7 @@ _log = get_logger(__name__)
 DEFAULT_RING_SIZE: Final = 2000
 MAX_EVENTS_PER_PAGE: Final = 1000
 MAX_BODY_BYTES: Final = 64 * 1024
+_MAX_PORT: Final = 65535
 _LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
 _WILDCARDS: Final = frozenset({"0.0.0.0", "::", ""})
 _SAFE_METHODS: Final = frozenset({"GET", "HEAD"})
@@ -445,7 +446,8 @@ class DebugServer:
         level: what ``POST /debug/level/{level}`` changes (see :data:`LevelTarget`); without
             it that endpoint answers 409.
         host: the address to bind; ``127.0.0.1`` by default.
-        port: the port; ``0`` picks a free one (read it back from :attr:`port`).
+        port: the port, an ``int`` in ``0..65535``; ``0`` picks a free one (read it back
+            from :attr:`port`).
         token: the bearer token every endpoint then requires; mandatory when *host* is not a
             loopback address. Printable ASCII without spaces.
         allowed_hosts: more names the ``Host`` header may carry (the bound address, and on
@@ -457,10 +459,15 @@ class DebugServer:
         ring_size: how many recent events ``/debug/events`` can return.
         title: the title of the live report at ``/``.
 
+    A server serves once: ``async with server:`` starts it and waits for it to stop;
+    entering it again after that is a ``RuntimeError`` (create a new one). A start that
+    failed (the port in use) leaves nothing open and may be retried.
+
     Raises:
         ValueError: if *host* is not loopback and no *token* is given, a token or host name
-            is malformed, or *ring_size* < 1.
-        TypeError: if *level* is not a level target, or *token* is not a string.
+            is malformed, *port* is outside ``0..65535``, or *ring_size* < 1.
+        TypeError: if *level* is not a level target, *token* or *host* is not a string, or
+            *port* is not an ``int`` (``bool`` included).
     """
 
     def __init__(
@@ -480,6 +487,12 @@ class DebugServer:
         if not isinstance(host, str):
             msg = f"host must be a str, got {type(host).__name__}"
             raise TypeError(msg)
+        if isinstance(port, bool) or not isinstance(port, int):
+            msg = f"port must be an int in 0..65535 (0: a free port), got {type(port).__name__} {port!r}"
+            raise TypeError(msg)
+        if not 0 <= port <= _MAX_PORT:
+            msg = f"port must be in 0..65535 (0: a free port), got {port}"
+            raise ValueError(msg)
         token_bytes = _check_token(token)
         if not _is_loopback(host) and token_bytes is None:
             msg = (
@@ -526,6 +539,7 @@ class DebugServer:
         self._server: _Server | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._socket: socket.socket | None = None
+        self._closed = False
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(_Metrics(self))
         routes = Starlette(
@@ -600,8 +614,14 @@ class DebugServer:
         return (port or "80") == str(self.port)
 
     async def __aenter__(self) -> Self:
+        if self._closed:
+            msg = (
+                f"this DebugServer ({self.url}) has been stopped and serves only once; "
+                "create a new DebugServer to serve again"
+            )
+            raise RuntimeError(msg)
         if self._server is not None:
-            msg = "this DebugServer is already running; create a new one"
+            msg = f"this DebugServer is already running on {self.url}; create a new one"
             raise RuntimeError(msg)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
@@ -612,6 +632,9 @@ class DebugServer:
             sock.close()
             msg = f"cannot bind the debug server to {self.host}:{self._port}: {exc.strerror or exc}"
             raise OSError(msg) from None
+        except BaseException:  # never leak the socket, whatever bind raised
+            sock.close()
+            raise
         self._socket = sock
         self._port = int(sock.getsockname()[1])
         config = uvicorn.Config(
@@ -636,8 +659,11 @@ class DebugServer:
                     await anyio.sleep(0.01)
         except BaseException:
             self._server.should_exit = True
-            await tg.__aexit__(None, None, None)
-            sock.close()
+            try:
+                await tg.__aexit__(None, None, None)
+            finally:
+                sock.close()
+                self._server = self._tg = self._socket = None
             raise
         _log.info("debug_server_started", url=self.url)
         return self
@@ -658,7 +684,9 @@ class DebugServer:
         finally:
             if sock is not None:
                 sock.close()
-            self._tg = None
+            self._tg = self._socket = None
+            if server is not None:
+                self._closed = True
             _log.info("debug_server_stopped", url=self.url)
 
     # -- endpoints -----------------------------------------------------------------------------
