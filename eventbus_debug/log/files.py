@@ -78,9 +78,10 @@ def log_files(directory: str | os.PathLike[str], /) -> dict[int, list[Path]]:
     """The log files in *directory*, per rank, oldest first (backups ``.N`` … ``.1``, then live).
 
     Raises:
+        TypeError: if *directory* is not a ``str`` or an ``os.PathLike``.
         LogReadError: if *directory* does not exist or is not a directory.
     """
-    root = Path(directory)
+    root = _as_path(directory, "directory")
     if not root.exists():
         msg = f"log directory {str(root)!r} does not exist"
         raise LogReadError(msg)
@@ -119,14 +120,41 @@ def read_events(
     kind, a field of the wrong type) raises with ``strict=True`` and is skipped and counted
     with ``strict=False``.
 
+    The arguments are checked when it is called; the files are opened as it is iterated.
+
     Raises:
+        TypeError: at the call, if *path* is not a ``str`` or an ``os.PathLike`` (a
+            ``pathlib.Path``), *strict* is not a ``bool`` or *stats* is not a
+            :class:`ReadStatistics`.
         LogReadError: if *path* does not exist, or a directory holds no log file.
         EventDecodeError: if a complete line cannot be decoded (``strict=True``); the message
             names the file, the line number and the field.
     """
-    if stats is None:
-        stats = ReadStatistics()
-    p = Path(path)
+    p = _as_path(path, "path")
+    if not isinstance(strict, bool):
+        msg = f"strict must be a bool, got {type(strict).__name__} {strict!r}"
+        raise TypeError(msg)
+    if stats is not None and not isinstance(stats, ReadStatistics):
+        msg = f"stats must be a ReadStatistics or None, got {type(stats).__name__} {stats!r}"
+        raise TypeError(msg)
+    return _read_path(p, strict, ReadStatistics() if stats is None else stats)
+
+
+def _as_path(value: object, argument: str) -> Path:
+    """*value* as a :class:`Path`; a ``TypeError`` naming *argument* and the accepted types."""
+    if isinstance(value, str | os.PathLike):
+        try:
+            return Path(value)
+        except TypeError:  # an os.PathLike of bytes
+            pass
+    msg = (
+        f"{argument} must be a str or an os.PathLike (e.g. pathlib.Path) naming a log file "
+        f"or directory, got {type(value).__name__} {value!r}"
+    )
+    raise TypeError(msg)
+
+
+def _read_path(p: Path, strict: bool, stats: ReadStatistics) -> Iterator[Event]:
     if p.is_dir():
         per_rank = log_files(p)
         if not per_rank:
