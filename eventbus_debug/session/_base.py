@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .._bus import Subscription
+from .._bus.bus import DEFAULT_CLOSE_TIMEOUT
 from ..events import Event, NonFiniteDetected, SessionEnded, SessionStarted, TensorRole
 from ..exceptions import TrainingStopped
 from ..extras.debug_context import DebugContext, debug_context
@@ -125,7 +126,29 @@ class SessionBase(Generic[BusT]):
         self._boundary: StepBoundary | None = None
         """The step boundary, once started (kept after the end: :attr:`step` reads it)."""
         self._live = False
+        self._entered = False
+        """Between the start of an entry and the end of its exit (a second entry is refused)."""
         self._started = 0.0
+
+    def _claim(self) -> None:
+        """Mark the session entered.
+
+        Raises:
+            RuntimeError: if it is entered already (nothing is changed then).
+        """
+        if self._entered:
+            msg = (
+                f"session {self.name!r} is already running; leave it before entering it again "
+                "(or create another session)"
+            )
+            raise RuntimeError(msg)
+        self._entered = True
+
+    @property
+    def _close_timeout(self) -> float:
+        """The ``close_timeout`` of the bus the session builds (the bus's default unless set)."""
+        timeout = self.options.close_timeout
+        return DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout
 
     # -- parts ------------------------------------------------------------------------------------
 
@@ -154,6 +177,9 @@ class SessionBase(Generic[BusT]):
             device_skip=self.device_skip,
         )
         self.recovery = recovery.engine
+        if options.recovery is True and recovery.engine is not None:
+            # the session's own engine: removed with the session's other subscriptions
+            self._subscriptions.append(recovery.engine.subscription)
         self.safe_point = recovery.safe_point
         self.amp = recovery.amp
         return probe

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Final
@@ -13,9 +14,10 @@ import torch
 from torch import nn
 from typing_extensions import Self, Unpack
 
-from .._bus import EventBus
+from .._bus import EventBus, Subscription
 from ..diagnostics import get_logger
-from ..events import Anomaly, TensorRole
+from ..events import Anomaly, EventsUndelivered, TensorRole
+from ..exceptions import BusClosedError
 from ..probes import AnomalyArming, StepProfiler
 from ..step_context import bind_step_source
 from ._base import TELEMETRY_LATENCY, SessionBase, options_from
@@ -30,6 +32,9 @@ _log = get_logger(__name__)
 TRACE_DIR: Final = "traces"
 EXIT_TIMEOUT: Final = 10.0
 """Seconds for each cleanup step on exit (the bus's own close is bounded by itself)."""
+CLOSE_GRACE: Final = 1.0
+"""The least time each subscription of the session's is given to drain, and its sink to
+close, when the session leaves a bus it does not own (as a bus gives its own at close)."""
 
 
 class Session(SessionBase[EventBus]):
@@ -93,13 +98,18 @@ class Session(SessionBase[EventBus]):
         self._anomaly: AnomalyArming | None = None
 
     async def __aenter__(self) -> Self:
+        self._claim()
         stack = contextlib.AsyncExitStack()
-        await stack.__aenter__()
         try:
             await self._start(stack)
         except BaseException:
-            await stack.aclose()
-            self._bus = None
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._release(drain=False)
+                await stack.aclose()
+            finally:
+                self._bus = None
+                self._entered = False
             raise
         self._stack = stack
         self._live = True
@@ -109,8 +119,16 @@ class Session(SessionBase[EventBus]):
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         options = self.options
         bus = self._given_bus
+        if bus is not None and not bus.running:
+            msg = (
+                f"bus must be a running EventBus (entered with `async with`), got {bus!r}; "
+                "or leave bus= out for a bus of the session's own"
+            )
+            raise BusClosedError(msg)
         if bus is None:
-            bus = await stack.enter_async_context(EventBus(telemetry_latency=TELEMETRY_LATENCY))
+            bus = await stack.enter_async_context(
+                EventBus(telemetry_latency=TELEMETRY_LATENCY, close_timeout=self._close_timeout)
+            )
         self._bus = bus
         sinks = build_sinks(options, bus)
         self._subscriptions.extend(self._subscribe(bus, sinks))
@@ -173,17 +191,59 @@ class Session(SessionBase[EventBus]):
             if self.system is not None:
                 self.system.stop()  # SessionEnded stays the session's last event
             self.bus.publish_nowait(self._ended_event(exc, cancelled=cancelled))
-            if self._given_bus is not None:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(EXIT_TIMEOUT):
-                    await self.bus.drain(*self._subscriptions)
-                for sub in self._subscriptions:
-                    sub.cancel()
         finally:
             try:
+                with anyio.CancelScope(shield=True):
+                    await self._release(drain=True)
                 await stack.aclose()
             finally:
                 self._bus = None
+                self._entered = False
             _log.info("session_ended", session=self.name, steps=self.steps_completed)
+
+    async def _release(self, *, drain: bool) -> None:
+        """On a bus the session does not own, take back everything it subscribed.
+
+        Newest first, as a bus closes its sinks: each subscription is given what is queued
+        for it (*drain*), removed, and its sink closed, so that the sinks removed after it (the
+        log) still record what closing it published (the alert summaries), and an
+        ``EventsUndelivered`` about a sink that did not finish in time. Bounded as a bus's
+        close: ``close_timeout`` (else ``EXIT_TIMEOUT``) for them all, at least
+        ``CLOSE_GRACE`` each. On its own bus the session only forgets them: the bus's close
+        does all that.
+        """
+        subscriptions, self._subscriptions = self._subscriptions, []
+        bus = self._given_bus
+        if bus is None:
+            return
+        timeout = self.options.close_timeout or EXIT_TIMEOUT
+        deadline = anyio.current_time() + timeout
+        for sub in reversed(subscriptions):
+            timed_out = False
+            if drain and bus.running and not sub.disabled:
+                with anyio.move_on_after(
+                    max(deadline - anyio.current_time(), CLOSE_GRACE)
+                ) as scope:
+                    await bus.drain(sub)
+                timed_out = scope.cancelled_caught
+            sub.cancel()
+            if timed_out:
+                # told on the bus, where the subscriptions still to be removed (the log) see it
+                lost = sub.statistics().discarded
+                _log.warning(
+                    "session_exit_drain_timed_out",
+                    session=self.name,
+                    sink=sub.name,
+                    discarded=lost,
+                    timeout_s=timeout,
+                )
+                if bus.running:
+                    bus.publish_nowait(
+                        EventsUndelivered(
+                            source=self.name, sink=sub.name, undelivered=lost, timeout_s=timeout
+                        )
+                    )
+            await _close_sink(sub, max(deadline - anyio.current_time(), CLOSE_GRACE))
 
     # -- the per-step API -------------------------------------------------------------------------
 
@@ -257,3 +317,23 @@ class Session(SessionBase[EventBus]):
         finite = self._check_tensor(tensor, name, role)
         await anyio.lowlevel.checkpoint()
         return finite
+
+
+async def _close_sink(sub: Subscription, budget: float) -> None:
+    """Close the sink of *sub*, just removed from a bus the session does not own (whoever
+    removes a subscription owns its sink), within *budget* seconds; a failure is logged."""
+    sink = sub.sink
+    if not (hasattr(sink, "handle") or hasattr(sink, "handle_batch")):
+        return  # a function or a bound method: nothing to close
+    close = getattr(sink, "aclose", None) or getattr(sink, "close", None)
+    if close is None:
+        return
+    with anyio.move_on_after(budget) as scope:
+        try:
+            result = close()
+            if inspect.isawaitable(result):
+                await result
+        except Exception as error:
+            _log.warning("session_sink_close_failed", sink=sub.name, error=repr(error))
+    if scope.cancelled_caught:
+        _log.warning("session_sink_close_timed_out", sink=sub.name, s=budget)

@@ -13,6 +13,8 @@ waits, in the same order.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, Final, TypeAlias, TypeVar
@@ -328,6 +330,14 @@ class StepBoundary:
         samples: int | None,
     ) -> tuple[float, StepCompleted]:
         """The record of a finished step, up to its hand-over: ``(start time, its event)``."""
+        if not (
+            step.__class__ is int
+            and step >= 0
+            and (loss is None or loss.__class__ is float)
+            and (learning_rate is None or learning_rate.__class__ is float)
+            and (samples is None or (samples.__class__ is int and samples >= 0))
+        ):  # the common case costs these type tests; anything else is checked first
+            loss, learning_rate, samples = _completed_values(step, loss, learning_rate, samples)
         started = self.meter.clock()
         if self.profiler is not None:
             self.profiler.step(step)
@@ -358,7 +368,7 @@ class StepBoundary:
     def _completed_event(
         self,
         step: int,
-        loss: float | torch.Tensor | None,
+        loss: float | None,
         learning_rate: float | None,
         samples: int | None,
     ) -> StepCompleted:
@@ -367,8 +377,6 @@ class StepBoundary:
         duration = now - last if last is not None else None
         self.step = step
         self.steps_completed += 1
-        if isinstance(loss, torch.Tensor):
-            loss = float(loss.detach())
         if learning_rate is None and self.optimizer is not None:
             lr = self.optimizer.param_groups[0]["lr"]
             learning_rate = lr if type(lr) is float else float(lr)
@@ -393,6 +401,14 @@ class StepBoundary:
         if optimizer is None:
             msg = "training_step needs an optimizer; pass one to the session"
             raise RuntimeError(msg)
+        if not callable(loss_fn):
+            msg = (
+                "loss_fn must be a callable taking (outputs, targets) and returning the loss "
+                f"tensor, got {type(loss_fn).__qualname__} {loss_fn!r}"
+            )
+            raise TypeError(msg)
+        if samples is not None:
+            samples = _samples(samples)
         step = self.next_step(step)
         t0 = time.perf_counter()
         validator = self.validator
@@ -408,7 +424,7 @@ class StepBoundary:
         outputs = self.model(inputs)
         if self.output_checker is not None:
             self.output_checker.check(outputs, publish=self.publisher.publish_nowait, step=step)
-        loss = loss_fn(outputs, targets)
+        loss = _checked_loss(loss_fn(outputs, targets), loss_fn)
         torch.autograd.backward(loss)
         verdict = yield from self._check(step, loss)
         if verdict.should_step:
@@ -435,6 +451,93 @@ class StepBoundary:
             verdict=verdict,
             duration_s=time.perf_counter() - t0,
         )
+
+
+def _completed_values(
+    step: object, loss: object, learning_rate: object, samples: object
+) -> tuple[float | None, float | None, int | None]:
+    """``step_completed``'s values, checked: the loss and the learning rate as floats (or None),
+    *samples* as an int (or None). NaN and Infinity are facts worth logging: kept (the log
+    writes them as ``"NaN"``/``"Infinity"``).
+
+    Raises:
+        TypeError: if *step* is not an int, *loss* not a one-element tensor or a number
+            (``check_step``'s rule), *learning_rate* not a number or a one-element tensor, or
+            *samples* not an int.
+        ValueError: if *step* or *samples* is negative, *loss* a tensor of several elements or
+            a meta tensor, or *learning_rate* negative.
+    """
+    StepProbe._validate(step, loss)  # check_step's rules for the step and the loss
+    if isinstance(loss, torch.Tensor):
+        loss = float(loss.detach())
+    lr: float | None = None
+    if learning_rate is not None:
+        lr = _number("learning_rate", learning_rate)
+        if lr < 0:
+            msg = f"learning_rate must be >= 0, got {learning_rate!r}"
+            raise ValueError(msg)
+    return (
+        None if loss is None else float(loss),  # type: ignore[arg-type]
+        lr,
+        None if samples is None else _samples(samples),
+    )
+
+
+def _number(name: str, value: object) -> float:
+    """*value* (a real number or a one-element tensor) as a float."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_meta or value.is_complex():
+            msg = f"{name} must be a number or a one-element real tensor, got shape {tuple(value.shape)} {value.dtype}"
+            raise ValueError(msg)
+        return float(value.detach())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        msg = f"{name} must be a number, got {type(value).__qualname__} {value!r}"
+        raise TypeError(msg)
+    return float(value)
+
+
+def _samples(samples: object) -> int:
+    """*samples* (how many samples a step took) as an int >= 0."""
+    if isinstance(samples, bool | float) or not hasattr(samples, "__index__"):
+        msg = f"samples must be an int (the step's number of samples), got {type(samples).__qualname__} {samples!r}"
+        raise TypeError(msg)
+    count = operator.index(samples)
+    if count < 0:
+        msg = f"samples must be >= 0, got {count}"
+        raise ValueError(msg)
+    return count
+
+
+def _checked_loss(loss: object, loss_fn: object) -> torch.Tensor:
+    """What *loss_fn* returned, if it is a loss ``backward`` can start from.
+
+    Raises:
+        TypeError: if it is not a tensor.
+        ValueError: if it has several elements or does not require grad.
+    """
+    if loss.__class__ is not torch.Tensor and not isinstance(loss, torch.Tensor):
+        msg = (
+            f"loss_fn {_name(loss_fn)} must return the loss as a tensor, got "
+            f"{type(loss).__qualname__} {loss!r}"
+        )
+        raise TypeError(msg)
+    if loss.numel() != 1:
+        msg = (
+            f"loss_fn {_name(loss_fn)} must return a scalar loss (one element), got shape "
+            f"{tuple(loss.shape)}; reduce it, e.g. with reduction='mean' or .mean()"
+        )
+        raise ValueError(msg)
+    if not loss.requires_grad:
+        msg = (
+            f"loss_fn {_name(loss_fn)} returned a loss that does not require grad (computed "
+            "under torch.no_grad(), detached, or not from the model's outputs?)"
+        )
+        raise ValueError(msg)
+    return loss
+
+
+def _name(fn: object) -> str:
+    return repr(getattr(fn, "__qualname__", None) or type(fn).__qualname__)
 
 
 def _rejection(step: int, violations: Sequence[Violation], *, source: str) -> StepSkipped:

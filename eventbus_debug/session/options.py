@@ -76,6 +76,7 @@ class SessionKnobs(TypedDict, total=False):
     distributed: bool | Agreement | None
     overhead_budget: float | None
     device_skip: bool
+    close_timeout: float | None
 
 
 def level_of(value: DebugLevel | str) -> DebugLevel:
@@ -154,6 +155,14 @@ class SessionOptions:
             optimizer built with ``fused=True``; not with ``scaler=``,
             ``skip_non_finite=False``, a distributed agreement or anomaly localization. See
             :class:`~eventbus_debug.recovery.device_skip.DeviceSkip`.
+        close_timeout: seconds the session's exit grants its sinks to take what is queued
+            for them and close. Given to the bus the session builds
+            (``EventBus(close_timeout=...)``): a sink still busy then (a hanging webhook) is
+            abandoned, and its undelivered events are counted in the bus's statistics and
+            reported by ``EventsUndelivered`` / ``SinkUnresponsive`` incidents in the log.
+            With ``Session(bus=...)``, the bound on draining the session's own subscriptions
+            before it removes them. ``None`` (default): the bus's default (30 s), or 10 s with
+            ``bus=``.
         plan: the instruments *level* / *mode* turn on (derived).
         schedulers: *scheduler* as a tuple (derived).
         recovery_policy: *policy* as a :class:`~eventbus_debug.RecoveryPolicy` (derived).
@@ -186,6 +195,7 @@ class SessionOptions:
     distributed: bool | Agreement | None = None
     overhead_budget: float | None = None
     device_skip: bool = False
+    close_timeout: float | None = None
     plan: DebugPlan = field(init=False)
     schedulers: tuple[Any, ...] = field(init=False)
     recovery_policy: RecoveryPolicy = field(init=False)
@@ -230,6 +240,17 @@ class SessionOptions:
                 raise ValueError(msg) from None
         if self.overhead_budget is not None:
             fraction("overhead_budget", self.overhead_budget, inclusive=False)
+        if self.close_timeout is not None:
+            if isinstance(self.close_timeout, bool) or not isinstance(
+                self.close_timeout, int | float
+            ):
+                msg = (
+                    f"close_timeout must be a number of seconds or None, got {self.close_timeout!r}"
+                )
+                raise TypeError(msg)
+            object.__setattr__(
+                self, "close_timeout", positive_seconds("close_timeout", self.close_timeout)
+            )
         _check_type("device_skip", self.device_skip, (bool,), "a bool")
         if self.device_skip:
             self._check_device_skip()

@@ -63,6 +63,7 @@ class SyncSession(SessionBase[SyncEventBus]):
     ) -> None:
         super().__init__(model, optimizer, options_from(options, knobs))
         self._system_task: Future[None] | None = None
+        self._flusher_task: Future[None] | None = None
         self._anomaly: AnomalyArming | None = None  # DebugMode.ANOMALY_DETECTION's localization
         self._unbind_step: Callable[[], None] | None = None
 
@@ -76,15 +77,27 @@ class SyncSession(SessionBase[SyncEventBus]):
             unbind()
 
     def __enter__(self) -> Self:
-        bus = SyncEventBus(telemetry_latency=TELEMETRY_LATENCY)
-        bus.__enter__()
+        self._claim()
+        try:
+            bus = SyncEventBus(
+                telemetry_latency=TELEMETRY_LATENCY, close_timeout=self._close_timeout
+            )
+            bus.__enter__()
+        except BaseException:
+            self._entered = False
+            raise
         try:
             self._bus = bus
             self._start(bus)
         except BaseException:
-            self._close_extras()
-            bus.close()
-            self._bus = None
+            try:
+                self._stop_tasks()
+                self._close_extras()
+                bus.close()
+            finally:
+                self._bus = None
+                self._subscriptions = []
+                self._entered = False
             raise
         self._live = True
         _log.info("session_started", session=self.name, level=self.plan.level.value)
@@ -96,7 +109,8 @@ class SyncSession(SessionBase[SyncEventBus]):
         sinks: Sinks = bus.portal.call(build_sinks, options, bus.bus)
         self._subscriptions.extend(self._subscribe(bus, sinks))
         if sinks.flusher is not None:
-            bus.portal.start_task_soon(sinks.flusher.run_flusher)
+            # cancelled at exit: its sleep would hold the portal's close up to a second
+            self._flusher_task = bus.portal.start_task_soon(sinks.flusher.run_flusher)
         probe = self._wire(bus)
         self.system = build_system(options, bus.bus, lambda: self.step)
         if self.system is not None:
@@ -123,18 +137,32 @@ class SyncSession(SessionBase[SyncEventBus]):
             return
         self._live = False
         try:
-            task, self._system_task = self._system_task, None
-            if task is not None and self.system is not None:
-                self.system.stop()
-                task.cancel()
+            self._stop_tasks()  # SessionEnded stays the session's last event
             if self.probe is not None:
                 self.probe.flush_sync()
                 self.probe.close()
             self._close_extras()
             bus.publish(self._ended_event(exc))
         finally:
-            bus.close()
+            try:
+                self._stop_tasks()
+                self._subscriptions = []
+                bus.close()  # closing the alert sink delivers its pending summaries
+            finally:
+                self._entered = False
             _log.info("session_ended", session=self.name, steps=self.steps_completed)
+
+    def _stop_tasks(self) -> None:
+        """Cancel the tasks the session runs on the bus's loop: the system sampler, the alert
+        flusher (idempotent)."""
+        task, self._system_task = self._system_task, None
+        if task is not None:
+            if self.system is not None:
+                self.system.stop()
+            task.cancel()
+        flusher, self._flusher_task = self._flusher_task, None
+        if flusher is not None:
+            flusher.cancel()
 
     # -- the per-step API -------------------------------------------------------------------------
 

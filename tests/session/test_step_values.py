@@ -1,0 +1,149 @@
+"""What ``step_completed`` and ``training_step`` accept: a clear error naming the argument,
+raised before anything is recorded, so a bad value never reaches (and spoils) the log."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from eventbus_debug import Session, SyncSession, read_events
+from eventbus_debug.events import StepCompleted
+from eventbus_debug.testing import RecordingSink
+
+from ._helpers import batch, setup
+
+BAD_VALUES: list[tuple[dict[str, Any], type[Exception], str]] = [
+    ({"loss": "abc"}, TypeError, r"loss must be a one-element tensor or a number, got str"),
+    ({"loss": True}, TypeError, r"loss must be"),
+    ({"loss": torch.tensor([1.0, 2.0])}, ValueError, r"loss must be a scalar tensor .*\(2,\)"),
+    ({"loss": torch.empty((), device="meta")}, ValueError, r"loss is a meta tensor"),
+    ({"learning_rate": "x"}, TypeError, r"learning_rate must be a number, got str"),
+    ({"learning_rate": -1}, ValueError, r"learning_rate must be >= 0, got -1"),
+    ({"learning_rate": torch.ones(2)}, ValueError, r"learning_rate must be a number or a one"),
+    ({"samples": 1.5}, TypeError, r"samples must be an int .*float 1\.5"),
+    ({"samples": "4"}, TypeError, r"samples must be an int"),
+    ({"samples": -5}, ValueError, r"samples must be >= 0, got -5"),
+    ({"step": "1"}, TypeError, r"step must be an int, got str"),
+    ({"step": -1}, ValueError, r"step must be >= 0"),
+]
+
+GOOD_VALUES: list[tuple[dict[str, Any], dict[str, float | None]]] = [
+    ({"loss": torch.tensor([0.5])}, {"loss": 0.5}),
+    ({"loss": 2}, {"loss": 2.0}),
+    ({"learning_rate": math.nan}, {"learning_rate": math.nan}),  # a fact worth logging
+    ({"learning_rate": torch.tensor(0.25)}, {"learning_rate": 0.25}),
+    ({"learning_rate": 1}, {"learning_rate": 1.0}),
+    ({"samples": np.int64(0)}, {"samples_per_s": None}),
+    ({"samples": torch.tensor(3)}, {}),
+]
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+class TestStepCompletedValues:
+    @pytest.mark.parametrize(("kwargs", "error", "match"), BAD_VALUES)
+    async def test_bad_value_refused_and_nothing_recorded(
+        self, tmp_path: Path, kwargs: dict[str, Any], error: type[Exception], match: str
+    ) -> None:
+        """The async session: the error names the argument; the log stays readable."""
+        model, opt = setup()
+        async with Session(model, opt, log_dir=tmp_path, report=False) as session:
+            await session.step_completed(0, loss=1.0)
+            args = {"step": 1, **kwargs}
+            with pytest.raises(error, match=match):
+                await session.step_completed(**args)
+            assert session.steps_completed == 1 and session.step == 0
+        steps = [e.step for e in read_events(tmp_path) if isinstance(e, StepCompleted)]
+        assert steps == [0]
+
+    @pytest.mark.parametrize(("kwargs", "error", "match"), BAD_VALUES)
+    def test_bad_value_refused_sync(
+        self, kwargs: dict[str, Any], error: type[Exception], match: str
+    ) -> None:
+        """SyncSession runs the same checks."""
+        model, opt = setup()
+        recorder = RecordingSink()
+        with SyncSession(model, opt, log_dir=None, sinks=[recorder]) as session:
+            with pytest.raises(error, match=match):
+                session.step_completed(**{"step": 1, **kwargs})
+            assert session.steps_completed == 0
+        assert recorder.of_type(StepCompleted) == []
+
+    @pytest.mark.parametrize(("kwargs", "expected"), GOOD_VALUES)
+    async def test_good_values_recorded(
+        self, tmp_path: Path, kwargs: dict[str, Any], expected: dict[str, float | None]
+    ) -> None:
+        """Tensors and numpy numbers are converted; a NaN learning rate is kept, and the log
+        reads it back."""
+        model, opt = setup()
+        async with Session(model, opt, log_dir=tmp_path, report=False) as session:
+            await session.step_completed(0, **kwargs)
+        (event,) = [e for e in read_events(tmp_path) if isinstance(e, StepCompleted)]
+        for field, value in expected.items():
+            assert _same(getattr(event, field), value), field
+
+
+def _no_grad_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(outputs.detach(), targets)
+
+
+class TestTrainingStepLossFn:
+    @pytest.mark.parametrize(
+        ("loss_fn", "error", "match"),
+        [
+            (None, TypeError, r"loss_fn must be a callable .* got NoneType None"),
+            ("mse", TypeError, r"loss_fn must be a callable"),
+            (lambda o, t: 1.0, TypeError, r"loss_fn '.*<lambda>' must return the loss as a tensor"),
+            (
+                lambda o, t: (o - t).pow(2),
+                ValueError,
+                r"loss_fn '.*<lambda>' must return a scalar loss .*\(6, 1\)",
+            ),
+            (_no_grad_loss, ValueError, r"loss_fn '_no_grad_loss' returned a loss that does not"),
+        ],
+    )
+    async def test_bad_loss_fn_named(
+        self, loss_fn: Callable[..., Any], error: type[Exception], match: str
+    ) -> None:
+        """A bad loss_fn, or a bad result of it, is named; the optimizer does not step and no
+        step is recorded."""
+        model, opt = setup()
+        before = [p.detach().clone() for p in model.parameters()]
+        async with Session(model, opt, log_dir=None) as session:
+            with pytest.raises(error, match=match):
+                await session.training_step(*batch(), loss_fn)
+            assert session.steps_completed == 0
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+    def test_bad_loss_fn_named_sync(self) -> None:
+        model, opt = setup()
+        with SyncSession(model, opt, log_dir=None) as session:
+            with pytest.raises(TypeError, match=r"loss_fn must be a callable"):
+                session.training_step(*batch(), None)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=r"must return the loss as a tensor"):
+                session.training_step(*batch(), lambda o, t: 1.0)  # type: ignore[arg-type, return-value]
+
+    async def test_bad_samples_refused_before_the_forward_pass(self) -> None:
+        model, opt = setup()
+        calls: list[int] = []
+
+        def loss_fn(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            return nn.functional.mse_loss(o, t)
+
+        async with Session(model, opt, log_dir=None) as session:
+            with pytest.raises(TypeError, match=r"samples must be an int"):
+                await session.training_step(*batch(), loss_fn, samples=2.5)  # type: ignore[arg-type]
+            result = await session.training_step(*batch(), loss_fn, samples=6)
+        assert calls == [1] and result.stepped
