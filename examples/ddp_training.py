@@ -1,9 +1,12 @@
 """DDP on CPU with gloo: one recovery decision for every rank, no hang, no divergence.
 
 Run with ``torchrun --nproc-per-node 2 examples/ddp_training.py`` (or ``--steps``/``--log-dir``).
-Rank 1 gets a NaN batch at a third of the run and rank 0 a sustained loss spike at two thirds:
-every rank skips the same step and rolls back to the same state, and the parameters stay
-bitwise equal. Each rank writes its own log under the log directory; rank 0 writes the report.
+Rank 1 gets a NaN batch at a third of the run and rank 0 a sustained loss spike at two thirds.
+Every rank skips the NaN step; the spike is judged on the ranks' mean loss, so every rank
+reports it at the same step. The default ``"safe"`` policy does not roll back on a loss signal
+alone (it cannot tell a fault from a shift of the data); ``--policy aggressive`` makes every rank
+roll back to the same state at the same step. Either way the parameters stay bitwise equal.
+Each rank writes its own log under the log directory; rank 0 writes the report.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from eventbus_debug import Session
-from eventbus_debug.events import RecoveryApplied, StepSkipped
+from eventbus_debug.events import LossSpiked, RecoveryApplied, StepSkipped
 from eventbus_debug.testing import RecordingSink
 
 
-async def train(steps: int, log_dir: str) -> dict[str, object]:
+async def train(steps: int, log_dir: str, policy: str = "safe") -> dict[str, object]:
     """Train a small regressor under DDP; returns what this rank skipped, applied and ended with."""
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -35,7 +38,9 @@ async def train(steps: int, log_dir: str) -> dict[str, object]:
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard of the data
     w = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
     recorder = RecordingSink()
-    async with Session(model, optimizer, log_dir=log_dir, sinks=[recorder]) as session:
+    async with Session(
+        model, optimizer, log_dir=log_dir, sinks=[recorder], policy=policy
+    ) as session:
         for step in range(steps):
             x = torch.randn(32, 16, generator=gen)
             y = torch.sin(x @ w)
@@ -55,15 +60,18 @@ async def train(steps: int, log_dir: str) -> dict[str, object]:
         "rank": rank,
         "skipped": sorted({e.step for e in recorder.of_type(StepSkipped)}),
         "applied": [(e.step, e.action.value) for e in recorder.of_type(RecoveryApplied)],
+        "spikes": sorted({e.step for e in recorder.of_type(LossSpiked) if e.step is not None}),
         "params": hashlib.sha256(params.numpy().tobytes()).hexdigest()[:16],
     }
 
 
-def main(steps: int = 300, log_dir: str = "debug_logs/ddp") -> dict[str, object]:
+def main(
+    steps: int = 300, log_dir: str = "debug_logs/ddp", policy: str = "safe"
+) -> dict[str, object]:
     """Join the process group torchrun set up, train, and check the ranks agree."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
-        mine = anyio.run(train, steps, log_dir)
+        mine = anyio.run(train, steps, log_dir, policy)
         everyone: list[object] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         # Every rank is done with the group before any tears it down (gloo in torch 2.13 can
@@ -83,5 +91,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--log-dir", default=os.environ.get("LOG_DIR", "debug_logs/ddp"))
+    parser.add_argument("--policy", default="safe", choices=("observe", "safe", "aggressive"))
     args = parser.parse_args()
-    main(args.steps, args.log_dir)
+    main(args.steps, args.log_dir, args.policy)

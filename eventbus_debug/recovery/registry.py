@@ -100,9 +100,12 @@ def default_strategies(policy: RecoveryPolicy | str = RecoveryPolicy.SAFE) -> li
       row, no LR change, never a stop for bad batches); restore non-finite parameters and
       buffers (stop only when that cannot bring the model back: no good state, or three
       restores in a row that did not hold); clip only a norm 100x beyond the largest the
-      run has seen (other explosions are reported); roll back with a temporary LR halving
-      only on a sustained loss spike, at most 3 times per run; report vanishing gradients;
-      free memory on a suspected leak; shrink the batch / fall back for failed calls.
+      run has seen (other explosions are reported); report loss spikes, single or sustained
+      (a loss signal alone cannot tell a fault from a legitimate shift of the data: a
+      curriculum phase, a multi-task mix, length-bucketed batches; a rollback there throws
+      progress away and halves the LR when the new data needs it); report vanishing
+      gradients; free memory on a suspected leak; shrink the batch / fall back for failed
+      calls.
     * ``aggressive``: skip, then restore with a temporary LR halving, then stop; clip every
       explosion, halving the LR (temporarily) every third in a row; roll back on any loss spike.
 
@@ -134,11 +137,6 @@ def default_strategies(policy: RecoveryPolicy | str = RecoveryPolicy.SAFE) -> li
                 strategy=ClipOnExplosion(min_ratio=100.0, lower_lr_after=None),
                 on=GradientExploded,
                 name="clip_gradients",
-            ),
-            StrategySpec(
-                strategy=RollbackOnLossSpike(rules=("sustained",), max_rollbacks=3),
-                on=LossSpiked,
-                name="rollback_on_loss_spike",
             ),
             StrategySpec(strategy=ReportVanishing(), on=GradientVanished, name="report_vanishing"),
             StrategySpec(

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from eventbus_debug import Cadence, CallState, Retrying, Session, TrainingStopped
-from eventbus_debug.events import MemoryLeakSuspected, RecoveryApplied, StepSkipped
+from eventbus_debug.events import LossSpiked, MemoryLeakSuspected, RecoveryApplied, StepSkipped
 from eventbus_debug.recovery.actions import Decision, Stop
 from eventbus_debug.recovery.agreement import RankAgreement
 from eventbus_debug.testing import RecordingSink
@@ -156,6 +156,9 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
         [e.step, e.action.value, e.outcome] for e in recorder.of_type(RecoveryApplied)
     ]
     result["lr"] = opt.param_groups[0]["lr"]
+    result["spikes"] = sorted(
+        [e.step, e.rule] for e in recorder.of_type(LossSpiked) if e.step is not None
+    )
     result["batch_size"] = retry.state.batch_size if step >= 0 else None
     result["steps_completed"] = session.steps_completed
     agreement = session.agreement

@@ -51,7 +51,7 @@ TWO_RANKS = (
     "crash_one_rank",  # last: rank 1 exits
 )
 STEPS = 40  # tests/distributed/_worker.py's STEPS: every one of them agreed during backward
-THREE_RANKS = ("sustained_one_rank",)
+THREE_RANKS = ("sustained_one_rank", "sustained_one_rank:aggressive")
 
 
 def run_group(tmp: Path, scenarios: tuple[str, ...], world: int) -> dict[str, list[Any]]:
@@ -148,9 +148,22 @@ def test_single_spike_aggressive_rolls_back_every_rank(two: dict[str, list[Any]]
     assert same_everywhere(results, "params") and same_everywhere(results, "lr")
 
 
-def test_sustained_spike_on_one_rank_rolls_back_every_rank(three: dict[str, list[Any]]) -> None:
-    """A sustained spike on rank 0 of 3: judged on the global loss, rolled back everywhere."""
+def test_sustained_spike_on_one_rank_is_reported_by_every_rank(three: dict[str, list[Any]]) -> None:
+    """A sustained spike on rank 0 of 3, safe policy: judged on the global loss, the same
+    spikes reported by every rank at the same steps, no rollback or LR change anywhere (the
+    40x gradients are clipped, on every rank alike), parameters equal."""
     results = ranks(three, "sustained_one_rank")
+    assert results[0]["spikes"] and same_everywhere(results, "spikes")
+    assert "sustained" in {rule for _, rule in results[0]["spikes"]}
+    actions = {a[1] for a in results[0]["applied"]}
+    assert actions <= {RecoveryAction.CLIP_GRADIENTS.value}
+    assert all(r["skipped"] == [] for r in results)
+    assert same_everywhere(results, "applied") and same_everywhere(results, "params")
+
+
+def test_sustained_spike_on_one_rank_rolls_back_every_rank(three: dict[str, list[Any]]) -> None:
+    """The same spike under the aggressive policy: rolled back everywhere, at the same step."""
+    results = ranks(three, "sustained_one_rank:aggressive")
     actions = [a[1] for a in results[0]["applied"]]
     assert RecoveryAction.RESTORE_STATE.value in actions
     assert same_everywhere(results, "applied") and same_everywhere(results, "params")
@@ -210,7 +223,8 @@ def test_ddp_agrees_during_backward_at_every_step(two: dict[str, list[Any]], sce
 
 def test_sustained_spike_agreed_during_backward(three: dict[str, list[Any]]) -> None:
     """Three ranks: every agreement of the sustained-spike run was overlapped."""
-    assert [r["overlapped"] for r in ranks(three, "sustained_one_rank")] == [STEPS] * 3
+    for scenario in THREE_RANKS:
+        assert [r["overlapped"] for r in ranks(three, scenario)] == [STEPS] * 3
 
 
 @pytest.mark.parametrize("scenario", ["fsdp2", "blocking_nan_one_rank_every5"])

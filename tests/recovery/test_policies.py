@@ -11,6 +11,7 @@ from torch import nn
 from eventbus_debug import Anomaly, RecoveryEngine, SafePoint, Session, TrainingStopped
 from eventbus_debug.events import (
     Event,
+    LossSpiked,
     NonFiniteDetected,
     RecoveryAction,
     RecoveryApplied,
@@ -94,6 +95,40 @@ class TestSafeDefaults:
         assert incidents(recorder) == []
         assert recorder.of_type(RecoveryApplied) == []
         assert opt.param_groups[0]["lr"] == pytest.approx(3e-3)
+
+    @pytest.mark.parametrize(
+        ("policy", "acts"), [(RecoveryPolicy.SAFE, False), (RecoveryPolicy.AGGRESSIVE, True)]
+    )
+    async def test_a_sustained_loss_shift_is_reported_never_rolled_back_by_default(
+        self, policy: RecoveryPolicy, acts: bool
+    ) -> None:
+        """A curriculum phase: from step 300 the targets come from a new, harder task, so the
+        loss stays far above its baseline for many steps. A loss signal alone cannot tell that
+        from a fault: the safe default reports it (sustained spikes included) and never rolls
+        back or touches the LR; the aggressive policy rolls back."""
+        model, opt, x, y = classifier()
+        y_new = (x[:, 5:10].argmin(dim=1) + 2) % 5  # the next phase's task
+        recorder = RecordingSink()
+        gen = torch.Generator().manual_seed(1)
+        async with session_for(model, opt, recorder, policy=policy) as session:
+            for step in range(500):
+                idx = torch.randint(0, len(x), (16,), generator=gen)
+                target = y[idx] if step < 300 else y_new[idx]
+                loss = nn.functional.cross_entropy(model(x[idx]), target)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()  # type: ignore[no-untyped-call]
+                verdict = await session.check_step(step, loss=loss)
+                if verdict.should_step:
+                    opt.step()
+                await session.step_completed(step, loss=verdict.loss)
+        spikes = recorder.of_type(LossSpiked)
+        assert spikes and all(e.step is not None and e.step >= 300 for e in spikes)
+        applied = recorder.of_type(RecoveryApplied)
+        assert bool(applied) is acts
+        if not acts:
+            assert "sustained" in {e.rule for e in spikes}
+            assert not recorder.of_type(StepSkipped)
+            assert opt.param_groups[0]["lr"] == pytest.approx(3e-3)
 
     async def test_nan_parameter_and_loss_restore_at_once(self) -> None:
         """A NaN parameter makes the loss NaN in the same step: restored right there, no LR cut."""
