@@ -376,6 +376,13 @@ class _DiskFull:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+async def _until_failing(sink: RotatingFileSink) -> None:
+    """Wait (bounded) until the writer thread's outage shows in the sink's statistics."""
+    with anyio.fail_after(5):
+        while not sink.statistics().failing:
+            await anyio.sleep(0.005)
+
+
 class TestFailures:
     """The synchronous writer (``wake_interval=0``): each batch is written, or fails, in turn."""
 
@@ -626,9 +633,7 @@ class TestWriteBehind:
         await sink.start()
         monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
         await sink.handle_batch(_steps(0, 3))
-        with anyio.fail_after(5):
-            while not sink.statistics().failing:
-                await anyio.sleep(0.005)
+        await _until_failing(sink)
         with pytest.raises(LogWriteError, match="No space left"):
             await sink.handle_batch(_steps(3, 1))
         await sink.handle_batch(_steps(4, 1))  # the outage is reported once
@@ -656,9 +661,7 @@ class TestWriteBehind:
         monkeypatch.setattr(jw.JsonlWriter, "_note_outage_locked", noting)
         monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
         await sink.handle_batch(_steps(0, 3))
-        with anyio.fail_after(5):
-            while not sink.statistics().failing:
-                await anyio.sleep(0.005)
+        await _until_failing(sink)
         assert seen[0] == (True, True)
         with pytest.raises(LogWriteError, match="No space left"):
             await sink.handle_batch(_steps(3, 1))
@@ -674,9 +677,7 @@ class TestWriteBehind:
         await sink.start()
         monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
         await sink.handle_batch(_steps(0, 3))
-        with anyio.fail_after(5):
-            while not sink.statistics().failing:
-                await anyio.sleep(0.005)
+        await _until_failing(sink)
         with pytest.raises(LogWriteError, match="No space left"):
             await sink.handle_batch(_steps(3, 1))
         await sink.handle_batch(_steps(4, 1))  # the outage is reported once
