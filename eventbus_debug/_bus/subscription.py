@@ -19,6 +19,7 @@ import anyio.lowlevel
 from anyio.abc import TaskGroup
 from typing_extensions import Self
 
+from .._validate import positive_seconds
 from ..diagnostics import get_logger
 from ..events import (
     Event,
@@ -603,14 +604,32 @@ class Subscription:
                 self._cancel_scope.cancel()
                 with anyio.move_on_after(CLOSE_GRACE):
                     await done.wait()
-        await self._close_sink(deadline)
+        await self.close_sink(max(deadline - time.monotonic(), CLOSE_GRACE))
 
-    async def _close_sink(self, deadline: float) -> None:
+    async def close_sink(self, timeout: float) -> None:
+        """Close the sink (its ``aclose``, else its ``close``) within *timeout* seconds, once.
+
+        Whoever removes a subscription owns its sink: the bus calls this for every
+        subscription when it closes, and a caller that cancelled a subscription may call it
+        to close the sink it gave. A plain function (or bound method) subscribed as a handler
+        has nothing to close; a second call does nothing. A close that raises is logged
+        (``sink_close_failed``) and one that outlasts *timeout* is abandoned and logged
+        (``sink_close_timed_out``); while the subscription is still on its bus, each is also
+        published there (:class:`~eventbus_debug.events.SinkCloseFailed`,
+        :class:`~eventbus_debug.events.SinkUnresponsive` with ``phase="close"``). Never raises
+        what the sink raised.
+
+        Args:
+            timeout: seconds the sink's close may take.
+
+        Raises:
+            ValueError: if *timeout* is not a finite number of seconds > 0.
+        """
+        budget = positive_seconds("timeout", timeout)
         aclose = self._adapter.aclose
         if aclose is None or self._sink_closed:
             return
         self._sink_closed = True
-        budget = max(deadline - time.monotonic(), CLOSE_GRACE)
         with anyio.move_on_after(budget) as scope:
             try:
                 result = aclose()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Final
@@ -14,7 +13,7 @@ import torch
 from torch import nn
 from typing_extensions import Self, Unpack
 
-from .._bus import EventBus, Subscription
+from .._bus import EventBus
 from ..diagnostics import get_logger
 from ..events import Anomaly, EventsUndelivered, TensorRole
 from ..exceptions import BusClosedError
@@ -243,7 +242,7 @@ class Session(SessionBase[EventBus]):
                             source=self.name, sink=sub.name, undelivered=lost, timeout_s=timeout
                         )
                     )
-            await _close_sink(sub, max(deadline - anyio.current_time(), CLOSE_GRACE))
+            await sub.close_sink(max(deadline - anyio.current_time(), CLOSE_GRACE))
 
     # -- the per-step API -------------------------------------------------------------------------
 
@@ -317,23 +316,3 @@ class Session(SessionBase[EventBus]):
         finite = self._check_tensor(tensor, name, role)
         await anyio.lowlevel.checkpoint()
         return finite
-
-
-async def _close_sink(sub: Subscription, budget: float) -> None:
-    """Close the sink of *sub*, just removed from a bus the session does not own (whoever
-    removes a subscription owns its sink), within *budget* seconds; a failure is logged."""
-    sink = sub.sink
-    if not (hasattr(sink, "handle") or hasattr(sink, "handle_batch")):
-        return  # a function or a bound method: nothing to close
-    close = getattr(sink, "aclose", None) or getattr(sink, "close", None)
-    if close is None:
-        return
-    with anyio.move_on_after(budget) as scope:
-        try:
-            result = close()
-            if inspect.isawaitable(result):
-                await result
-        except Exception as error:
-            _log.warning("session_sink_close_failed", sink=sub.name, error=repr(error))
-    if scope.cancelled_caught:
-        _log.warning("session_sink_close_timed_out", sink=sub.name, s=budget)

@@ -1,13 +1,17 @@
-"""One subscription: its pending count, its sink's adaptation and its default name."""
+"""One subscription: its pending count, its sink's adaptation, its default name and the close
+of its sink."""
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
 
 import anyio
 import pytest
 
 from eventbus_debug import EventBus, Subscription, SubscriptionError
 from eventbus_debug._bus._adapter import SinkAdapter, default_name, is_async_callable
-from eventbus_debug.events import Event, StepCompleted
+from eventbus_debug.events import Event, SinkCloseFailed, SinkUnresponsive, StepCompleted
 from eventbus_debug.testing import RecordingSink
 
 
@@ -141,3 +145,112 @@ class TestDefaultName:
             name = ""
 
         assert default_name(_Unnamed()) == "_Unnamed"
+
+
+class _SyncClose:
+    """A sink with only a synchronous ``close`` (counted)."""
+
+    name = "sync_close"
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    async def handle_batch(self, events: Sequence[Event], /) -> None:
+        del events
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class _BadClose:
+    """A sink whose ``aclose`` raises, or never returns (*hang*)."""
+
+    def __init__(self, name: str, *, hang: bool = False) -> None:
+        self.name = name
+        self._hang = hang
+
+    async def handle_batch(self, events: Sequence[Event], /) -> None:
+        del events
+
+    async def aclose(self) -> None:
+        if self._hang:
+            await anyio.sleep_forever()
+        raise OSError("flush failed")
+
+
+class TestCloseSink:
+    async def test_closes_a_removed_sink_once(self, bus: EventBus) -> None:
+        """After cancel the caller closes the sink it gave; a second call does nothing."""
+        recorder = RecordingSink()
+        sub = bus.subscribe(recorder)
+        sub.cancel()
+        with anyio.fail_after(5):
+            await sub.close_sink(1.0)
+            await sub.close_sink(1.0)
+        assert recorder.closed == 1
+
+    async def test_synchronous_close_is_called(self, bus: EventBus) -> None:
+        """A sink with only ``close()`` (not awaitable) has it called."""
+        sink = _SyncClose()
+        sub = bus.subscribe(sink)
+        sub.cancel()
+        await sub.close_sink(1.0)
+        assert sink.closed == 1
+
+    async def test_function_handler_has_nothing_to_close(self, bus: EventBus) -> None:
+        """A plain ``async def`` handler is left alone: no error, nothing called."""
+
+        async def handler(event: Event) -> None:
+            del event
+
+        sub = bus.subscribe(handler)
+        sub.cancel()
+        await sub.close_sink(1.0)
+
+    async def test_failing_close_is_published_while_subscribed(self, bus: EventBus) -> None:
+        """A close that raises is not raised; on the bus it becomes a SinkCloseFailed."""
+        recorder = RecordingSink()
+        bus.subscribe(recorder, SinkCloseFailed)
+        sub = bus.subscribe(_BadClose("failing"))
+        await sub.close_sink(1.0)
+        with anyio.fail_after(5):
+            await bus.drain()
+        (report,) = recorder.of_type(SinkCloseFailed)
+        assert report.sink == "failing" and "flush failed" in report.message
+
+    async def test_failing_close_after_cancel_is_logged(
+        self, bus: EventBus, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Off the bus, a close that raises is logged (``sink_close_failed``), not raised."""
+        recorder = RecordingSink()
+        bus.subscribe(recorder, SinkCloseFailed)
+        sub = bus.subscribe(_BadClose("failing"))
+        sub.cancel()
+        with caplog.at_level(logging.WARNING, logger="eventbus_debug"):
+            await sub.close_sink(1.0)
+        with anyio.fail_after(5):
+            await bus.drain()
+        assert recorder.of_type(SinkCloseFailed) == []
+        assert any("sink_close_failed" in r.getMessage() for r in caplog.records)
+
+    async def test_hanging_close_is_abandoned_after_the_timeout(
+        self, bus: EventBus, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A close that never returns is abandoned after *timeout*, logged and reported."""
+        recorder = RecordingSink()
+        bus.subscribe(recorder, SinkUnresponsive)
+        sub = bus.subscribe(_BadClose("hanging", hang=True))
+        with caplog.at_level(logging.ERROR, logger="eventbus_debug"), anyio.fail_after(5):
+            await sub.close_sink(0.05)
+            await bus.drain()
+        (report,) = recorder.of_type(SinkUnresponsive)
+        assert report.sink == "hanging" and report.phase == "close"
+        assert report.waited_s == pytest.approx(0.05)
+        assert any("sink_close_timed_out" in r.getMessage() for r in caplog.records)
+
+    @pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), True])
+    async def test_timeout_is_validated(self, bus: EventBus, timeout: float) -> None:
+        """A timeout that is not a finite number of seconds > 0 is refused, naming it."""
+        sub = bus.subscribe(RecordingSink())
+        with pytest.raises(ValueError, match=r"timeout must be a finite number of seconds > 0"):
+            await sub.close_sink(timeout)
