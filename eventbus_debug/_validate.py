@@ -7,11 +7,12 @@ A bool is never a number here (``True`` is not a capacity). Messages read
 from __future__ import annotations
 
 import math
-from typing import TypeGuard
+from typing import Final, TypeGuard
 
 from .typing import Publisher
 
 __all__ = (
+    "INT64_MAX",
     "fraction",
     "non_negative",
     "positive_int",
@@ -19,6 +20,11 @@ __all__ = (
     "positive_seconds",
     "publisher",
 )
+
+
+INT64_MAX: Final = 2**63 - 1
+"""The largest step or count the events may hold: the log (orjson) and every reader of it
+store integers in 64 bits, so a larger one could not be written."""
 
 
 def _is_number(value: object) -> TypeGuard[int | float]:

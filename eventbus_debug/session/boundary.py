@@ -23,6 +23,7 @@ import anyio.lowlevel
 import torch
 from torch import nn
 
+from .._validate import INT64_MAX
 from ..events import Event, StepCompleted, StepSkipped
 from ..extras.validation import InputValidator, OutputChecker, Violation
 from ..probes import AnomalyArming, LeakDetector, StepProbe, StepProfiler, StepVerdict
@@ -332,10 +333,10 @@ class StepBoundary:
         """The record of a finished step, up to its hand-over: ``(start time, its event)``."""
         if not (
             step.__class__ is int
-            and step >= 0
+            and 0 <= step <= INT64_MAX
             and (loss is None or loss.__class__ is float)
             and (learning_rate is None or learning_rate.__class__ is float)
-            and (samples is None or (samples.__class__ is int and samples >= 0))
+            and (samples is None or (samples.__class__ is int and 0 <= samples <= INT64_MAX))
         ):  # the common case costs these type tests; anything else is checked first
             loss, learning_rate, samples = _completed_values(step, loss, learning_rate, samples)
         started = self.meter.clock()
@@ -502,8 +503,12 @@ def _samples(samples: object) -> int:
         msg = f"samples must be an int (the step's number of samples), got {type(samples).__qualname__} {samples!r}"
         raise TypeError(msg)
     count = operator.index(samples)
-    if count < 0:
-        msg = f"samples must be >= 0, got {count}"
+    if not 0 <= count <= INT64_MAX:
+        msg = (
+            f"samples must be >= 0, got {count}"
+            if count < 0
+            else f"samples must fit in 64 bits (<= 2**63 - 1), got {count}"
+        )
         raise ValueError(msg)
     return count
 

@@ -215,6 +215,12 @@ class SessionOptions:
         object.__setattr__(self, "sinks", tuple(self.sinks))
         if self.log_dir is not None:
             _check_type("log_dir", self.log_dir, (str, os.PathLike), "a path or None")
+            if not os.fspath(self.log_dir):
+                msg = (
+                    "log_dir must not be empty (an unset variable?): pass None for no log, "
+                    "or '.' for the current directory"
+                )
+                raise ValueError(msg)
         _check_type("name", self.name, (str,), "a str")
         for knob in ("report", "alerts"):
             value = getattr(self, knob)

@@ -54,6 +54,7 @@ class TestSessionOptions:
             ({"overhead_budget": True}, ValueError, "overhead_budget"),
             ({"overhead_budget": -0.02}, ValueError, "overhead_budget"),
             ({"log_dir": 3}, TypeError, "log_dir must be a path"),
+            ({"log_dir": ""}, ValueError, "log_dir must not be empty .* None for no log"),
             ({"name": None}, TypeError, "name must be a str"),
             ({"report": "yes"}, TypeError, "report must be True, False or a sink"),
             ({"alerts": 1.0}, TypeError, "alerts must be True, False or a sink"),

@@ -30,8 +30,11 @@ BAD_VALUES: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"samples": 1.5}, TypeError, r"samples must be an int .*float 1\.5"),
     ({"samples": "4"}, TypeError, r"samples must be an int"),
     ({"samples": -5}, ValueError, r"samples must be >= 0, got -5"),
+    ({"samples": 2**64}, ValueError, r"samples must fit in 64 bits"),
     ({"step": "1"}, TypeError, r"step must be an int, got str"),
     ({"step": -1}, ValueError, r"step must be >= 0"),
+    ({"step": 2**70}, ValueError, r"step must fit in 64 bits"),
+    ({"loss": torch.tensor(1j)}, TypeError, r"loss must be real"),
 ]
 
 GOOD_VALUES: list[tuple[dict[str, Any], dict[str, float | None]]] = [

@@ -327,8 +327,6 @@ class Launcher:
                 # vector takes the widest dtype of its pieces. detach (0.5 us) keeps no graph
                 # alive while a deferred step waits; reshape (2 us) only when not 0-d already.
                 lt = loss.detach() if loss.dim() == 0 else loss.detach().reshape(())
-                if lt.is_complex():
-                    lt = lt.abs()
                 pieces.append(lt)
             else:
                 host_loss = float(loss)

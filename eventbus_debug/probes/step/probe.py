@@ -25,7 +25,7 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
-from ..._validate import positive_int, publisher
+from ..._validate import INT64_MAX, positive_int, publisher
 from ...events import LossSpiked
 from ...typing import Publisher
 from ..levels import Cadence, Checks, DebugLevel, Thresholds, checks_due
@@ -333,8 +333,12 @@ class StepProbe:
         if not isinstance(step, int) or isinstance(step, bool):
             msg = f"step must be an int, got {type(step).__qualname__} {step!r}"
             raise TypeError(msg)
-        if step < 0:
-            msg = f"step must be >= 0, got {step}"
+        if not 0 <= step <= INT64_MAX:
+            msg = (
+                f"step must be >= 0, got {step}"
+                if step < 0
+                else f"step must fit in 64 bits (<= 2**63 - 1, as every log reader stores it), got {step}"
+            )
             raise ValueError(msg)
         if loss is None:
             return
@@ -348,6 +352,9 @@ class StepProbe:
             if loss.is_meta:
                 msg = "loss is a meta tensor (it has no values); pass the real loss"
                 raise ValueError(msg)
+            if loss.is_complex():
+                msg = f"loss must be real, got a {loss.dtype} tensor (backward needs a real scalar loss)"
+                raise TypeError(msg)
             return
         if isinstance(loss, bool) or not isinstance(loss, int | float):
             msg = f"loss must be a one-element tensor or a number, got {type(loss).__qualname__}"

@@ -39,6 +39,16 @@ def _default_key(event: Event) -> Hashable:
     return (event.kind, event.rank)
 
 
+def _check_rule_callables(*, when: object, key: object) -> None:
+    """A rule's predicate and dedup key must be callables: else every event would fail."""
+    if when is not None and not callable(when):
+        msg = f"when must be None or a callable taking an event, got {type(when).__qualname__} {when!r}"
+        raise TypeError(msg)
+    if not callable(key):
+        msg = f"key must be a callable mapping an event to a hashable, got {type(key).__qualname__} {key!r}"
+        raise TypeError(msg)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AlertRule:
     """Which events make an alert, and how often a handler may hear about them.
@@ -58,7 +68,8 @@ class AlertRule:
     Raises:
         ValueError: if no event type is given, or a number is out of range (the message names
             the argument).
-        TypeError: if an event type is not an :class:`~eventbus_debug.Event` subclass.
+        TypeError: if an event type is not an :class:`~eventbus_debug.Event` subclass, or
+            ``when`` (when given) or ``key`` is not callable (else every event would fail).
     """
 
     event_types: tuple[type[Event], ...]
@@ -85,6 +96,7 @@ class AlertRule:
         if not isinstance(self.min_severity, Severity):
             msg = f"min_severity must be a Severity, got {self.min_severity!r}"
             raise TypeError(msg)
+        _check_rule_callables(when=self.when, key=self.key)
         if not (isinstance(self.cooldown, (int, float)) and self.cooldown >= 0):
             msg = f"cooldown must be a number of seconds >= 0, got {self.cooldown!r}"
             raise ValueError(msg)

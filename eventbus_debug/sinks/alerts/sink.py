@@ -202,7 +202,6 @@ class AlertSink:
                 *key* that is not callable is a ``TypeError`` here, not a failure on every
                 event).
         """
-        _check_rule_callables(when=when, key=key)
         rule = AlertRule(
             event_types=event_types,
             name=name,
@@ -232,7 +231,6 @@ class AlertSink:
         if not isinstance(rule, AlertRule):
             msg = f"rule must be an AlertRule, got {rule!r}"
             raise TypeError(msg)
-        _check_rule_callables(when=rule.when, key=rule.key)
         if not callable(handler):
             msg = f"handler must be a callable taking an Alert, got {handler!r}"
             raise TypeError(msg)
@@ -461,16 +459,6 @@ class AlertSink:
                 error=f"{publish_exc}",
                 handler=reg.name,
             )
-
-
-def _check_rule_callables(*, when: object, key: object) -> None:
-    """A rule's predicate and dedup key must be callables: else every event would fail."""
-    if when is not None and not callable(when):
-        msg = f"when must be None or a callable taking an event, got {type(when).__qualname__} {when!r}"
-        raise TypeError(msg)
-    if not callable(key):
-        msg = f"key must be a callable mapping an event to a hashable, got {type(key).__qualname__} {key!r}"
-        raise TypeError(msg)
 
 
 def _is_async_callable(fn: object) -> bool:

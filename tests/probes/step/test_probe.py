@@ -303,7 +303,9 @@ class TestBadInput:
             ("1", None, TypeError, "step must be an int"),
             (True, None, TypeError, "step must be an int"),
             (-1, None, ValueError, "step must be >= 0"),
+            (2**63, None, ValueError, r"step must fit in 64 bits .*got 9223372036854775808"),
             (0, torch.ones(3), ValueError, "scalar tensor"),
+            (0, torch.tensor(1 + 2j), TypeError, "loss must be real, got a torch.complex64"),
             (0, "0.5", TypeError, "loss must be"),
         ],
     )

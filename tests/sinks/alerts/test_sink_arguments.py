@@ -60,14 +60,12 @@ def test_on_refuses_non_callable_when_and_key(kwargs: dict[str, Any], argument: 
     assert sink.rules == ()
 
 
-@pytest.mark.parametrize(("field", "value"), [("when", 5), ("key", "kind")])
-def test_add_rule_refuses_a_rule_with_non_callable_when_or_key(field: str, value: Any) -> None:
-    """An AlertRule built directly with a non-callable when/key is refused by add_rule."""
-    rule = AlertRule(event_types=(GradientExploded,), **{field: value})
-    sink = AlertSink(_Bus())
+@pytest.mark.parametrize(("field", "value"), [("when", 5), ("key", "kind"), ("key", None)])
+def test_alert_rule_refuses_non_callable_when_or_key(field: str, value: Any) -> None:
+    """An AlertRule built directly with a non-callable when/key is refused when it is built,
+    not when the first event reaches it."""
     with pytest.raises(TypeError, match=f"^{field} must be"):
-        sink.add_rule(rule, lambda alert: None)
-    assert sink.rules == ()
+        AlertRule(event_types=(GradientExploded,), **{field: value})
 
 
 async def test_callable_when_and_key_still_work() -> None:
