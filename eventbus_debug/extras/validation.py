@@ -436,37 +436,17 @@ class OutputChecker:
         finite = [(path, v) for path, v in values if math.isfinite(v)]
         lo = min((v for _, v in finite), default=None)
         hi = max((v for _, v in finite), default=None)
-        finding = functools.partial(
-            OutputAnomalyDetected,
-            step=step,
-            source=_OUTPUT_SOURCE,
-            name=self.name,
-            min_value=lo,
-            max_value=hi,
+        return self._findings(
+            self.name,
+            step,
+            lo=lo,
+            hi=hi,
             nonfinite_count=len(bad),
+            non_finite=f"{self.name} hold NaN or infinite numbers{_at(bad, self.name)}",
+            located=lambda low, high: _at(
+                [path for path, v in finite if v < low or v > high], self.name
+            ),
         )
-        found: list[OutputAnomalyDetected] = []
-        if bad:
-            found.append(
-                finding(
-                    rule="non_finite",
-                    message=f"{self.name} hold NaN or infinite numbers{_at(bad, self.name)}",
-                    severity=Severity.ERROR,
-                )
-            )
-        if self.expected_range is not None and lo is not None and hi is not None:
-            low, high = self.expected_range
-            outside = [path for path, v in finite if v < low or v > high]
-            if outside:
-                found.append(
-                    finding(
-                        rule="range",
-                        message=f"{self.name} span [{lo:g}, {hi:g}], outside the expected "
-                        f"[{low:g}, {high:g}]{_at(outside, self.name)}",
-                        severity=Severity.WARNING,
-                    )
-                )
-        return found
 
     def _tensor(
         self, name: str, outputs: torch.Tensor, step: int | None
@@ -501,40 +481,65 @@ class OutputChecker:
         lo_f = float(lo_v) if has_finite else None
         hi_f = float(hi_v) if has_finite else None
         std_f = float(std_v) if has_finite and math.isfinite(std_v) else None
+        return self._findings(
+            name,
+            step,
+            lo=lo_f,
+            hi=hi_f,
+            nonfinite_count=n_bad,
+            non_finite=f"{name} contain {n_bad} NaN or infinite values",
+            std=std_f,
+        )
+
+    def _findings(
+        self,
+        name: str,
+        step: int | None,
+        *,
+        lo: float | None,
+        hi: float | None,
+        nonfinite_count: int,
+        non_finite: str,
+        located: Callable[[float, float], str] | None = None,
+        std: float | None = None,
+    ) -> list[OutputAnomalyDetected]:
+        """The incidents of one checked output, one per broken rule, each carrying its numbers.
+
+        ``non_finite`` (message *non_finite*) when *nonfinite_count* is not 0; ``range`` when
+        the finite values *lo*..*hi* leave ``expected_range`` (*located(low, high)* ends its
+        message: where the values outside are); ``collapsed`` when *std* is below
+        ``collapse_std``.
+        """
         finding = functools.partial(
             OutputAnomalyDetected,
             step=step,
             source=_OUTPUT_SOURCE,
             name=name,
-            min_value=lo_f,
-            max_value=hi_f,
-            std=std_f,
-            nonfinite_count=n_bad,
+            min_value=lo,
+            max_value=hi,
+            std=std,
+            nonfinite_count=nonfinite_count,
         )
         found: list[OutputAnomalyDetected] = []
-        if n_bad:
-            found.append(
-                finding(
-                    rule="non_finite",
-                    message=f"{name} contain {n_bad} NaN or infinite values",
-                    severity=Severity.ERROR,
-                )
-            )
-        if self.expected_range is not None and lo_f is not None and hi_f is not None:
+        if nonfinite_count:
+            found.append(finding(rule="non_finite", message=non_finite, severity=Severity.ERROR))
+        if self.expected_range is not None and lo is not None and hi is not None:
             low, high = self.expected_range
-            if lo_f < low or hi_f > high:
+            if lo < low or hi > high:
+                where = located(low, high) if located is not None else ""
                 found.append(
                     finding(
                         rule="range",
-                        message=f"{name} span [{lo_f:g}, {hi_f:g}], outside the expected [{low:g}, {high:g}]",
+                        message=f"{name} span [{lo:g}, {hi:g}], outside the expected "
+                        f"[{low:g}, {high:g}]{where}",
                         severity=Severity.WARNING,
                     )
                 )
-        if self.collapse_std is not None and std_f is not None and std_f < self.collapse_std:
+        if self.collapse_std is not None and std is not None and std < self.collapse_std:
             found.append(
                 finding(
                     rule="collapsed",
-                    message=f"{name} are uniform across the batch (std {std_f:.3g} < {self.collapse_std:g})",
+                    message=f"{name} are uniform across the batch (std {std:.3g} < {self.collapse_std:g})",
                     severity=Severity.WARNING,
                 )
             )
