@@ -44,12 +44,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import hmac
-import ipaddress
 import socket
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Protocol, TypeAlias, runtime_checkable
 
@@ -69,19 +67,36 @@ from .report.html import CONTENT_SECURITY_POLICY
 try:
     import uvicorn
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-    from prometheus_client.registry import Collector
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import Response
     from starlette.routing import Route
-    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+    from starlette.types import ASGIApp
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     msg = (
         "sinks.http needs starlette, uvicorn and prometheus-client, the optional 'http' extra: "
         f"pip install 'eventbus-debug[http]' ({exc})"
     )
     raise ImportError(msg) from None
+
+# The request guard and the metrics collector need the extra too: imported once it is known
+# to be there. Their helpers stay importable from here, as they always were.
+from ._http_guard import (
+    _CROSS_SITE as _CROSS_SITE,
+    _LOOPBACK_NAMES as _LOOPBACK_NAMES,
+    _SAFE_METHODS as _SAFE_METHODS,
+    _SECURITY_HEADERS as _SECURITY_HEADERS,
+    _WILDCARDS as _WILDCARDS,
+    _allowed_hosts,
+    _bearer_matches as _bearer_matches,
+    _check_token,
+    _Guard,
+    _host_of,
+    _hosts,
+    _is_loopback,
+    _norm_host as _norm_host,
+)
+from ._http_metrics import _labelled as _labelled, _Metrics
 
 __all__ = ("DebugServer", "LevelHolder", "LevelSetter", "LevelTarget", "SummarySource")
 
@@ -91,16 +106,6 @@ DEFAULT_RING_SIZE: Final = 2000
 MAX_EVENTS_PER_PAGE: Final = 1000
 MAX_BODY_BYTES: Final = 64 * 1024
 _MAX_PORT: Final = 65535
-_LOOPBACK_NAMES: Final = frozenset({"localhost", "127.0.0.1", "::1"})
-_WILDCARDS: Final = frozenset({"0.0.0.0", "::", ""})
-_SAFE_METHODS: Final = frozenset({"GET", "HEAD"})
-_CROSS_SITE: Final = frozenset({b"cross-site", b"same-site"})
-_SECURITY_HEADERS: Final = (
-    (b"x-content-type-options", b"nosniff"),
-    (b"x-frame-options", b"DENY"),
-    (b"cache-control", b"no-store"),
-    (b"referrer-policy", b"no-referrer"),
-)
 
 
 @runtime_checkable
@@ -145,294 +150,6 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
-
-
-def _is_loopback(host: str) -> bool:
-    if host in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _norm_host(host: str) -> str:
-    host = host.strip().lower().rstrip(".")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host
-
-
-def _host_of(header: bytes) -> str | None:
-    """The host name of a ``Host`` header (port removed), or ``None`` when malformed."""
-    try:
-        text = header.decode("ascii").strip().lower()
-    except UnicodeDecodeError:
-        return None
-    if not text or any(c in text for c in " /\\@?#"):
-        return None
-    if text.startswith("["):
-        end = text.find("]")
-        rest = text[end + 1 :] if end > 0 else ""
-        if end < 0 or (rest and not (rest[0] == ":" and rest[1:].isdigit())):
-            return None
-        return text[1:end]
-    name, _, port = text.partition(":")
-    if ":" in port or (port and not port.isdigit()):
-        return None
-    return name.rstrip(".")
-
-
-def _check_token(token: str | None) -> bytes | None:
-    if token is None:
-        return None
-    if not isinstance(token, str):
-        msg = f"token must be a str, got {type(token).__name__}"
-        raise TypeError(msg)
-    if not token or not token.isascii() or not token.isprintable() or " " in token:
-        msg = "token must be a non-empty string of printable ASCII characters without spaces"
-        raise ValueError(msg)
-    return token.encode("ascii")
-
-
-def _hosts(values: Iterable[str], name: str) -> frozenset[str]:
-    if isinstance(values, str):
-        msg = f"{name} must be a sequence of strings, not one string ({values!r})"
-        raise TypeError(msg)
-    out = set()
-    for value in values:
-        if not isinstance(value, str) or not value.strip():
-            msg = f"{name} must hold non-empty strings, got {value!r}"
-            raise ValueError(msg)
-        out.add(value.strip().lower().rstrip("/"))
-    return frozenset(out)
-
-
-class _Guard:
-    """ASGI middleware in front of every endpoint: Host, token, and the mutation rules."""
-
-    def __init__(self, app: ASGIApp, server: DebugServer) -> None:
-        self.app = app
-        self.server = server
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            await self.app(scope, receive, send)
-            return
-        if scope["type"] != "http":
-            await self._refuse(send, 403, "websocket", "this server speaks plain HTTP only")
-            return
-        headers: dict[bytes, bytes] = {}
-        for key, value in scope.get("headers", ()):
-            headers.setdefault(bytes(key).lower(), bytes(value))
-        server = self.server
-        host = _host_of(headers.get(b"host", b""))
-        if host is None or not server._host_allowed(host):
-            await self._refuse(
-                send,
-                400,
-                "host",
-                "the Host header does not name this server (allowed: "
-                + ", ".join(sorted(server.allowed_hosts))
-                + "; pass allowed_hosts=... to add names)",
-            )
-            return
-        if server._token is not None and not _bearer_matches(
-            headers.get(b"authorization"), server._token
-        ):
-            await self._refuse(
-                send,
-                401,
-                "token",
-                "this server needs 'Authorization: Bearer <token>'",
-                extra=((b"www-authenticate", b'Bearer realm="eventbus-debug"'),),
-            )
-            return
-        method = str(scope.get("method", "GET")).upper()
-        if method not in _SAFE_METHODS:
-            if headers.get(b"sec-fetch-site", b"").strip().lower() in _CROSS_SITE:
-                await self._refuse(send, 403, "origin", "cross-site requests are refused")
-                return
-            origin = headers.get(b"origin")
-            if origin is not None and not server._origin_allowed(origin):
-                await self._refuse(send, 403, "origin", "requests from another origin are refused")
-                return
-            if method == "OPTIONS":
-                await self._refuse(send, 403, "preflight", "this server answers no CORS preflight")
-                return
-            media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
-            if media != b"application/json":
-                await self._refuse(
-                    send,
-                    415,
-                    "content_type",
-                    "changes need a JSON request: 'Content-Type: application/json'",
-                )
-                return
-
-        async def send_secured(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = dict(message)
-                message["headers"] = [*message.get("headers", ()), *_SECURITY_HEADERS]
-            await send(message)
-
-        await self.app(scope, receive, send_secured)
-
-    async def _refuse(
-        self,
-        send: Send,
-        status: int,
-        reason: str,
-        message: str,
-        extra: tuple[tuple[bytes, bytes], ...] = (),
-    ) -> None:
-        self.server._count_refusal(reason)
-        body = orjson.dumps({"error": message})
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    *extra,
-                    *_SECURITY_HEADERS,
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-
-def _bearer_matches(header: bytes | None, token: bytes) -> bool:
-    """Constant-time check of ``Authorization: Bearer <token>`` on raw bytes."""
-    if header is None:
-        return False
-    scheme, _, given = header.strip().partition(b" ")
-    ok_scheme = scheme.lower() == b"bearer"
-    # compare_digest on bytes never raises, whatever the header holds (non-ASCII included)
-    return hmac.compare_digest(given.strip(), token) and ok_scheme
-
-
-class _Metrics(Collector):
-    """Builds the Prometheus families from the current summary at each scrape."""
-
-    def __init__(self, server: DebugServer) -> None:
-        self.server = server
-
-    def collect(self) -> Iterator[Metric]:
-        server = self.server
-        s = server._summary_now()
-        yield _labelled(
-            CounterMetricFamily,
-            "eventbus_debug_events",
-            "Events received, by kind.",
-            "kind",
-            s.counts_by_kind,
-        )
-        yield _labelled(
-            CounterMetricFamily,
-            "eventbus_debug_anomalies",
-            "Anomaly incidents, by kind.",
-            "kind",
-            s.anomalies_by_kind,
-        )
-        yield _labelled(
-            CounterMetricFamily,
-            "eventbus_debug_recovery_decisions",
-            "Recovery decisions, by action.",
-            "action",
-            s.recovery_decisions,
-        )
-        yield _labelled(
-            CounterMetricFamily,
-            "eventbus_debug_events_dropped",
-            "Telemetry shed by a subscriber's full queue, by sink.",
-            "sink",
-            s.sinks.dropped,
-        )
-        yield _labelled(
-            CounterMetricFamily,
-            "eventbus_debug_events_undelivered",
-            "Events lost at close, by sink.",
-            "sink",
-            s.sinks.undelivered,
-        )
-        yield _labelled(
-            CounterMetricFamily,
-            "eventbus_debug_http_refused",
-            "Requests this server refused, by reason.",
-            "reason",
-            server.refused,
-        )
-        for name, doc, value in (
-            (
-                "eventbus_debug_incidents",
-                "Incidents (anomalies, errors, decisions, ...).",
-                s.incidents_total,
-            ),
-            ("eventbus_debug_steps", "Training steps completed (else checked).", s.steps),
-            ("eventbus_debug_anomalous_steps", "Steps with at least one anomaly.", s.anomaly_steps),
-            ("eventbus_debug_steps_skipped", "Optimizer steps skipped.", s.steps_skipped),
-        ):
-            yield CounterMetricFamily(name, doc, value=float(value))
-        latest, memory = s.latest, s.memory
-        for name, doc, gauge in (
-            ("eventbus_debug_last_step", "The most recent step.", latest.step),
-            ("eventbus_debug_loss", "The most recent loss.", latest.loss),
-            ("eventbus_debug_grad_norm", "The most recent total gradient norm.", latest.grad_norm),
-            (
-                "eventbus_debug_learning_rate",
-                "The most recent learning rate.",
-                latest.learning_rate,
-            ),
-            (
-                "eventbus_debug_samples_per_second",
-                "The most recent throughput.",
-                latest.samples_per_s,
-            ),
-            (
-                "eventbus_debug_step_duration_seconds",
-                "The most recent step duration.",
-                latest.step_duration_s,
-            ),
-            ("eventbus_debug_rss_bytes_peak", "Peak resident set size.", memory.peak_rss_bytes),
-            ("eventbus_debug_rss_bytes", "Last resident set size.", memory.last_rss_bytes),
-            (
-                "eventbus_debug_cuda_allocated_bytes_peak",
-                "Peak CUDA memory allocated.",
-                memory.peak_cuda_allocated_bytes,
-            ),
-        ):
-            if gauge is not None:
-                yield GaugeMetricFamily(name, doc, value=float(gauge))
-        level = server._current_level()
-        if level is not None:
-            info = GaugeMetricFamily(
-                "eventbus_debug_level",
-                "The probes' debug level (1 for the current one).",
-                labels=["level"],
-            )
-            info.add_metric([level], 1.0)
-            yield info
-        if s.run_id:
-            run = GaugeMetricFamily(
-                "eventbus_debug_run", "The run this server reports on.", labels=["run_id"]
-            )
-            run.add_metric([s.run_id], 1.0)
-            yield run
-
-
-def _labelled(
-    family: type[CounterMetricFamily],
-    name: str,
-    doc: str,
-    label: str,
-    values: Mapping[str, int],
-) -> Metric:
-    metric = family(name, doc, labels=[label])
-    for key, value in sorted(values.items()):
-        metric.add_metric([str(key)], float(value))
-    return metric
 
 
 class DebugServer:
@@ -513,17 +230,7 @@ class DebugServer:
                 f"a callable taking a DebugLevel; got {level!r}"
             )
             raise TypeError(msg)
-        bound = _norm_host(host)
-        hosts = set(_hosts(allowed_hosts, "allowed_hosts"))
-        hosts.add(bound)
-        if _is_loopback(bound) or bound in _WILDCARDS:
-            hosts |= _LOOPBACK_NAMES
-        if bound in _WILDCARDS:
-            hosts.discard(bound)
-            for name_ in (socket.gethostname(), socket.getfqdn()):
-                if name_:
-                    hosts.add(name_.lower().rstrip("."))
-        self.allowed_hosts: frozenset[str] = frozenset(_norm_host(h) for h in hosts)
+        self.allowed_hosts: frozenset[str] = _allowed_hosts(host, allowed_hosts)
         """The names the ``Host`` header may carry."""
         self._origins = _hosts(allowed_origins, "allowed_origins")
         self.name = name
