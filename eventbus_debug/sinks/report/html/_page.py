@@ -20,8 +20,6 @@ from ._sections import (
     _stat_row,
 )
 
-__all__ = ("CONTENT_SECURITY_POLICY", "render_html")
-
 CONTENT_SECURITY_POLICY: Final = (
     "default-src 'none'; style-src 'unsafe-inline'; img-src data:; "
     "base-uri 'none'; form-action 'none'"

@@ -1,15 +1,7 @@
-"""The run summary: a typed aggregate of an event stream, built live or from a log.
-
-:class:`RunAggregator` folds events one at a time into bounded state (counters, running
-statistics, downsampled series, the most recent incidents) and produces a frozen
-:class:`RunSummary`. The aggregate depends only on the events and their order, never on the
-time of aggregation, so a report rebuilt from the JSON-lines log equals the live one.
-"""
+"""The run aggregator: events folded one at a time into the bounded state behind a summary."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections import deque
 from collections.abc import Iterable
 from typing import Final
 
@@ -37,11 +29,9 @@ from eventbus_debug.events import (
     SystemSampled,
     TensorRole,
 )
-from eventbus_debug.events.describe import describe
 
-from ._stats import _LayerGrid, _RankSum, _RunningStat, _Series, _Trend
-from .summary import (
-    IncidentRow,
+from .._stats import _LayerGrid, _RankSum, _RunningStat, _Series, _Trend
+from ..summary import (
     LatestValues,
     Marker,
     MemoryStats,
@@ -50,33 +40,13 @@ from .summary import (
     SinkStats,
     SystemStats,
 )
-
-__all__ = (
-    "DEFAULT_LAYER_POINTS",
-    "DEFAULT_MAX_INCIDENTS",
-    "DEFAULT_MAX_LAYERS",
-    "DEFAULT_MAX_MARKERS",
-    "DEFAULT_MAX_POINTS",
-    "RUN_JOIN_WINDOW_S",
-    "RunAggregator",
-    "summarize",
-    "summarize_runs",
-)
+from ._rows import _IncidentRows
 
 DEFAULT_MAX_POINTS: Final = 1000
 DEFAULT_MAX_INCIDENTS: Final = 500
 DEFAULT_MAX_MARKERS: Final = 2000
 DEFAULT_MAX_LAYERS: Final = 64
 DEFAULT_LAYER_POINTS: Final = 48
-RUN_JOIN_WINDOW_S: Final = 60.0
-"""Ranks that start sessions of the same name within this many seconds, without a shared run
-id, are taken as one run (set ``EVENTBUS_DEBUG_RUN_ID`` to make it explicit)."""
-_MAX_LINKS: Final = 4096
-_MAX_PENDING: Final = 64
-_MAX_GROUPS: Final = 4096
-"""How many recent incidents are remembered for recognising the same incident on another rank
-(an incident at the same step, of the same kind, the same occurrence of it on each rank)."""
-
 
 _ALWAYS_LISTED: Final = (
     Anomaly,
@@ -91,17 +61,7 @@ _ALWAYS_LISTED: Final = (
 """Incidents listed whatever their severity (the others from WARNING up)."""
 
 
-class _RowState:
-    """An incident row being built: its first rank's row and every rank that had it."""
-
-    __slots__ = ("ranks", "row")
-
-    def __init__(self, row: IncidentRow) -> None:
-        self.row = row
-        self.ranks = [row.rank]
-
-
-class RunAggregator:
+class RunAggregator(_IncidentRows):
     """Folds events into the state behind a :class:`RunSummary`; memory stays bounded.
 
     Args:
@@ -211,17 +171,8 @@ class RunAggregator:
         self._latest: dict[str, float | None] = {}
         self._latest_step: int | None = None
         self._markers: list[Marker] = []
-        self._incidents_total = 0
-        self._incidents: deque[_RowState] = deque(maxlen=self._max_incidents)
         self._incidents_by_rank: dict[int, int] = {}
-        # the same incident on several ranks: (rank, step, kind) -> occurrences on that rank;
-        # (step, kind, occurrence) -> its row; (rank, seq) of a merged event -> its row's
-        self._occurrences: dict[tuple[int, int, str], int] = {}
-        self._groups: dict[tuple[int, str, int], _RowState] = {}
-        self._alias: dict[tuple[int, int], tuple[int, int]] = {}
-        # recovery chain: (rank, seq) -> seqs it led to; (rank, action) -> undone decisions
-        self._led_to: dict[tuple[int, int], list[int]] = {}
-        self._pending: dict[tuple[int, str], deque[int]] = {}
+        self._clear_rows(self._max_incidents)
         # runs: rank -> current run id; run id -> [name, started_ns, ranks, events]
         self._rank_run: dict[int, str] = {}
         self._runs: dict[str, _RunState] = {}
@@ -325,9 +276,7 @@ class RunAggregator:
             return  # lifecycle notices (session started/ended, captures) are not incidents
         rank = event.rank
         self._incidents_by_rank[rank] = self._incidents_by_rank.get(rank, 0) + 1
-        # Another rank's copy of an incident already listed joins that row; it is counted once.
-        key = None if step is None else (step, kind, self._occurrence(rank, step, kind))
-        new = key is None or not self._join_group(event, key)
+        key, new = self._merge(event)
         caused_by: int | None = None
         if isinstance(event, Anomaly):
             if new:
@@ -357,53 +306,8 @@ class RunAggregator:
         elif isinstance(event, SinkDisabled):
             if event.sink not in self._disabled:
                 self._disabled.append(event.sink)
-        if not new:
-            return
-        self._incidents_total += 1
-        state = _RowState(
-            IncidentRow(
-                seq=event.seq,
-                time_ns=event.time_ns,
-                step=step,
-                rank=rank,
-                kind=kind,
-                severity=sev,
-                source=event.source,
-                message=describe(event),
-                caused_by=caused_by,
-            )
-        )
-        self._incidents.append(state)
-        if key is not None:
-            groups = self._groups
-            if len(groups) >= _MAX_GROUPS and key not in groups:
-                del groups[next(iter(groups))]
-            groups[key] = state
-
-    def _occurrence(self, rank: int, step: int, kind: str) -> int:
-        """How many incidents of *kind* at *step* *rank* had before this one (bounded memory)."""
-        occurrences = self._occurrences
-        key = (rank, step, kind)
-        n = occurrences.get(key, 0)
-        if not n and len(occurrences) >= _MAX_GROUPS:
-            del occurrences[next(iter(occurrences))]
-        occurrences[key] = n + 1
-        return n
-
-    def _join_group(self, event: Event, key: tuple[int, str, int]) -> bool:
-        """Whether another rank already listed this incident (*key*: its step, kind and
-        occurrence on the rank); its row then names this rank too."""
-        group = self._groups.get(key)
-        rank = event.rank
-        if group is None or rank in group.ranks:
-            return False
-        group.ranks.append(rank)
-        if event.seq >= 0 and group.row.seq >= 0:
-            alias = self._alias
-            if len(alias) >= _MAX_LINKS:
-                del alias[next(iter(alias))]
-            alias[(rank, event.seq)] = (group.row.rank, group.row.seq)
-        return True
+        if new:
+            self._list(event, key, caused_by)
 
     def _new_rank(self, rank: int) -> None:
         ranks = self._ranks
@@ -416,44 +320,6 @@ class RunAggregator:
             if self._checked:
                 self._checked_by_rank[first] = self._checked
         ranks.add(rank)
-
-    def _link(self, rank: int, source_seq: int, target_seq: int) -> int | None:
-        """Link *source_seq* to *target_seq* (both of *rank*) on the rows that list them (a
-        merged copy's row is its first rank's); the source's seq on that row, or ``None`` when
-        the two rows are not of the same rank."""
-        alias = self._alias
-        src_rank, src = alias.get((rank, source_seq), (rank, source_seq))
-        dst_rank, dst = alias.get((rank, target_seq), (rank, target_seq))
-        if src_rank != dst_rank:
-            return None
-        links = self._led_to
-        key = (src_rank, src)
-        targets = links.get(key)
-        if targets is None:
-            if len(links) >= _MAX_LINKS:
-                del links[next(iter(links))]  # the oldest chain: its rows left the table
-            targets = links[key] = []
-        if len(targets) < _MAX_PENDING and dst not in targets:
-            targets.append(dst)
-        return src
-
-    def _link_decision(self, event: RecoveryDecided, action: str) -> int | None:
-        if event.seq < 0:
-            return None
-        pending = self._pending.get((event.rank, action))
-        if pending is None:
-            pending = self._pending[(event.rank, action)] = deque(maxlen=_MAX_PENDING)
-        pending.append(event.seq)
-        if event.trigger_seq < 0:
-            return None
-        return self._link(event.rank, event.trigger_seq, event.seq)
-
-    def _link_applied(self, event: RecoveryApplied) -> int | None:
-        pending = self._pending.get((event.rank, event.action.value))
-        if not pending or event.seq < 0:
-            return None
-        decision = pending.popleft()
-        return self._link(event.rank, decision, event.seq)
 
     def _end_run(self, event: SessionEnded) -> None:
         """Keep the session's measured overhead (the largest over ranks) and its budget."""
@@ -691,21 +557,6 @@ class RunAggregator:
         infos.sort(key=lambda r: (r.started_ns is not None, r.started_ns or 0))
         return tuple(infos)
 
-    def _linked_incidents(self) -> tuple[IncidentRow, ...]:
-        links = self._led_to
-        out = []
-        for state in self._incidents:
-            row = state.row
-            led = links.get((row.rank, row.seq))
-            out.append(
-                dataclasses.replace(
-                    row,
-                    led_to=row.led_to if led is None else tuple(led),
-                    ranks=tuple(sorted(state.ranks)),
-                )
-            )
-        return tuple(out)
-
 
 class _RunState:
     __slots__ = ("events", "name", "ranks", "started_ns")
@@ -715,95 +566,3 @@ class _RunState:
         self.started_ns = started_ns
         self.ranks: set[int] = set()
         self.events = 0
-
-
-def summarize(events: Iterable[Event], /, **options: int) -> RunSummary:
-    """Aggregate *events* (e.g. ``read_events(log_dir)``) into a :class:`RunSummary`.
-
-    *options* are those of :class:`RunAggregator`.
-    """
-    aggregator = RunAggregator(**options)
-    aggregator.add_all(events)
-    return aggregator.summary()
-
-
-def summarize_runs(
-    events: Iterable[Event], /, *, run: str = "latest", **options: int
-) -> RunSummary:
-    """Aggregate *events* of a log that may hold several runs (reruns into one directory).
-
-    Each rank's events belong to the run its latest ``SessionStarted`` announced (events
-    before any are a run of their own, id ``""``). Ranks whose sessions have different run ids
-    but the same name and start within :data:`RUN_JOIN_WINDOW_S` are joined into one run.
-
-    Args:
-        events: the events, in log order (e.g. ``read_events(log_dir)``).
-        run: ``"latest"`` (the run that started last), ``"all"`` (every event folded together,
-            as one summary that says it mixes runs), or a run id.
-        options: the bounds of :class:`RunAggregator`.
-
-    Returns:
-        The summary of the chosen run; its ``runs`` lists every run found, the chosen one
-        marked ``shown``.
-
-    Raises:
-        ValueError: if *run* names no run of the log (the message lists those it holds).
-    """
-    if not isinstance(run, str) or not run:
-        msg = f"run must be 'latest', 'all' or a run id, got {run!r}"
-        raise ValueError(msg)
-    if run == "all":
-        return summarize(events, **options)
-    aggregators: dict[str, RunAggregator] = {}
-    rank_run: dict[int, str] = {}
-    alias: dict[str, str] = {}
-    starts: dict[str, tuple[str, int, set[int]]] = {}
-    window_ns = int(RUN_JOIN_WINDOW_S * 1e9)
-    for event in events:
-        if isinstance(event, SessionStarted):
-            run_id = str(event.run_id)
-            key = alias.get(run_id)
-            if key is None:
-                key = run_id
-                for other, (name, started, ranks) in starts.items():
-                    if (
-                        other != run_id
-                        and name == event.name
-                        and event.rank not in ranks
-                        and abs(event.time_ns - started) <= window_ns
-                    ):
-                        key = other
-                        break
-                alias[run_id] = key
-            entry = starts.setdefault(key, (event.name, event.time_ns, set()))
-            entry[2].add(event.rank)
-            rank_run[event.rank] = key
-            if key != run_id:
-                event = dataclasses.replace(event, run_id=key)
-        key = rank_run.get(event.rank, "")
-        aggregator = aggregators.get(key)
-        if aggregator is None:
-            aggregator = aggregators[key] = RunAggregator(**options)
-        aggregator.add(event)
-    if not aggregators:
-        return RunAggregator(**options).summary()
-    named = [key for key in aggregators if key]
-    if run == "latest":
-        chosen = max(named, key=lambda k: starts[k][1]) if named else ""
-    elif run in aggregators:
-        chosen = run
-    else:
-        known = ", ".join(repr(k) for k in sorted(named)) or "none"
-        msg = f"run {run!r} is not in this log; its runs: {known}"
-        raise ValueError(msg)
-    summaries = {key: agg.summary() for key, agg in aggregators.items()}
-    runs: list[RunInfo] = []
-    for key, summary in summaries.items():
-        info = next((r for r in summary.runs if r.run_id == key), None)
-        if info is None:
-            info = RunInfo(key, "", None if not key else starts[key][1], summary.ranks, 0, False)
-        runs.append(dataclasses.replace(info, events=summary.events, shown=key == chosen))
-    if len(runs) == 1 and not runs[0].run_id:
-        return summaries[chosen]
-    runs.sort(key=lambda r: (r.started_ns is not None, r.started_ns or 0))
-    return dataclasses.replace(summaries[chosen], runs=tuple(runs))

@@ -1,0 +1,170 @@
+"""The incident table behind a :class:`RunSummary`: its rows, one incident merged over the ranks
+that had it, and the recovery chain linked across rows.
+
+An incident at the same step, of the same kind, the same occurrence of it on each rank, is
+one row naming every rank that had it (counted once); a recovery decision links to the
+incident that triggered it and to the action applied for it. Every map is bounded: the
+oldest entries go first, as their rows leave the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Final, TypeAlias
+
+from eventbus_debug.events import Event, RecoveryApplied, RecoveryDecided
+from eventbus_debug.events.describe import describe
+
+from ..summary import IncidentRow
+
+_MAX_LINKS: Final = 4096
+_MAX_PENDING: Final = 64
+_MAX_GROUPS: Final = 4096
+"""How many recent incidents are remembered for recognising the same incident on another rank
+(an incident at the same step, of the same kind, the same occurrence of it on each rank)."""
+
+_Key: TypeAlias = tuple[int, str, int]
+"""An incident's step, kind and occurrence on its rank: the same on every rank that had it."""
+
+
+class _RowState:
+    """An incident row being built: its first rank's row and every rank that had it."""
+
+    __slots__ = ("ranks", "row")
+
+    def __init__(self, row: IncidentRow) -> None:
+        self.row = row
+        self.ranks = [row.rank]
+
+
+class _IncidentRows:
+    """The most recent incident rows, merged over ranks and linked into recovery chains.
+
+    A base of :class:`RunAggregator`, which decides what is an incident and calls
+    :meth:`_merge` then :meth:`_list` for each, and the links for recovery events.
+    """
+
+    def _clear_rows(self, max_incidents: int) -> None:
+        """Forget every row, keeping at most *max_incidents* from now on."""
+        self._incidents_total = 0
+        self._incidents: deque[_RowState] = deque(maxlen=max_incidents)
+        # the same incident on several ranks: (rank, step, kind) -> occurrences on that rank;
+        # (step, kind, occurrence) -> its row; (rank, seq) of a merged event -> its row's
+        self._occurrences: dict[tuple[int, int, str], int] = {}
+        self._groups: dict[_Key, _RowState] = {}
+        self._alias: dict[tuple[int, int], tuple[int, int]] = {}
+        # recovery chain: (rank, seq) -> seqs it led to; (rank, action) -> undone decisions
+        self._led_to: dict[tuple[int, int], list[int]] = {}
+        self._pending: dict[tuple[int, str], deque[int]] = {}
+
+    def _merge(self, event: Event) -> tuple[_Key | None, bool]:
+        """The key of incident *event* (``None`` without a step) and whether it is new: another
+        rank's copy of an incident already listed joins that row and is counted once."""
+        step = event.step
+        if step is None:
+            return None, True
+        kind = event.kind
+        key = (step, kind, self._occurrence(event.rank, step, kind))
+        return key, not self._join_group(event, key)
+
+    def _list(self, event: Event, key: _Key | None, caused_by: int | None) -> None:
+        """Add a row for the new incident *event* (*key* from :meth:`_merge`)."""
+        self._incidents_total += 1
+        state = _RowState(
+            IncidentRow(
+                seq=event.seq,
+                time_ns=event.time_ns,
+                step=event.step,
+                rank=event.rank,
+                kind=event.kind,
+                severity=event.severity.value,
+                source=event.source,
+                message=describe(event),
+                caused_by=caused_by,
+            )
+        )
+        self._incidents.append(state)
+        if key is not None:
+            groups = self._groups
+            if len(groups) >= _MAX_GROUPS and key not in groups:
+                del groups[next(iter(groups))]
+            groups[key] = state
+
+    def _occurrence(self, rank: int, step: int, kind: str) -> int:
+        """How many incidents of *kind* at *step* *rank* had before this one (bounded memory)."""
+        occurrences = self._occurrences
+        key = (rank, step, kind)
+        n = occurrences.get(key, 0)
+        if not n and len(occurrences) >= _MAX_GROUPS:
+            del occurrences[next(iter(occurrences))]
+        occurrences[key] = n + 1
+        return n
+
+    def _join_group(self, event: Event, key: _Key) -> bool:
+        """Whether another rank already listed this incident (*key*: its step, kind and
+        occurrence on the rank); its row then names this rank too."""
+        group = self._groups.get(key)
+        rank = event.rank
+        if group is None or rank in group.ranks:
+            return False
+        group.ranks.append(rank)
+        if event.seq >= 0 and group.row.seq >= 0:
+            alias = self._alias
+            if len(alias) >= _MAX_LINKS:
+                del alias[next(iter(alias))]
+            alias[(rank, event.seq)] = (group.row.rank, group.row.seq)
+        return True
+
+    def _link(self, rank: int, source_seq: int, target_seq: int) -> int | None:
+        """Link *source_seq* to *target_seq* (both of *rank*) on the rows that list them (a
+        merged copy's row is its first rank's); the source's seq on that row, or ``None`` when
+        the two rows are not of the same rank."""
+        alias = self._alias
+        src_rank, src = alias.get((rank, source_seq), (rank, source_seq))
+        dst_rank, dst = alias.get((rank, target_seq), (rank, target_seq))
+        if src_rank != dst_rank:
+            return None
+        links = self._led_to
+        key = (src_rank, src)
+        targets = links.get(key)
+        if targets is None:
+            if len(links) >= _MAX_LINKS:
+                del links[next(iter(links))]  # the oldest chain: its rows left the table
+            targets = links[key] = []
+        if len(targets) < _MAX_PENDING and dst not in targets:
+            targets.append(dst)
+        return src
+
+    def _link_decision(self, event: RecoveryDecided, action: str) -> int | None:
+        if event.seq < 0:
+            return None
+        pending = self._pending.get((event.rank, action))
+        if pending is None:
+            pending = self._pending[(event.rank, action)] = deque(maxlen=_MAX_PENDING)
+        pending.append(event.seq)
+        if event.trigger_seq < 0:
+            return None
+        return self._link(event.rank, event.trigger_seq, event.seq)
+
+    def _link_applied(self, event: RecoveryApplied) -> int | None:
+        pending = self._pending.get((event.rank, event.action.value))
+        if not pending or event.seq < 0:
+            return None
+        decision = pending.popleft()
+        return self._link(event.rank, decision, event.seq)
+
+    def _linked_incidents(self) -> tuple[IncidentRow, ...]:
+        links = self._led_to
+        out = []
+        for state in self._incidents:
+            row = state.row
+            led = links.get((row.rank, row.seq))
+            out.append(
+                dataclasses.replace(
+                    row,
+                    led_to=row.led_to if led is None else tuple(led),
+                    ranks=tuple(sorted(state.ranks)),
+                )
+            )
+        return tuple(out)
