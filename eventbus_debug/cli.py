@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
 import importlib
 import importlib.metadata
 import logging
@@ -32,7 +31,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Final, TextIO
 
@@ -42,8 +40,9 @@ from .diagnostics import LOGGER_NAME
 from .events import Event, SessionEnded, Severity, event_types
 from .events.describe import describe_line
 from .exceptions import EventBusError, EventDecodeError, LogReadError
-from .log.encoding import decode_event, encode_event
+from .log.encoding import encode_event
 from .log.files import log_files, read_events
+from .log.follow import LogFollower as LogFollower, _Cursor as _Cursor
 
 if TYPE_CHECKING:
     from .sinks.report import RunSummary
@@ -297,98 +296,6 @@ def _known_kinds(kinds: Sequence[str]) -> frozenset[str]:
         msg = f"unknown --kind {', '.join(unknown)}; valid kinds: {', '.join(sorted(known))}"
         raise UsageError(msg)
     return frozenset(kinds)
-
-
-@dataclass
-class _Cursor:
-    inode: int
-    offset: int
-    partial: bytes = b""
-
-
-class LogFollower:
-    """Reads the complete new lines of every rank's log, across rotation (and gzipped backups).
-
-    Each call to :meth:`poll` returns the events written since the previous call. A file being
-    followed is recognized by its inode, so a rotation (rename to ``.1``) never loses or
-    repeats a line: the rest of the renamed file is read, then the new live file from its start.
-
-    Args:
-        directory: the log directory.
-        from_end: start at the end of the current files (only new events are returned).
-        strict: raise on an undecodable complete line instead of skipping it.
-    """
-
-    def __init__(self, directory: Path, *, from_end: bool, strict: bool = False) -> None:
-        self._dir = directory
-        self._strict = strict
-        self._cursors: dict[int, _Cursor] = {}
-        if from_end:
-            for rank, files in log_files(directory).items():
-                live = files[-1]
-                st = live.stat()
-                self._cursors[rank] = _Cursor(st.st_ino, st.st_size)
-
-    def poll(self) -> list[Event]:
-        """The events written since the last poll, merged over ranks by time."""
-        out: list[Event] = []
-        for rank, files in log_files(self._dir).items():
-            out.extend(self._poll_rank(rank, files))
-        if len(self._cursors) > 1:
-            out.sort(key=lambda e: (e.time_ns, e.rank, e.seq))
-        return out
-
-    def _poll_rank(self, rank: int, files: list[Path]) -> Iterator[Event]:
-        inodes = []
-        for f in files:
-            try:
-                inodes.append(f.stat().st_ino)
-            except FileNotFoundError:  # rotated away between listing and stat
-                inodes.append(-1)
-        cursor = self._cursors.get(rank)
-        if cursor is None:
-            start = 0
-            cursor = _Cursor(inodes[0], 0)
-        elif cursor.inode in inodes:
-            start = inodes.index(cursor.inode)
-        else:
-            # Our file was compressed into a new backup: continue in the newest backup.
-            start = max(len(files) - 2, 0)
-            cursor = _Cursor(inodes[start], cursor.offset, cursor.partial)
-        for i in range(start, len(files)):
-            if i > start:
-                cursor = _Cursor(inodes[i], 0)
-            yield from self._read_from(files[i], cursor)
-        self._cursors[rank] = cursor
-
-    def _read_from(self, path: Path, cursor: _Cursor) -> Iterator[Event]:
-        opener: Callable[[Path], IO[bytes]] = (
-            (lambda p: gzip.open(p, "rb"))  # type: ignore[assignment, return-value]
-            if path.name.endswith(".gz")
-            else (lambda p: open(p, "rb"))
-        )
-        try:
-            with opener(path) as fh:
-                fh.seek(cursor.offset)
-                data = fh.read()
-        except FileNotFoundError:
-            return
-        except (OSError, EOFError) as exc:
-            msg = f"cannot read log file {str(path)!r}: {exc}"
-            raise LogReadError(msg) from None
-        cursor.offset += len(data)
-        data = cursor.partial + data
-        lines = data.split(b"\n")
-        cursor.partial = lines.pop()  # an incomplete last line waits for the next poll
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                yield decode_event(line)
-            except EventDecodeError as exc:
-                if self._strict:
-                    msg = f"{path}: {exc}"
-                    raise EventDecodeError(msg) from None
 
 
 # -- commands -----------------------------------------------------------------------------------
