@@ -24,8 +24,12 @@ Healthy runs (``--steps`` each, default 20,000): a noisy minibatch cross-entropy
 exactly 0.0, a Gaussian NLL with learned variance (negative, improving), a classifier under a
 cyclic LR (oscillating loss), a BERT-like block (separate q/k/v projections with biases, so the
 key bias has a zero gradient by construction) and a GPT-like causal block (fused qkv, tied
-embeddings), both with AdamW and linear warm-up/decay, and an fp16 AMP classifier
-(``torch.autocast("cpu", dtype=torch.float16)`` + ``torch.amp.GradScaler("cpu")``).
+embeddings), both with AdamW and linear warm-up/decay, an fp16 AMP classifier
+(``torch.autocast("cpu", dtype=torch.float16)`` + ``torch.amp.GradScaler("cpu")``), and two
+runs whose loss legitimately recurs far above its median: a two-task mix (30 % classification
+batches at ~2.3, 70 % regression batches at ~0.3 falling to ~0.003) and length-bucketed batches
+of a token-summed loss (16 batches in a row of 8, 16, 32 or 64 tokens: up to 8x the short
+bucket's loss).
 
 Faulty runs (``max(600, min(3000, steps // 5))`` steps, the fault planted a third of the way
 in): NaN in one batch's inputs, a NaN written into a parameter, the loss times 1e6 for one step,
@@ -452,6 +456,104 @@ def _transformer(steps: int, lr_scale: float, *, causal: bool) -> Workload:
     )
 
 
+# -- recurring loss levels ------------------------------------------------------------------------
+
+
+class _TwoHeads(nn.Module):
+    """A shared trunk and one head per task; a batch runs the trunk and its own task's head."""
+
+    def __init__(self, d: int, k: int) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(d, 64), nn.ReLU())
+        self.cls = nn.Linear(64, k)
+        self.reg = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor, *, classify: bool) -> torch.Tensor:
+        h = self.trunk(x)
+        out: torch.Tensor = self.cls(h) if classify else self.reg(h).squeeze(-1)
+        return out
+
+
+def _multitask(steps: int, lr_scale: float) -> Workload:
+    """Two tasks, one per batch (MT-DNN style, sampled by dataset size): 30 % of the batches are
+    a 10-way classification with 30 % label noise (loss ~2.3 falling to ~1.4), 70 % a small
+    regression (MSE ~0.3 falling to ~0.003). The loss alternates between levels up to 400x
+    apart, every few steps, for the whole run."""
+    d, k, n = 32, 10, 4096
+    x, y_cls = _classification_data(SEED, n + 256, d, k, noise=0.3)
+    g = torch.Generator().manual_seed(SEED + 3)
+    w = torch.randn(d, generator=g)
+    y_reg = 0.1 * (x @ w) + 0.01 * torch.randn(n + 256, generator=g)
+    task = torch.rand(max(steps, 1), generator=g) < 0.3  # True: a classification batch
+    # a batch's targets: which task it is (prepended per step), the class label, the value
+    targets = torch.stack((y_cls.float(), y_reg), dim=-1)
+    xt, tt, xh, th = x[:n], targets[:n], x[n:], targets[n:]
+    torch.manual_seed(SEED)
+    model = _TwoHeads(d, k)
+    idx = _sampler(n, steps, 32, SEED + 1)
+
+    def batch(step: int) -> Batch:
+        yb = tt[idx[step]]
+        flag = torch.full((yb.shape[0], 1), float(task[step]))
+        return xt[idx[step]], torch.cat((flag, yb), dim=-1)
+
+    def loss(m: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        if bool(yb[0, 0]):
+            return F.cross_entropy(m(xb, classify=True), yb[:, 1].long())
+        return F.mse_loss(m(xb, classify=False), yb[:, 2])
+
+    def heldout(m: nn.Module) -> torch.Tensor:
+        cls = F.cross_entropy(m(xh, classify=True), th[:, 0].long())
+        return cls + F.mse_loss(m(xh, classify=False), th[:, 1])
+
+    return Workload(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3 * lr_scale, fused=True),
+        batch=batch,
+        loss=loss,
+        heldout=lambda m: _eval(m, lambda: heldout(m)),
+    )
+
+
+def _length_buckets(steps: int, lr_scale: float) -> Workload:
+    """A token-level model on length-bucketed batches: 16 batches in a row share a length of 8,
+    16, 32 or 64 tokens (drawn with probabilities 0.5/0.3/0.15/0.05), and the loss is summed
+    over tokens and averaged over sequences (seq2seq style), so a long bucket's loss is up to
+    8x a short one's for 16 steps in a row; 20 % of the target tokens are noise."""
+    vocab, length, n = 64, 64, 4096
+    g = torch.Generator().manual_seed(SEED)
+    ids = torch.randint(0, vocab, (n + 64, length), generator=g)
+    noise = torch.rand(n + 64, length, generator=g) < 0.2
+    targets = torch.where(noise, torch.randint(0, vocab, (n + 64, length), generator=g),
+                          (ids * 5 + 3) % vocab)  # fmt: skip
+    sizes = torch.tensor([8, 16, 32, 64])
+    chosen = torch.multinomial(torch.tensor([0.5, 0.3, 0.15, 0.05]), max(steps, 1) // 16 + 1,
+                               replacement=True, generator=g)  # fmt: skip
+    lengths = sizes[chosen].repeat_interleave(16)
+    xt, yt, xh, yh = ids[:n], targets[:n], ids[n:, :32], targets[n:, :32]
+    torch.manual_seed(SEED)
+    model = nn.Sequential(
+        nn.Embedding(vocab, 32), nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, vocab)
+    )
+    idx = _sampler(n, steps, 8, SEED + 1)
+
+    def batch(step: int) -> Batch:
+        cut = int(lengths[step])
+        return xt[idx[step], :cut], yt[idx[step], :cut]
+
+    def loss(m: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        summed = F.cross_entropy(m(xb).reshape(-1, vocab), yb.reshape(-1), reduction="sum")
+        return summed / xb.shape[0]
+
+    return Workload(
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=1e-3 * lr_scale, fused=True),
+        batch=batch,
+        loss=loss,
+        heldout=lambda m: _eval(m, lambda: loss(m, xh, yh)),
+    )
+
+
 # -- faults ---------------------------------------------------------------------------------------
 
 
@@ -541,6 +643,8 @@ RUNS: Final[tuple[RunSpec, ...]] = (
         build=lambda steps, lr: _transformer(steps, lr, causal=True),
     ),
     RunSpec(name="amp_fp16", kind=RunKind.HEALTHY, build=_cls(amp=True)),
+    RunSpec(name="multitask_mix", kind=RunKind.HEALTHY, build=_multitask),
+    RunSpec(name="length_buckets", kind=RunKind.HEALTHY, build=_length_buckets),
     RunSpec(
         name="nan_input",
         kind=RunKind.FAULTY,

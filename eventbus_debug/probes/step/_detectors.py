@@ -9,13 +9,17 @@ healthy run is a bug:
 * a value at or below the baseline is never a spike (a drop is an improvement), and zero,
   negative and converged losses are handled with an absolute tolerance scaled to the run;
 * what fired stays out of the baseline, so a spike cannot teach the detector that spikes are
-  normal, and :meth:`reset` restarts the window after a restore.
+  normal, and :meth:`reset` restarts the window after a restore;
+* a high loss at a level the run's recent outliers keep reaching (a second task's batches, a
+  long-sequence bucket, a heavy tail) is the data's distribution, not a spike: the loss-spike
+  detector remembers its outliers for a while and judges each new one against them.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
@@ -23,6 +27,7 @@ from typing import Final
 
 from typing_extensions import Self
 
+from ..._validate import positive_int, positive_number
 from ..levels import Thresholds
 
 __all__ = (
@@ -39,7 +44,16 @@ _MAD_TO_SIGMA: Final = 1.4826
 _MIN_NOISE: Final = 5
 """Losses in the window before its spread (MAD) is trusted. With fewer, nothing is known of the
 noise, so the relative tolerance is widened by ``_MIN_NOISE / n`` (10x the baseline above it
-with one loss seen, the plain ``rtol`` from five on)."""
+with one loss seen, the plain ``rtol`` from five on). Below five, the spread of the few losses
+seen (largest minus smallest) stands in for ``|median|`` when it is larger: a loss hovering
+around zero (a policy-gradient loss whose sign flips) has a tiny median but not a tiny noise."""
+
+_LEVEL_BELOW: Final = 0.5
+_LEVEL_ABOVE: Final = 10.0
+"""An earlier outlier is at the *level* of a loss ``median + excess`` when it lies between
+``median + 0.5 x excess`` and ``median + 10 x excess``: of the same order above today's
+baseline. Losses usually fall, so an outlier from a few hundred steps ago at a higher level
+still counts; one a hundred times higher (an explosion) vouches for nothing smaller."""
 
 
 class _RunningMedian:
@@ -65,6 +79,11 @@ class _RunningMedian:
     def clear(self) -> None:
         self._order.clear()
         self._sorted.clear()
+
+    def spread(self) -> float:
+        """The largest value minus the smallest (0.0 when empty)."""
+        ordered = self._sorted
+        return ordered[-1] - ordered[0] if ordered else 0.0
 
     def median(self) -> float:
         ordered = self._sorted
@@ -115,6 +134,39 @@ class _RunningMedian:
         return 0.5 * (max(a_last, b_prev) + b_last)
 
 
+class _Outliers:
+    """Values remembered for a bounded number of observations, sorted (bisect) for counting.
+
+    Attributes:
+        order: ``(observation, value)`` in arrival order (the oldest first, to expire).
+        ordered: the same values, sorted.
+    """
+
+    __slots__ = ("order", "ordered")
+
+    def __init__(self) -> None:
+        self.order: deque[tuple[int, float]] = deque()
+        self.ordered: list[float] = []
+
+    def expire(self, before: int) -> None:
+        """Forget what was added at an observation number below *before*."""
+        order, ordered = self.order, self.ordered
+        while order and order[0][0] < before:
+            del ordered[bisect_left(ordered, order.popleft()[1])]
+
+    def add(self, at: int, value: float) -> None:
+        self.order.append((at, value))
+        insort(self.ordered, value)
+
+    def count(self, low: float, high: float) -> int:
+        """How many remembered values lie in ``[low, high]``."""
+        return bisect_right(self.ordered, high) - bisect_left(self.ordered, low)
+
+    def clear(self) -> None:
+        self.order.clear()
+        self.ordered.clear()
+
+
 class SpikeRule(Enum):
     """Which loss-spike rule fired."""
 
@@ -142,18 +194,42 @@ class SpikeVerdict:
 
 
 class LossSpikeDetector:
-    """Flags losses far above their recent median; a drop is never a spike.
+    """Flags losses far above their recent median, unless the run keeps reaching that level.
 
-    A loss is a spike when, after *warmup* finite losses (Lightning: 1),
+    A loss is an *outlier* when, after *warmup* finite losses (Lightning: 1),
     ``loss - median > max(rtol * |median|, mad_factor * sigma, atol, scale_tol * scale)`` where
     ``sigma`` is the MAD-based noise of the window and ``scale`` the largest ``|median|`` the
-    run has had (so a loss converging to 1e-17 may wobble by 1e-15 without alarm). Spikes stay
-    out of the window. An envelope keeps heavy-tailed minibatch noise (an overfitting
-    classifier's rare batch at 25x the median) quiet: the excess must also exceed *rtol* times
-    the largest robust z-score the run has had (decaying by *tail_decay* per step: a half-life
-    of about 7,000 steps). *patience* spiking or elevated losses in a row are reported as
-    :attr:`SpikeRule.SUSTAINED` and the window restarts at the new level (the loss moved; the
-    detector does not go blind).
+    run has had (so a loss converging to 1e-17 may wobble by 1e-15 without alarm). An envelope
+    keeps heavy-tailed minibatch noise (an overfitting classifier's rare batch at 25x the
+    median) quiet: the excess must also exceed *rtol* times the largest robust z-score the run
+    has had (decaying by *tail_decay* per step: a half-life of about 7,000 steps). A loss more
+    than *sustained_rtol* x ``|median|`` and *sustained_mad* sigmas above the median is
+    *elevated*.
+
+    Outliers and elevated losses are remembered for *memory* observations, flagged or not, so
+    the detector learns a high loss that recurs (a second task's batches, a long-sequence
+    bucket, a heavy tail) instead of firing on it forever. An earlier outlier is *at the level*
+    of a loss ``median + excess`` when it lies between ``median + 0.5 x excess`` and
+    ``median + 10 x excess``; earlier means outside the current streak, so the losses of one
+    shift never vouch for each other. Then:
+
+    * the level is **frequent** when at least one earlier outlier is at it and they make up at
+      least *frequent* of the losses judged (of the last *memory*);
+    * the level is **known** when an earlier *run* of at least *patience* outliers in a row
+      held it (length-bucketed batches, a recurring curriculum phase);
+    * an outlier is reported as :attr:`SpikeRule.SPIKE` unless its level is frequent, known,
+      or reached by at least *recurrence* earlier outliers; a spike stays out of the window,
+      a recurring outlier joins it (it is the data);
+    * *patience* outliers or elevated losses in a row whose level is neither frequent nor
+      known are reported as :attr:`SpikeRule.SUSTAINED` and the window restarts at the new
+      level (the loss moved; the detector does not go blind).
+
+    So the first appearance of a level is always reported, a single spike never vouches for the
+    next one (two are needed, and one explosion vouches for nothing ten times smaller), a shift
+    that stays is sustained even inside a multimodal stream, and what is learned is forgotten
+    after *memory* observations or a :meth:`reset`. An outlier costs a few bisections and one
+    sorted insert into a list of at most *memory* floats (a microsecond or two); any other loss
+    two more comparisons than before.
 
     Args:
         window: how many recent losses the median covers.
@@ -167,16 +243,34 @@ class LossSpikeDetector:
         sustained_mad: ... and this many noise sigmas above it is *elevated*; *patience*
             elevated or spiking losses in a row are a sustained spike.
         tail_decay: per-step decay of the run's largest z-score.
+        memory: how many observations an outlier (and a run of them) is remembered.
+        recurrence: how many earlier outliers at a loss's level make it recurring.
+        frequent: the share of the judged losses that earlier outliers at a level must make
+            up for the level to be frequent (a streak at a frequent level is chance, not a
+            shift: a 30 % task has five batches in a row every few hundred steps).
+
+    Raises:
+        ValueError: if *memory* or *recurrence* is not an int >= 1, or *frequent* is not a
+            number in ``(0, 1]``.
     """
 
     __slots__ = (
+        "_judged",
+        "_outliers",
+        "_run",
+        "_run_length",
+        "_runs",
         "_scale",
         "_streak",
+        "_streak_losses",
         "_tail",
         "_window",
         "atol",
+        "frequent",
         "mad_factor",
+        "memory",
         "patience",
+        "recurrence",
         "rtol",
         "scale_tol",
         "sustained_mad",
@@ -198,7 +292,16 @@ class LossSpikeDetector:
         sustained_rtol: float = 0.5,
         sustained_mad: float = 4.0,
         tail_decay: float = 0.9999,
+        memory: int = 1000,
+        recurrence: int = 2,
+        frequent: float = 0.1,
     ) -> None:
+        self.memory = positive_int("memory", memory)
+        self.recurrence = positive_int("recurrence", recurrence)
+        if positive_number("frequent", frequent) > 1.0:
+            msg = f"frequent must be a number in (0, 1], got {frequent!r}"
+            raise ValueError(msg)
+        self.frequent = float(frequent)
         self._window = _RunningMedian(window)
         self.warmup = warmup
         self.rtol = rtol
@@ -210,8 +313,19 @@ class LossSpikeDetector:
         self.sustained_mad = sustained_mad
         self._scale = 0.0
         self._streak = 0
+        self._streak_losses: list[float] = []
+        """The outliers of the current streak (they never vouch for each other)."""
         self._tail = 0.0
         self.tail_decay = tail_decay
+        self._judged = 0
+        """Observations so far: the clock of the memories."""
+        self._outliers = _Outliers()
+        """Every recent outlier or elevated loss, flagged or not."""
+        self._runs = _Outliers()
+        """The level each recent run of *patience* or more outliers in a row held."""
+        self._run: list[float] = []
+        """The current run of outliers: a min-heap of its *patience* largest losses."""
+        self._run_length = 0
 
     @classmethod
     def from_thresholds(cls, th: Thresholds) -> Self:
@@ -227,12 +341,27 @@ class LossSpikeDetector:
         )
 
     def reset(self) -> None:
-        """Forget the window and the streak (after a restore: the loss level is the snapshot's)."""
+        """Forget the window, the streak and the outliers (after a restore: the loss level is
+        the snapshot's, and what the undone steps showed vouches for nothing)."""
         self._window.clear()
         self._streak = 0
+        self._streak_losses.clear()
+        self._outliers.clear()
+        self._runs.clear()
+        self._run.clear()
+        self._run_length = 0
 
     def observe(self, loss: float) -> SpikeVerdict | None:
         """Judge one finite loss; returns the verdict when it is a spike, else ``None``."""
+        judged = self._judged = self._judged + 1
+        outliers, runs = self._outliers, self._runs
+        horizon = judged - self.memory
+        oldest = outliers.order
+        if oldest and oldest[0][0] < horizon:
+            outliers.expire(horizon)
+        oldest = runs.order
+        if oldest and oldest[0][0] < horizon:
+            runs.expire(horizon)
         window = self._window
         if len(window) < self.warmup:
             window.add(loss)
@@ -241,42 +370,93 @@ class LossSpikeDetector:
         self._scale = max(self._scale, abs(median))
         excess = loss - median
         if excess <= 0.0:
-            self._streak = 0
+            if self._run_length:
+                self._calm()
             window.add(loss)
             return None
         n = len(window)
-        sigma = _MAD_TO_SIGMA * window.mad(median) if n >= _MIN_NOISE else 0.0
+        if n >= _MIN_NOISE:
+            sigma = _MAD_TO_SIGMA * window.mad(median)
+            relative = self.rtol * abs(median)
+        else:
+            sigma = 0.0
+            relative = self.rtol * max(abs(median), window.spread()) * _MIN_NOISE / n
         floor = max(self.atol, self.scale_tol * self._scale)
-        tolerance = max(
-            self.rtol * abs(median) * max(1.0, _MIN_NOISE / n), self.mad_factor * sigma, floor
-        )
+        tolerance = max(relative, self.mad_factor * sigma, floor)
         # ... and beyond the run's own noise: its robust z-score must exceed the largest the run
         # has had (decaying), so heavy-tailed minibatch noise (an overfitting classifier's rare
         # batch at 25x the median) widens the bar instead of firing.
         z = excess / sigma if sigma > 0 else 0.0
         self._tail *= self.tail_decay
-        tail = self.rtol * self._tail * sigma
-        if excess > tolerance and excess > tail:
-            self._streak += 1
-            if self._streak >= self.patience:
-                return self._sustained(loss, median, tolerance)
-            return SpikeVerdict(SpikeRule.SPIKE, median, tolerance, self._streak)  # kept out
-        # Not a spike. An *elevated* loss (well above the noise, not far enough for a spike)
-        # joins the window but keeps the streak going: a level shift that persists for
-        # `patience` steps is sustained even when no single loss is a spike.
+        spike = excess > tolerance and excess > self.rtol * self._tail * sigma
+        # An *elevated* loss (well above the noise, maybe not far enough for a spike) keeps a
+        # streak going: a level shift that persists for `patience` steps is sustained even
+        # when no single loss is a spike.
         elevated = n >= _MIN_NOISE and excess > max(
             self.sustained_rtol * abs(median), self.sustained_mad * sigma, floor
         )
-        self._streak = self._streak + 1 if elevated else 0
-        if self._streak >= self.patience:
-            return self._sustained(loss, median, tolerance)
-        self._tail = max(self._tail, z)  # the run's own noise: its largest robust z-score
-        window.add(loss)
+        if not (spike or elevated):
+            if self._run_length:
+                self._calm()
+            if n < _MIN_NOISE and excess > max(self.sustained_rtol * abs(median), floor):
+                # no noise estimate yet: not judged elevated, but remembered (a second task's
+                # batch among the first five losses is an outlier the run will show again)
+                outliers.add(judged, loss)
+            self._tail = max(self._tail, z)  # the run's own noise: its largest robust z-score
+            window.add(loss)
+            return None
+        # An outlier: is its level one the run keeps reaching?
+        low, high = median + _LEVEL_BELOW * excess, median + _LEVEL_ABOVE * excess
+        earlier = outliers.count(low, high) - sum(
+            1 for v in self._streak_losses if low <= v <= high
+        )
+        common = earlier > 0 and earlier >= self.frequent * min(judged - 1, self.memory)
+        known = common or runs.count(low, high) > 0
+        outliers.add(judged, loss)
+        self._extend_run(loss)
+        if known:
+            self._streak = 0  # the data's own level: no shift
+            self._streak_losses.clear()
+        else:
+            self._streak += 1
+            self._streak_losses.append(loss)
+            if self._streak >= self.patience:
+                return self._sustained(loss, median, tolerance)
+        if spike and not (known or earlier >= self.recurrence):
+            return SpikeVerdict(SpikeRule.SPIKE, median, tolerance, self._streak)  # kept out
+        if not spike:
+            self._tail = max(self._tail, z)
+        window.add(loss)  # an elevated or recurring loss is the data
         return None
+
+    def _extend_run(self, loss: float) -> None:
+        """Add *loss* to the current run of outliers (its *patience* largest are kept)."""
+        run = self._run
+        if len(run) < self.patience:
+            heapq.heappush(run, loss)
+        elif loss > run[0]:
+            heapq.heapreplace(run, loss)
+        self._run_length += 1
+
+    def _calm(self) -> None:
+        """A loss that is no outlier: the streak and the run end (a long run is remembered)."""
+        self._streak = 0
+        self._streak_losses.clear()
+        self._end_run()
+
+    def _end_run(self) -> None:
+        if self._run_length >= self.patience:
+            # the level the run held for `patience` losses: its patience-th largest
+            self._runs.add(self._judged, self._run[0])
+        self._run.clear()
+        self._run_length = 0
 
     def _sustained(self, loss: float, median: float, tolerance: float) -> SpikeVerdict:
         streak = self._streak
-        self.reset()
+        self._streak = 0
+        self._streak_losses.clear()
+        self._end_run()  # remembered: the same shift again is a known level
+        self._window.clear()
         self._window.add(loss)  # the new level is the baseline from here on
         return SpikeVerdict(SpikeRule.SUSTAINED, median, tolerance, streak)
 

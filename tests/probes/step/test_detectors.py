@@ -96,6 +96,146 @@ class TestLossSpikes:
         assert (verdict.baseline, verdict.tolerance, verdict.streak) == (1.0, 2.0, 1)
 
 
+def two_tasks(steps: int, seed: int, share: float = 0.3) -> list[float]:
+    """A multi-task mix: each batch is the easy task (~0.3) or, with *share*, the hard (~2.3)."""
+    rng = random.Random(seed)
+    return [(2.3 if rng.random() < share else 0.3) * rng.uniform(0.85, 1.15) for _ in range(steps)]
+
+
+class TestRecurringLevels:
+    """A level the run keeps reaching is the data's distribution; a new one is still a spike.
+
+    A level is learned from two earlier outliers at it (or from one, when they are frequent),
+    so a mode costs at most two incidents, at its first appearances.
+    """
+
+    @pytest.mark.parametrize("seed", [3, 4, 5, 8])
+    def test_a_second_task_is_learned_at_its_first_batches(self, seed: int) -> None:
+        """Over 5,000 steps of a 30 % / 70 % task mix (7.7x apart), at most the first two hard
+        batches fire (kept out of the window, the same loss fired 1,400 times before)."""
+        fired = flagged(two_tasks(5000, seed=seed))
+        assert len(fired) <= 2
+        assert all(i < 50 and rule == "spike" for i, rule in fired)
+
+    def test_a_single_spike_inside_the_mix_still_fires(self) -> None:
+        """A loss 10x the hard task's level is new, in either task's batch."""
+        values = two_tasks(3000, seed=4)
+        values[1500] = values[2500] = 23.0
+        assert [f for f in flagged(values) if f[0] >= 50] == [(1500, "spike"), (2500, "spike")]
+
+    def test_a_sustained_shift_inside_the_mix_is_sustained(self) -> None:
+        """Both tasks jump 50x and stay: four spikes, then sustained, then quiet."""
+        values = two_tasks(3000, seed=5)
+        values[2000:2100] = [v * 50.0 for v in values[2000:2100]]
+        fired = [f for f in flagged(values) if f[0] >= 50]
+        assert fired == [(2000, "spike"), (2001, "spike"), (2002, "spike"), (2003, "spike"),
+                         (2004, "sustained")]  # fmt: skip
+
+    def test_length_buckets_are_learned_after_the_first_bucket(self) -> None:
+        """Runs of 16 batches at 4x (a long-sequence bucket) every 100-300 steps: the first run
+        is a sustained shift, the later ones are the data."""
+        rng = random.Random(6)
+        values: list[float] = []
+        while len(values) < 4000:
+            values += [rng.uniform(9.0, 11.0) for _ in range(rng.randint(100, 300))]
+            values += [rng.uniform(36.0, 44.0) for _ in range(16)]
+        start = next(i for i, v in enumerate(values) if v > 30.0)
+        fired = flagged(values)
+        assert [i for i, _ in fired] == list(range(start, start + 5))
+        assert fired[-1][1] == "sustained"
+
+    def test_rare_heavy_batches_are_learned(self) -> None:
+        """3 % of the batches at 20x (full-length sequences in a token-sum loss): the first two
+        fire, the next 140 do not."""
+        rng = random.Random(7)
+        values = [rng.uniform(8.0, 12.0) * (20.0 if rng.random() < 0.03 else 1.0)
+                  for _ in range(5000)]  # fmt: skip
+        heavy = [i for i, v in enumerate(values) if v > 100.0]
+        assert len(heavy) > 140
+        assert flagged(values) == [(heavy[0], "spike"), (heavy[1], "spike")]
+
+    def test_one_spike_never_vouches_for_the_next(self) -> None:
+        """Two earlier outliers at a level are needed: the second spike fires, the third
+        (within the memory) is recurring."""
+        values = [1.0 + 0.01 * (i % 5) for i in range(600)]
+        for at in (200, 300, 400):
+            values[at] = 10.0
+        assert flagged(values) == [(200, "spike"), (300, "spike")]
+
+    def test_an_explosion_vouches_for_nothing_ten_times_smaller(self) -> None:
+        """Two huge spikes do not teach the detector that a 10x spike is normal."""
+        values = [1.0 + 0.01 * (i % 5) for i in range(600)]
+        values[100] = values[150] = 1e6
+        values[300] = 10.0
+        assert flagged(values) == [(100, "spike"), (150, "spike"), (300, "spike")]
+
+    def test_what_is_learned_is_forgotten_after_the_memory(self) -> None:
+        """A level not seen for `memory` (1,000) observations is new again."""
+        values = [1.0 + 0.01 * (i % 5) for i in range(3000)]
+        for at in (100, 200, 300, 400, 1500):
+            values[at] = 10.0
+        assert [i for i, _ in flagged(values)] == [100, 200, 1500]
+
+    def test_reset_forgets_the_learned_levels(self) -> None:
+        """After a restore the hard task is new again (the undone steps vouch for nothing) and
+        the next loss seeds the baseline."""
+        detector = spikes()
+        values = [0.3] * 20 + two_tasks(2000, seed=4)
+        fired = [i for i, v in enumerate(values) if detector.observe(v) is not None]
+        assert 1 <= len(fired) <= 2 and fired[-1] < 70
+        detector.reset()
+        assert detector.observe(0.3) is None  # seeds the baseline
+        again = [0.3] * 20 + [2.3] + [0.3] * 20 + [2.3]
+        refired = [i for i, v in enumerate(again) if detector.observe(v) is not None]
+        assert refired == [20, 41]
+
+    def test_a_repeated_shift_is_learned_but_a_higher_one_is_not(self) -> None:
+        """The same 5x shift for 50 steps, three times: the first is sustained, the later ones
+        are a known level; a 100x shift after them is still sustained."""
+        values = [1.0 + 0.05 * (i % 7) for i in range(1200)]
+        for at in (200, 400, 600):
+            values[at : at + 50] = [5.0 + 0.05 * (i % 7) for i in range(50)]
+        values[900:950] = [100.0] * 50
+        assert flagged(values) == [
+            (200, "spike"), (201, "spike"), (202, "spike"), (203, "spike"), (204, "sustained"),
+            (900, "spike"), (901, "spike"), (902, "spike"), (903, "spike"), (904, "sustained"),
+        ]  # fmt: skip
+
+    def test_a_sign_flipping_loss_near_zero_is_quiet_from_the_start(self) -> None:
+        """With fewer than five losses the spread of those seen stands in for the noise: a
+        policy-gradient loss hovering around zero does not fire on its fifth step."""
+        assert flagged([-0.153, -0.107, -0.0337, 0.171, 0.263, -0.373, 0.16, -0.131]) == []
+
+    def test_the_memory_stays_bounded(self) -> None:
+        """Outliers on every other step for 5,000 steps: at most `memory` are kept."""
+        detector = spikes()
+        for i in range(5000):
+            detector.observe(1.0 if i % 2 else 1.0 + 5.0 * (i % 7))
+        assert 0 < len(detector._outliers.order) <= detector.memory
+        assert len(detector._outliers.ordered) == len(detector._outliers.order)
+        assert len(detector._runs.order) <= detector.memory
+
+    @pytest.mark.parametrize(
+        ("kwargs", "match"),
+        [
+            ({"memory": 0}, "memory must be an int >= 1"),
+            ({"memory": 10.0}, "memory must be an int >= 1"),
+            ({"recurrence": True}, "recurrence must be an int >= 1"),
+            ({"frequent": 0.0}, "frequent must be a finite number > 0"),
+            ({"frequent": 1.5}, r"frequent must be a number in \(0, 1\]"),
+            ({"frequent": math.nan}, "frequent must be a finite number > 0"),
+        ],
+    )
+    def test_bad_memory_arguments_are_refused(self, kwargs: dict[str, object], match: str) -> None:
+        """memory, recurrence and frequent are checked at construction, naming the argument."""
+        base: dict[str, object] = {
+            "window": 50, "warmup": 1, "rtol": 2.0, "atol": 0.0, "mad_factor": 8.0,
+            "scale_tol": 0.05, "patience": 5,
+        }  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            LossSpikeDetector(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
 class TestExplosions:
     def test_cap_applies_from_the_first_check(self) -> None:
         """With no history, only the absolute cap can fire."""
