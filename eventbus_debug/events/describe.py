@@ -160,6 +160,11 @@ def _incident(event: Event) -> str | None:
         case GradientVanished():
             layers = f" in {len(event.layers)} layer(s)" if event.layers else ""
             zero = " (all zero)" if event.all_zero else ""
+            if event.mean_abs is None:  # dead layers only: the threshold is relative
+                return (
+                    f"{len(event.layers)} layer(s) lost their gradient (RMS < "
+                    f"{f(event.threshold)}x the model's): {_names(event.layers)}"
+                )
             return f"mean |grad| {f(event.mean_abs)} < {f(event.threshold)}{layers}{zero}"
         case LossSpiked():
             return (

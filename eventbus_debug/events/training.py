@@ -115,21 +115,23 @@ class GradientExploded(Anomaly):
 
 @event_type
 class GradientVanished(Anomaly):
-    """The mean absolute gradient fell below its threshold.
+    """The gradients vanished: the whole model's, or some parameters' (dead layers).
 
     Attributes:
-        mean_abs: the mean of ``|grad|`` over every gradient element (``nan`` when only dead
-            layers were found and the model-wide mean was not computed at this step).
-        threshold: the threshold it fell below (absolute for the model, relative to the
-            model's gradient for dead layers).
-        layers: the parameters that had a gradient and lost it (their gradient RMS fell below
-            ``vanishing_relative`` x the model's for ``vanishing_patience`` checks in a row).
+        mean_abs: when the whole model vanished, the mean of ``|grad|`` over every gradient
+            element (0.0 when all are zero); ``None`` when only dead layers were found.
+        threshold: what it fell below: the absolute mean ``|grad|`` threshold when the whole
+            model vanished (*mean_abs* set); for dead layers only, a fraction of the model's
+            gradient RMS that every listed parameter's gradient RMS is below.
+        layers: the parameters that had a gradient and lost it: their gradient RMS fell a
+            thousandfold below what it used to be (relative to the model's), and below
+            ``vanishing_relative`` of the model's, for ``vanishing_patience`` checks in a row.
         all_zero: True when every gradient element is exactly zero.
     """
 
     kind: ClassVar[str] = "gradient_vanished"
     severity: Severity = Severity.WARNING
-    mean_abs: float
+    mean_abs: float | None
     threshold: float
     layers: tuple[str, ...] = ()
     all_zero: bool = False

@@ -439,7 +439,7 @@ class ReportVanishing:
         layers = ", ".join(incident.layers[:10]) or "all layers"
         if incident.all_zero:
             what = "all gradients are zero"
-        elif incident.mean_abs < incident.threshold:
+        elif incident.mean_abs is not None and incident.mean_abs < incident.threshold:
             what = f"mean |grad| {incident.mean_abs:.3g} < {incident.threshold:.3g}"
         else:
             what = (

@@ -152,3 +152,53 @@ def test_the_whole_model_vanishes_from_the_mean_abs_values() -> None:
         out = _run(judge, _layout(step, with_l1=True), [0.5, 1e-9, 1e-9, 1e-9, 1e-8, 1e-8, 1e-8])
         fired += [e for e in out.events if isinstance(e, GradientVanished)]
     assert len(fired) == 1 and not fired[0].all_zero and fired[0].step == 1
+    assert fired[0].mean_abs == pytest.approx(1e-10) and fired[0].threshold == 1e-7
+    assert fired[0].layers == ()
+
+
+def _vanished(out: Judgement) -> list[GradientVanished]:
+    return [e for e in out.events if isinstance(e, GradientVanished)]
+
+
+def test_a_dead_layer_event_has_no_mean_abs_and_a_relative_threshold() -> None:
+    """Dead layers alone: mean_abs None (the model did not vanish), even on a mean |grad| step;
+    the threshold is the share every named layer fell below."""
+    judge = _judge(vanishing_patience=2)
+    _run(judge, _layout(0), [0.5, 1.0, 1.0, 1.0])
+    _run(judge, _layout(1), [0.5, 1.0, 1.0, 0.0])
+    out = _run(judge, _layout(2, with_l1=True), [0.5, 1.0, 1.0, 0.0, 10.0, 10.0, 0.0])
+    (event,) = _vanished(out)
+    assert (event.layers, event.mean_abs, event.all_zero) == (("c",), None, False)
+    assert event.threshold == pytest.approx(1e-4)  # min(vanishing_relative, 1e-3 x share 1)
+
+
+def test_a_quiet_layer_is_judged_against_its_own_history() -> None:
+    """c's gradient wanders over 0.2..1.5e-4 of the model's RMS (an attention query at
+    Hugging Face's init), crossing vanishing_relative both ways: never dead. Once it falls to
+    zero it is dead after the patience."""
+    judge = _judge(vanishing_patience=3)
+    fired: list[GradientVanished] = []
+    for step in range(400):
+        c = (0.2e-4 + 1.3e-4 * ((step * 7919) % 101) / 100) * 0.8165  # share -> 2-norm
+        fired += _vanished(_run(judge, _layout(step), [0.5, 1.0, 1.0, c]))
+    assert fired == []
+    for step in range(400, 403):
+        fired += _vanished(_run(judge, _layout(step), [0.5, 1.0, 1.0, 0.0]))
+    assert [(e.step, e.layers) for e in fired] == [(402, ("c",))]
+
+
+def test_new_thresholds_keep_the_dead_layer_history() -> None:
+    """Assigning thresholds restarts the spike and explosion windows, not the layers' history:
+    c, alive before, dies after the new patience."""
+    judge = _judge()
+    _run(judge, _layout(0), [0.5, 1.0, 1.0, 1.0])
+    judge.thresholds = Thresholds(vanishing_patience=2)
+    fired = [e for s in (1, 2) for e in _vanished(_run(judge, _layout(s), [0.5, 1.0, 1.0, 0.0]))]
+    assert [(e.step, e.layers) for e in fired] == [(2, ("c",))]
+
+
+def test_no_dead_layers_when_per_layer_checks_are_off() -> None:
+    """vanishing_per_layer=False: a layer going to zero is not reported."""
+    judge = _judge(vanishing_patience=2, vanishing_per_layer=False)
+    for step, c in enumerate([1.0, 0.0, 0.0, 0.0]):
+        assert _vanished(_run(judge, _layout(step), [0.5, 1.0, 1.0, c])) == []
