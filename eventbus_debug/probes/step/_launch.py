@@ -33,6 +33,7 @@ _PINNED_PER_SIZE: Final = 8
 _item = torch.Tensor.item
 """A one-element tensor's value (a float; an int for the activation counts)."""
 _grad = operator.attrgetter("grad")
+_requires_grad = operator.attrgetter("requires_grad")
 
 
 class _GradPlan:
@@ -332,6 +333,12 @@ class Launcher:
                 host_loss = float(loss)
         if checks.grads:
             grads = list(map(_grad, self._params))
+            if not all(map(_requires_grad, self._params)):
+                # A frozen parameter's .grad is stale (zeros after zero_grad(set_to_none=False)):
+                # not this step's gradient, so not judged (never "dead", never in the norm).
+                grads = [
+                    g if p.requires_grad else None for p, g in zip(self._params, grads, strict=True)
+                ]
             planned = self._grad_plan(grads)
             if planned is not None:
                 plan = planned.plan

@@ -388,3 +388,39 @@ def test_hugging_face_bert_with_a_dead_ffn_is_reported_within_the_patience() -> 
     assert event.step == dead_at + PATIENCE - 1
     assert "bert.encoder.layer.0.intermediate.dense.weight" in event.layers
     assert Thresholds().vanishing_patience == PATIENCE
+
+
+def test_layers_frozen_mid_run_with_zeroed_grads_are_not_dead() -> None:
+    """Freezing layers (requires_grad_(False)) under zero_grad(set_to_none=False) leaves their
+    .grad a zero tensor: stale, not this step's gradient. They are not judged (never "dead"),
+    and the total norm is the trainable parameters' alone."""
+    torch.manual_seed(7)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    sink = _Recorder()
+    probe = StepProbe(model, sink)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    frozen = [*model[0].parameters(), *model[2].parameters()]
+    norms: list[tuple[float | None, float]] = []
+    for step in range(60):
+        if step == 20:
+            for p in frozen:
+                p.requires_grad_(False)
+        opt.zero_grad(set_to_none=False)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        verdict = probe.check_step_sync(step, loss=loss)
+        trainable = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+        norms.append(
+            (
+                verdict.grad_norm,
+                float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in trainable]))),
+            )
+        )
+        opt.step()
+    probe.close()
+    assert all(p.grad is not None and not p.grad.any() for p in frozen)  # the premise
+    assert [e for e in sink.events if isinstance(e, GradientVanished)] == []
+    assert all(got == pytest.approx(want, rel=1e-5) for got, want in norms)
