@@ -410,7 +410,7 @@ def test_layers_frozen_mid_run_with_zeroed_grads_are_not_dead() -> None:
                 p.requires_grad_(False)
         opt.zero_grad(set_to_none=False)
         loss = F.cross_entropy(model(x), y)
-        loss.backward()
+        torch.autograd.backward(loss)
         verdict = probe.check_step_sync(step, loss=loss)
         trainable = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
         norms.append(
