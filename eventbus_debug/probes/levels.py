@@ -53,10 +53,11 @@ class Thresholds:
     Args:
         vanishing: mean ``|grad|`` of the whole model below which gradients vanished
             (SageMaker Debugger: 1e-7); never fires while the loss has converged.
-        vanishing_relative: a parameter whose mean ``|grad|`` falls below this fraction of the
-            model's mean ``|grad|`` is a dead layer, but only if it once had a gradient above
-            that fraction: gradients that are zero by construction (attention key biases, tied
-            or unused parameters) are never "vanishing".
+        vanishing_relative: a dead layer's gradient RMS is below this fraction of the model's
+            RMS *and* a thousandfold below its own usual share (quiet parameters are judged
+            against their own history); a parameter whose share never exceeded 1e-6 (zero by
+            construction: attention key biases, tied or unused parameters) and a frozen one
+            (``requires_grad=False``) are never dead.
         vanishing_patience: vanishing checks in a row before an incident.
         vanishing_per_layer: look for dead layers at all (not only the whole model).
         explosion: an absolute cap on the total gradient norm, checked from the first step;
