@@ -20,6 +20,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "typing",
         "_validate",
         "_records",
+        "_tensors",
         "diagnostics",
         "threads",
         "step_context",

@@ -19,6 +19,7 @@ from typing import Final
 import torch
 from torch import nn
 
+from ..._tensors import copy_all
 from .._reduce import NormPlan, assemble, sharded
 from ..levels import Checks
 from .activations import ActivationHooks, ActivationSlot
@@ -446,6 +447,6 @@ class Launcher:
                     self._update_flat = self._update_plan.flat and not any(map(sharded, snapshot))
                     self._update_slots = tuple(idx[j] for j in self._update_plan.order)
                 else:
-                    torch._foreach_copy_(snapshot, now)  # the persistent buffer: no allocation
+                    copy_all(snapshot, now)  # the persistent buffer: no allocation
                 self._snapshot, self._update_idx, self._snapshot_step = snapshot, idx, step
         return update_slots, base, flat

@@ -19,6 +19,7 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
+from ..._tensors import copy_all
 from ..lr import GROUP_LR_KEYS
 
 __all__ = ("NoGoodStateError", "StateSnapshots")
@@ -148,31 +149,14 @@ class _Plan:
     def refresh(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Copy the live values into the preallocated buffers (no allocation, no tree walk)."""
         with torch.no_grad():
-            _copy_all(self.model_dst, self.model_src)
-            _copy_all(self.opt_dst, self.opt_src)
+            copy_all(self.model_dst, self.model_src)
+            copy_all(self.opt_dst, self.opt_src)
         for copied, name, entries in self.scalars:
             copied[name] = copy.deepcopy(entries[name])
         if optimizer is not None and self.optimizer is not None:
             groups = self.optimizer["param_groups"]
             for group, live in zip(groups, optimizer.param_groups, strict=True):
                 group.update(_group(live, group["params"]))
-
-
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for every *i*: one fused copy of the plain tensors; tensor
-    subclasses (FSDP2's DTensor shards, which have no sharding rule for ``_foreach_copy_``)
-    one by one."""
-    if not dst:
-        return
-    if all(t.__class__ is torch.Tensor for t in dst):
-        torch._foreach_copy_(dst, src)
-        return
-    plain = [(d, t) for d, t in zip(dst, src, strict=True) if d.__class__ is torch.Tensor]
-    if plain:
-        torch._foreach_copy_([d for d, _ in plain], [t for _, t in plain])
-    for d, t in zip(dst, src, strict=True):
-        if d.__class__ is not torch.Tensor:
-            d.copy_(t)
 
 
 def _group(live: Mapping[str, Any], params: list[int]) -> dict[str, Any]:

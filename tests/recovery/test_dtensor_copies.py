@@ -1,15 +1,16 @@
-"""Snapshots of FSDP2 models: DTensor parameters and optimizer state refresh and restore.
+"""Copies of FSDP2 models: snapshots and the probe's weight-update buffer with DTensors.
 
 ``torch._foreach_copy_`` has no sharding rule for DTensor, so the second capture of a
 ``fully_shard`` model (the first refresh of the preallocated copies) used to raise
-``NotImplementedError`` on every healthy FSDP2 run at its 50th good step. A one-rank gloo group
-is enough to make DTensors in-process.
+``NotImplementedError`` on every healthy FSDP2 run at its 50th good step, and the ADVANCED probe
+at its second weight-update measurement. A one-rank gloo group is enough to make DTensors
+in-process.
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from eventbus_debug import DebugLevel, StepProbe
+from eventbus_debug.events import Event, StepChecked
 from eventbus_debug.recovery import StateSnapshots
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -82,3 +85,46 @@ def test_fully_shard_model_captures_twice_and_restores_bit_for_bit() -> None:
     assert not all(torch.equal(a, b) for a, b in zip(good, _values(model, opt), strict=True))
     assert snaps.restore(model, opt) == 2
     assert all(torch.equal(a, b) for a, b in zip(good, _values(model, opt), strict=True))
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def publish_nowait(self, event: Event, /) -> None:
+        self.events.append(event)
+
+    def publish_many_nowait(self, events: Iterable[Event], /) -> None:
+        self.events.extend(events)
+
+
+def _update_ratios(shard: bool) -> list[Mapping[str, float]]:
+    """The ADVANCED probe's weight-update ratios over 25 SGD steps (measured every 10)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    if shard:
+        fsdp.fully_shard(model)
+        assert all(_is_dtensor(p) for p in model.parameters())  # the premise
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = _Recorder()
+    probe = StepProbe(model, sink, level=DebugLevel.ADVANCED)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(25):
+        opt.zero_grad(set_to_none=True)
+        loss = model(torch.randn(8, 6, generator=gen)).pow(2).mean()
+        torch.autograd.backward(loss)
+        probe.check_step_sync(step, loss=loss)
+        opt.step()
+    probe.close()
+    return [e.update_ratios for e in sink.events if isinstance(e, StepChecked) and e.update_ratios]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_advanced_probe_measures_weight_updates_of_a_fully_shard_model() -> None:
+    """The second measurement refreshes the update buffer (raised NotImplementedError before);
+    the ratios are those of the same model unsharded."""
+    sharded, plain = _update_ratios(True), _update_ratios(False)
+    assert len(sharded) >= 2 and len(sharded) == len(plain)
+    for got, want in zip(sharded, plain, strict=True):
+        assert got.keys() == want.keys()
+        assert all(got[k] == pytest.approx(want[k], rel=1e-4) for k in want)
