@@ -445,7 +445,8 @@ def _cmd_summary(args: argparse.Namespace, out: IO[str]) -> int:
         *_runs_lines(s),
         ("events", f"{s.events}"),
         ("ranks", ", ".join(map(str, s.ranks)) or "-"),
-        ("steps", f"{s.steps} ({_fmt_opt(s.first_step, 'd')}..{_fmt_opt(s.last_step, 'd')})"),
+        ("steps", _steps_line(s)),
+        ("ended", _ended_line(s)),
         ("run time", f"{s.duration_s:.1f} s"),
         ("steps/s", _fmt_opt(s.steps_per_s, ".3g")),
         ("anomalies", f"{s.anomalies} on {s.anomaly_steps} steps (rate {s.anomaly_rate:.2%})"),
@@ -480,10 +481,29 @@ def _cmd_summary(args: argparse.Namespace, out: IO[str]) -> int:
         label = f"{key:<{width}}"
         if colors:
             label = f"\x1b[1m{label}\x1b[0m"
-            if key in alarming and not value.startswith(("0", "-")):
+            if (key in alarming and not value.startswith(("0", "-"))) or (
+                key == "ended" and value not in ("completed", "-")
+            ):
                 value = f"\x1b[31m{value}\x1b[0m"
         out.write(f"{label}  {value}\n")
     return 0
+
+
+def _steps_line(s: RunSummary) -> str:
+    """``100 (0..99)``: the steps completed; a step begun but never completed is named."""
+    last = s.last_completed_step if s.last_completed_step is not None else s.last_step
+    line = f"{s.steps} ({_fmt_opt(s.first_step, 'd')}..{_fmt_opt(last, 'd')})"
+    if last is not None and s.last_step is not None and s.last_step > last:
+        line += f", step {s.last_step} begun, not completed"
+    return line
+
+
+def _ended_line(s: RunSummary) -> str:
+    """How the sessions ended: one reason, or each rank's when they differ."""
+    reasons = set(s.ended.values())
+    if len(reasons) == 1 and len(s.ended) == len(s.ranks):
+        return next(iter(reasons))
+    return "; ".join(f"rank {rank}: {reason}" for rank, reason in s.ended.items()) or "-"
 
 
 def _pairs(mapping: Any) -> str:

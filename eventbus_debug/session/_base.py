@@ -374,7 +374,8 @@ class SessionBase(Generic[BusT]):
         elif exc is None:
             reason = "completed"
         elif isinstance(exc, TrainingStopped):
-            reason = "stopped"
+            why = str(exc).strip()  # the decision's reason, or why the ranks could not agree
+            reason = f"stopped: {why}" if why else "stopped"
         else:
             reason = f"error: {type(exc).__name__}: {exc}"
         meter = self._boundary.meter if self._boundary is not None else None

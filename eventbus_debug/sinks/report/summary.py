@@ -193,8 +193,9 @@ class RunSummary:
     Several ranks (a merged log of a ``torch.distributed`` job) describe one run: ``steps`` is
     the number of training steps, not ranks × steps (the ranks of a data-parallel job complete
     the same steps: it is the count of the rank that completed the most; ``steps_by_rank``
-    has each rank's). An incident that several ranks had (same step, same kind) is one row
-    naming them (:attr:`IncidentRow.ranks`) and is counted once, in the anomaly and recovery
+    has each rank's). An incident that several ranks had (same step, same kind, same identity:
+    the same tensors of a non-finite check, the same rule of a spike, a decision for the same
+    trigger...) is one row naming them (:attr:`IncidentRow.ranks`) and is counted once, in the anomaly and recovery
     counts too; ``incidents_by_rank`` counts each rank's. ``samples_per_s`` is the global
     throughput, summed over the ranks at each step; the other series (loss, step duration,
     memory...) are the mean over the ranks at each step, their min–max the spread across
@@ -212,6 +213,8 @@ class RunSummary:
     steps_by_rank: Mapping[int, int]
     first_step: int | None
     last_step: int | None
+    """The last step any event named: a step begun, perhaps not completed (see
+    ``last_completed_step``)."""
     steps_per_s: float | None
     anomalies: int
     anomaly_steps: int
@@ -257,6 +260,12 @@ class RunSummary:
     the largest of the ranks'), or None when no session measured it."""
     overhead_budget: float | None = None
     """The session's ``overhead_budget``, if one was set."""
+    last_completed_step: int | None = None
+    """The last step a rank completed (``StepCompleted``), None when none did."""
+    ended: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    """Each rank's ``SessionEnded.reason`` (its last session's): ``"completed"``,
+    ``"stopped: <why>"``, ``"cancelled"`` or ``"error: <exception>"``; empty when no session
+    ended in the log (a run still going, or killed)."""
 
     @property
     def mixed_runs(self) -> bool:

@@ -47,6 +47,8 @@ DEFAULT_MAX_INCIDENTS: Final = 500
 DEFAULT_MAX_MARKERS: Final = 2000
 DEFAULT_MAX_LAYERS: Final = 64
 DEFAULT_LAYER_POINTS: Final = 48
+_MAX_ENDED: Final = 4096
+"""The most ranks whose end reason is kept."""
 
 _ALWAYS_LISTED: Final = (
     Anomaly,
@@ -121,6 +123,8 @@ class RunAggregator(_IncidentRows):
         self._checked_by_rank: dict[int, int] = {}
         self._first_step: int | None = None
         self._last_step: int | None = None
+        self._last_completed: int | None = None
+        self._ended: dict[int, str] = {}  # rank -> its last session's end reason
         self._anomalies = 0
         self._anomaly_steps: set[int] = set()
         self._anomalies_by_kind: dict[str, int] = {}
@@ -234,6 +238,8 @@ class RunAggregator(_IncidentRows):
             else:
                 self._completed += 1
             if step is not None:
+                if self._last_completed is None or step > self._last_completed:
+                    self._last_completed = step
                 latest = self._latest
                 self._latest_step = step
                 if event.loss is not None:
@@ -272,8 +278,11 @@ class RunAggregator(_IncidentRows):
             return
         if isinstance(event, SessionEnded):
             self._end_run(event)
+            if event.reason != "completed":
+                self._list_ended(event)
+            return
         if event.severity < Severity.WARNING and not isinstance(event, _ALWAYS_LISTED):
-            return  # lifecycle notices (session started/ended, captures) are not incidents
+            return  # lifecycle notices (session started, captures) are not incidents
         rank = event.rank
         self._incidents_by_rank[rank] = self._incidents_by_rank.get(rank, 0) + 1
         key, new = self._merge(event)
@@ -321,8 +330,21 @@ class RunAggregator(_IncidentRows):
                 self._checked_by_rank[first] = self._checked
         ranks.add(rank)
 
+    def _list_ended(self, event: SessionEnded) -> None:
+        """A session that did not complete (stopped, cancelled, failed) is an incident: its row
+        says why (the ranks that ended for the same reason at the same step share it)."""
+        rank = event.rank
+        self._incidents_by_rank[rank] = self._incidents_by_rank.get(rank, 0) + 1
+        key, new = self._merge(event)
+        if new:
+            self._list(event, key, None)
+
     def _end_run(self, event: SessionEnded) -> None:
-        """Keep the session's measured overhead (the largest over ranks) and its budget."""
+        """Keep each rank's end reason, the session's measured overhead (the largest over
+        ranks) and its budget."""
+        ended = self._ended
+        if event.rank in ended or len(ended) < _MAX_ENDED:
+            ended[event.rank] = event.reason
         if event.overhead is not None and (
             self._overhead is None or event.overhead > self._overhead
         ):
@@ -465,6 +487,8 @@ class RunAggregator(_IncidentRows):
             steps_by_rank=dict(sorted(by_rank.items())),
             first_step=self._first_step,
             last_step=self._last_step,
+            last_completed_step=self._last_completed,
+            ended=dict(sorted(self._ended.items())),
             steps_per_s=steps / duration if duration > 0 and steps else None,
             anomalies=self._anomalies,
             anomaly_steps=len(self._anomaly_steps),

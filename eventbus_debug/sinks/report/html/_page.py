@@ -11,6 +11,7 @@ from ._format import _bytes, _duration, _e, _int, _is_number, _num, _pct, _time
 from ._sections import (
     _card,
     _counts,
+    _ended_banner,
     _incident_table,
     _kv_table,
     _overhead_card,
@@ -125,9 +126,10 @@ def render_html(
     generated = f" · written {_time(generated_ns)}" if generated_ns is not None else ""
     ranks = ", ".join(_int(r) for r in s.ranks) or "–"
     run = f" · run <code class='rid' id='run-id'>{_e(s.run_id)}</code>" if s.run_id else ""
+    last = s.last_completed_step if s.last_completed_step is not None else s.last_step
     header = (
         f"<h1>{_e(title)}</h1><div class='sub'>{_time(s.started_ns)} → {_time(s.ended_ns)} · "
-        f"steps {_int(s.first_step)}–{_int(s.last_step)} · ranks {ranks} · "
+        f"steps {_int(s.first_step)}–{_int(last)} · ranks {ranks} · "
         f"{_int(s.events)} events{run}{generated}</div>"
     )
     mean = ", mean over the ranks" if several else ""
@@ -232,6 +234,7 @@ def render_html(
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
         f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
         header,
+        _ended_banner(s),
         _runs_section(s),
         f"<div class='cards' id='cards'>{''.join(cards)}</div>",
         _ranks_section(s) if several else "",

@@ -183,9 +183,29 @@ def _ranks_section(s: RunSummary) -> str:
     )
     return (
         f"<h2 id='ranks'>Ranks</h2><p class='note'>{_int(len(s.ranks))} ranks: a step that "
-        "every rank completed is one step, an incident that several ranks had (same step, same "
-        "kind) is one row naming them and is counted once; throughput is summed over the "
+        "every rank completed is one step, an incident that several ranks had (same step, kind "
+        "and identity: the same tensors, rule, trigger...) is one row naming them and is counted once; throughput is summed over the "
         "ranks, the other curves are the mean over the ranks.</p>"
         "<table id='ranks-table'><thead><tr><th>rank</th><th>steps</th><th>incidents</th>"
         f"</tr></thead><tbody>{rows}</tbody></table>"
+    )
+
+
+def _ended_banner(s: RunSummary) -> str:
+    """Why the run ended, when a rank's session did not complete (stopped, cancelled, failed);
+    nothing when every session completed."""
+    ended = s.ended if isinstance(s.ended, Mapping) else {}
+    bad = {rank: reason for rank, reason in ended.items() if reason != "completed"}
+    if not bad:
+        return ""
+    several = len(s.ranks) > 1
+    lines = "".join(
+        f"<li>{f'rank {_int(rank)}: ' if several else ''}{_e(reason)}</li>"
+        for rank, reason in bad.items()
+    )
+    last = s.last_completed_step
+    done = "no step completed" if last is None else f"the last step completed was {_int(last)}"
+    return (
+        "<div class='banner' id='ended-banner'><strong>The run did not complete</strong> "
+        f"({done}):<ul>{lines}</ul></div>"
     )
