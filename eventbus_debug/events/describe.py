@@ -132,6 +132,7 @@ def _telemetry(event: Event) -> str | None:
             return _pairs(
                 ("name", event.name),
                 ("reason", event.reason),
+                ("detail", event.detail),
                 ("steps", event.steps),
                 ("s", event.duration_s),
             )

@@ -47,9 +47,12 @@ class SessionStarted(Event):
 
 @event_type
 class SessionEnded(Event):
-    """A debugging session ended; ``reason`` is ``"completed"``, ``"stopped"`` or an error.
+    """A debugging session ended; ``reason`` is ``"completed"``, ``"stopped"``, ``"cancelled"``
+    or ``"error: <type>: <message>"``.
 
     Attributes:
+        detail: why a stopped session stopped (the ``TrainingStopped`` message: the decision's
+            reason, or which rank could not agree); empty otherwise.
         overhead: the session's own time per step over the rest of the step's time, measured
             over the run (``0.02``: the session made the steps 2 % longer); None when fewer
             than two steps finished, or not measured (a plain bus).
@@ -59,6 +62,7 @@ class SessionEnded(Event):
     kind: ClassVar[str] = "session_ended"
     name: str = ""
     reason: str = "completed"
+    detail: str = ""
     steps: int = 0
     duration_s: float = 0.0
     overhead: float | None = None

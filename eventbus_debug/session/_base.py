@@ -369,13 +369,14 @@ class SessionBase(Generic[BusT]):
         return SessionStarted(source=self.name, name=self.name, config=config)
 
     def _ended_event(self, exc: BaseException | None, *, cancelled: bool = False) -> SessionEnded:
+        detail = ""
         if cancelled:
             reason = "cancelled"
         elif exc is None:
             reason = "completed"
         elif isinstance(exc, TrainingStopped):
-            why = str(exc).strip()  # the decision's reason, or why the ranks could not agree
-            reason = f"stopped: {why}" if why else "stopped"
+            reason = "stopped"
+            detail = str(exc).strip()  # the decision's reason, or why the ranks could not agree
         else:
             reason = f"error: {type(exc).__name__}: {exc}"
         meter = self._boundary.meter if self._boundary is not None else None
@@ -388,6 +389,7 @@ class SessionBase(Generic[BusT]):
             source=self.name,
             name=self.name,
             reason=reason,
+            detail=detail,
             steps=self.steps_completed,
             duration_s=time.perf_counter() - self._started,
         )

@@ -221,7 +221,7 @@ def test_training_stopped_at_the_safe_point_ends_fit_and_session(
         _fit(Tiny(scheduler=False), [debug])
     assert debug.session is None and debug.steps_checked == 2
     ended = [e for e in read_events(tmp_path) if isinstance(e, SessionEnded)]
-    assert [e.reason for e in ended] == ["stopped"]
+    assert [(e.reason, e.detail) for e in ended] == [("stopped", "planted stop")]
 
 
 def test_more_than_one_optimizer_is_a_clear_error(tmp_path: Path) -> None:

@@ -178,8 +178,8 @@ def _stopped_run() -> list[Event]:
             r.add(StepCompleted, step, loss=1.0)
     r1.add(SessionEnded, 99, name="training", reason="completed", steps=100)
     r0.add(StepChecked, 100, loss=1.0)
-    why = "stopped: rank 0 of 2 could not agree on step 100 within 60 s"
-    r0.add(SessionEnded, 100, name="training", reason=why, steps=100)
+    why = "rank 0 of 2 could not agree on step 100 within 60 s"
+    r0.add(SessionEnded, 100, name="training", reason="stopped", detail=why, steps=100)
     return merged(r0, r1)
 
 

@@ -40,7 +40,7 @@ from ..summary import (
     SinkStats,
     SystemStats,
 )
-from ._rows import _IncidentRows
+from ._rows import _IncidentRows, end_reason
 
 DEFAULT_MAX_POINTS: Final = 1000
 DEFAULT_MAX_INCIDENTS: Final = 500
@@ -344,7 +344,7 @@ class RunAggregator(_IncidentRows):
         ranks) and its budget."""
         ended = self._ended
         if event.rank in ended or len(ended) < _MAX_ENDED:
-            ended[event.rank] = event.reason
+            ended[event.rank] = end_reason(event)
         if event.overhead is not None and (
             self._overhead is None or event.overhead > self._overhead
         ):

@@ -254,7 +254,12 @@ def _identity_hash(values: tuple[object, ...]) -> int:
         return hash(repr(values))
 
 
+def end_reason(event: SessionEnded) -> str:
+    """How a session ended, in words: its reason, and for a stop why (``"stopped: ..."``)."""
+    return f"{event.reason}: {event.detail}" if event.detail else event.reason
+
+
 def _message(event: Event) -> str:
     if isinstance(event, SessionEnded):  # listed when it did not complete: say why
-        return f"session {event.name!r} ended after {event.steps} steps: {event.reason}"
+        return f"session {event.name!r} ended after {event.steps} steps: {end_reason(event)}"
     return describe(event)
