@@ -11,8 +11,13 @@ decisions follow at a later safe point on every rank alike. Whether any rank had
 agreed too, so "good steps" (consecutive counts, snapshots, temporary LR changes) advance in
 lockstep and a restore lands every rank on the state of the same step.
 
-Under DDP the collective is launched during ``backward()`` and only waited at the safe point
-(:mod:`.agreement_overlap`), so a healthy step does not wait for it.
+By default the collective blocks at the safe point: one per safe point on every rank, whatever
+the model's graph. ``RankAgreement(overlap=True)`` launches it during DDP's ``backward()``
+instead (:mod:`.agreement_overlap`), at the conditions said there.
+
+The agreement is a :class:`~torch.distributed.algorithms.join.Joinable`: with uneven inputs,
+``with Join([model, session.agreement]):`` makes a rank that ran out of batches shadow the
+others' agreements (after the model's own collectives).
 
 Never a bit mask reduced with MAX: "skip" on one rank and "clip" on another are two flags, and
 both survive.
@@ -31,6 +36,7 @@ from typing import Any, Final, NoReturn, Protocol, final, runtime_checkable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
 from .._validate import positive_seconds
@@ -55,8 +61,9 @@ __all__ = (
 
 _log = get_logger(__name__)
 
-AGREE_TIMEOUT: Final = 60.0
-"""Seconds a rank waits for the others at an agreement (torch's default is 30 minutes)."""
+AGREE_TIMEOUT: Final = 300.0
+"""Seconds a rank waits for the others at an agreement (torch's default is 30 minutes): long
+enough for a rank-0-only checkpoint or evaluation between two steps."""
 WAITS_KEPT: Final = 4096
 """How many recent waits :attr:`RankAgreement.waits` keeps."""
 _DECISION_SLOTS: Final = tuple(range(Slot.ANY, Slot.STOP_RANK + 1))
@@ -144,19 +151,32 @@ class _Launched:
 
 
 @final
-class RankAgreement:
+class RankAgreement(Joinable):
     """The :class:`Agreement` of a torch.distributed process group (one collective per step).
 
     Built by the session when it runs inside an initialized process group (opt out with
     ``Session(..., distributed=False)``). It must be constructed on every rank (it creates a gloo
     group collectively) and called at every safe point on every rank.
 
-    Blocking (the fallback, and with ``overlap=False``): at the safe point every rank encodes
-    its pending decisions, whether it had an incident and its loss in one small float64 vector
-    and ``all_reduce``\\ s it with MAX (see :mod:`.agreement_codec`).
+    Blocking (``overlap=False``, the default): at the safe point every rank encodes its pending
+    decisions, whether it had an incident and its loss in one small float64 vector and
+    ``all_reduce``\\ s it with MAX (see :mod:`.agreement_codec`): one collective per safe point
+    on every rank, whatever the model's graph, and every decision agreed before any rank
+    applies it.
 
-    Overlapped (``overlap=True``, the default, once :meth:`attach`\\ ed to a
-    :class:`~torch.nn.parallel.DistributedDataParallel` model): the same vector is launched
+    With uneven inputs, list it after the model in a join context,
+    ``with Join([model, session.agreement]):``; a rank out of batches then shadows the others'
+    agreements (one per step). ``model.join()`` alone does not, and is refused at the first
+    safe point inside it (so is the agreement listed before the model).
+
+    Overlapped (``overlap=True``, opt-in, once :meth:`attach`\\ ed to a
+    :class:`~torch.nn.parallel.DistributedDataParallel` model): hides the collective behind
+    ``backward()`` (a few percent of a small step) at three conditions: the model's first output
+    that requires a gradient is used in the loss on every rank or on none (else the ranks launch
+    different numbers of collectives and hang), every rank checks the same steps at the same
+    level, and no rank changes its gradients after ``backward()`` (else one rank skips alone and
+    the group stops); a restore or stop on a non-finite parameter skips first and acts one safe
+    point later. The same vector is launched
     asynchronously when the gradient of the model's output arrives, at the start of
     ``backward()``, carrying what was decided before it, whether this rank's loss gradient is
     finite and the previous step's loss; the safe point only waits for it (it is done by then).
@@ -169,9 +189,11 @@ class RankAgreement:
     (*blocking_at*: parameter or activation checks) add a blocking round.
 
     Args:
-        timeout: seconds a rank waits for the others before it stops, naming its own decision.
+        timeout: seconds a rank waits for the others before it stops, naming its own decision
+            (raise it when a rank may pause longer between two steps, e.g. to checkpoint).
         group: the ranks that agree (``None``: a new gloo group over the default group's ranks).
-        overlap: hide the agreement behind ``backward()`` where :meth:`attach` allows it.
+        overlap: hide the agreement behind ``backward()`` where :meth:`attach` allows it (see
+            the conditions above; default: block at the safe point).
 
     Raises:
         RuntimeError: if torch.distributed is not initialized.
@@ -180,8 +202,9 @@ class RankAgreement:
     """
 
     def __init__(
-        self, *, timeout: float = AGREE_TIMEOUT, group: Any = None, overlap: bool = True
+        self, *, timeout: float = AGREE_TIMEOUT, group: Any = None, overlap: bool = False
     ) -> None:
+        super().__init__()  # Joinable: no join context yet
         if not isinstance(overlap, bool):
             msg = f"overlap must be a bool, got {overlap!r}"
             raise TypeError(msg)
@@ -215,6 +238,10 @@ class RankAgreement:
         self._spare: torch.Tensor | None = None
         """The overlapped agreement's vector, collected at the last safe point (reused)."""
         self._launcher: OutputGradLaunch | None = None
+        self._model: nn.Module | None = None
+        """The model the session trains (for the join context's checks)."""
+        self._step = -1
+        """The last step agreed (a joined rank shadows the steps after it)."""
         self._engine: DecisionSource | None = None
         self._blocking_at: Callable[[int], bool] | None = None
         self._launched: _Launched | None
@@ -252,18 +279,22 @@ class RankAgreement:
         engine: DecisionSource,
         *,
         blocking_at: Callable[[int], bool] | None = None,
+        overlap: bool = True,
     ) -> bool:
         """Launch each step's agreement during *model*'s backward; True when that applies.
 
         It applies to a :class:`~torch.nn.parallel.DistributedDataParallel` model with
-        ``overlap=True``; anything else (FSDP, DTensor, a plain module) keeps the blocking
-        agreement. Call it on every rank alike; attaching again moves the hook.
+        ``overlap=True`` here and at construction; anything else (FSDP, DTensor, a plain module)
+        keeps the blocking agreement. Call it on every rank alike; attaching again moves the
+        hook. *model* is remembered either way (its join context is checked at each safe point).
 
         Args:
             model: the model the session trains.
             engine: the engine whose decisions are agreed (taken from it at the launch).
             blocking_at: steps that add a blocking round, because the probe checks rank-local
                 state there (parameters, activations).
+            overlap: False where the session must not overlap (a GradScaler, an overhead
+                budget).
 
         Raises:
             TypeError: if *blocking_at* is neither callable nor None.
@@ -273,7 +304,8 @@ class RankAgreement:
             raise TypeError(msg)
         self.detach()
         self._start_run()
-        if not self.overlap or not isinstance(model, DistributedDataParallel):
+        self._model = model
+        if not (self.overlap and overlap) or not isinstance(model, DistributedDataParallel):
             return False
         self._engine = engine
         self._blocking_at = blocking_at
@@ -324,7 +356,14 @@ class RankAgreement:
             TrainingStopped: if the other ranks do not answer within :attr:`timeout` (this
                 rank's own pending decisions are named).
         """
+        self._check_join()
+        self._step = step
         self.agreements += 1
+        return self._agree(step, decisions, noted, loss)
+
+    def _agree(
+        self, step: int, decisions: Sequence[DecidedAction], noted: bool, loss: float | None
+    ) -> AgreedStep:
         launched, self._launched = self._launched, None
         if self._launcher is None:
             return self._agree_blocking(step, decisions, noted, loss)
@@ -336,6 +375,57 @@ class RankAgreement:
             self._applied = _applied(agreed.decisions, agreed.noted)
             return agreed
         return self._agree_overlapped(step, launched, decisions, noted, loss)
+
+    # -- uneven inputs: torch.distributed.algorithms.join ----------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook a rank out of inputs runs while others train: it shadows their agreements."""
+        return _ShadowAgreement(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the join context's own collectives (the model's, listed first)."""
+        return torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        """The join context's process group: the model's (the agreement's own is separate)."""
+        return getattr(self._model, "process_group", None) or dist.group.WORLD
+
+    def _check_join(self) -> None:
+        """Refuse a join context that does not shadow the agreement (it would stall, then stop).
+
+        Raises:
+            RuntimeError: if the model is in a join context without the agreement, or the
+                agreement is listed before the model.
+        """
+        mine = self._join_config
+        if mine.enable and mine.is_first_joinable:
+            msg = (
+                "the agreement must be listed after the model in the join context: "
+                "Join([model, session.agreement])"
+            )
+            raise RuntimeError(msg)
+        theirs = getattr(self._model, "_join_config", None)
+        if theirs is not None and theirs.enable and not mine.enable:
+            msg = (
+                "the model is in a join context (model.join() or Join([model])) that does not "
+                "shadow the session's agreement: a rank out of inputs would leave the others "
+                "waiting at the next safe point. Use Join([model, session.agreement]), or "
+                "Session(..., distributed=False), or give every rank as many batches"
+            )
+            raise RuntimeError(msg)
+
+    def _shadow(self) -> None:
+        """Match one agreement of the ranks still training (MAX's identity: all ``-inf``).
+
+        It runs after the model's join hook, as the others agree after DDP's backward; a
+        retried call's agreement (before backward) is not shadowed.
+        """
+        self._step += 1
+        step = self._step
+        v = torch.full((codec.vector(self.world).numel(),), -math.inf, dtype=torch.float64)
+        self._reduce(v, lambda: _joined(step))
 
     # -- the overlapped path -------------------------------------------------------------------
 
@@ -450,11 +540,29 @@ class RankAgreement:
     def _failed(self, what: str, exc: RuntimeError) -> NoReturn:
         msg = (
             f"rank {self.rank} of {self.world} could not agree on {what} within "
-            f"{self.timeout:g} s: another rank stopped, crashed or hangs ({exc})"
+            f"{self.timeout:g} s: another rank stopped, crashed or hangs ({exc}). If a rank "
+            "may pause longer between two steps (a checkpoint, an evaluation), raise the "
+            "timeout: Session(..., distributed=RankAgreement(timeout=SECONDS))"
         )
         _log.error("agreement_failed", rank=self.rank, what=what)
         self.detach()
         raise TrainingStopped(msg) from exc
+
+
+@final
+class _ShadowAgreement(JoinHook):
+    """A joined rank's hook: one shadowed agreement per training iteration of the others."""
+
+    def __init__(self, agreement: RankAgreement) -> None:
+        self.agreement = agreement
+
+    def main_hook(self) -> None:
+        self.agreement._shadow()
+
+
+def _joined(step: int) -> str:
+    """What a joined rank's failed shadow was about."""
+    return f"step {step} (this rank is out of inputs: it decided nothing)"
 
 
 def _kinds(decisions: Sequence[DecidedAction]) -> str:

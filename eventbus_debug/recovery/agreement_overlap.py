@@ -13,6 +13,10 @@ What is decided after that launch (at the safe point) is split by :func:`split_l
 on incidents that are the same on every rank act at once where they must (a skip, a clip: about
 this step's gradients) and the rest of every decision rides in the next agreement, which every
 rank applies at the next safe point.
+
+Opt-in (``RankAgreement(overlap=True)``): it holds only when the hooked output is used in the
+loss on every rank or on none, every rank's probe checks the same steps, and no rank changes its
+gradients after ``backward()``. The default agreement blocks at the safe point instead.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ class OutputGradLaunch:
 
     A forward hook on *model* hooks the first output tensor that requires a gradient; the
     hook runs at the start of that output's backward, with whether that gradient has a
-    non-finite element (see :func:`finite`: the output's gradient, not the parameters').
+    non-finite element (``False`` when it is ``None``) (see :func:`finite`: the output's gradient, not the parameters').
     Steps under DDP's ``no_sync()`` are not hooked (their gradients are this rank's own). The
     gradient itself is never changed.
 
@@ -104,8 +108,10 @@ class OutputGradLaunch:
         if tensor is not None:
             tensor.register_hook(self._arrived)  # type: ignore[no-untyped-call]
 
-    def _arrived(self, grad: torch.Tensor) -> None:
-        self._launch(not finite(grad))
+    def _arrived(self, grad: torch.Tensor | None) -> None:
+        # None: the output is not in this rank's loss (DDP with find_unused_parameters or
+        # static_graph still runs the hook): nothing non-finite reached the model through it.
+        self._launch(grad is not None and not finite(grad))
 
 
 def _with(d: DecidedAction, action: SkipStep) -> DecidedAction:

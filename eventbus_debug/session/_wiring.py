@@ -265,13 +265,14 @@ def _overlap_agreement(
 ) -> None:
     """Hide the agreement behind DDP's backward where the checks allow it (else it blocks).
 
-    Not with a GradScaler (its overflow steps must not be skipped by the session) nor with an
-    overhead budget (it stretches each rank's cadence on its own clock, so the ranks would check
-    different steps). Parameter and activation checks read rank-local state: those steps add a
-    blocking round.
+    Only with ``RankAgreement(overlap=True)``. Not with a GradScaler (its overflow steps must not
+    be skipped by the session) nor with an overhead budget (it stretches each rank's cadence on
+    its own clock, so the ranks would check different steps). Parameter and activation checks
+    read rank-local state: those steps add a blocking round. The agreement keeps *model* either
+    way (to check its join context).
     """
     if options.scaler is not None or options.overhead_budget is not None:
-        agreement.detach()
+        agreement.attach(model, engine, overlap=False)
         return
     level, cadence = options.plan.level, options.cadence or Cadence()
 

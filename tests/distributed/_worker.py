@@ -8,6 +8,7 @@ process group (starting processes is the expensive part); writes
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -21,6 +22,7 @@ import anyio
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -52,6 +54,44 @@ def _fault(scenario: str, rank: int, step: int, loss: torch.Tensor, model: nn.Mo
     return loss
 
 
+def _base(scenario: str) -> str:
+    """*scenario* without its ``ov_`` prefix (which opts into the overlapped agreement)."""
+    return scenario.removeprefix("ov_")
+
+
+class TwoOutputs(nn.Module):
+    """A model returning ``(features, prediction)``: its first output has no parameters of its own
+    and is used in the loss on some ranks only, or on none (an auxiliary output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 32), nn.Tanh())
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(x)
+        return h * 1.0, self.head(h)
+
+
+def _inf_hook(grad: torch.Tensor) -> torch.Tensor:
+    """Make one gradient element infinite before DDP all-reduces it."""
+    grad = grad.clone()
+    grad[0, 0] = math.inf
+    return grad
+
+
+TWO_OUTPUTS: dict[str, dict[str, bool]] = {
+    "aux_some_ranks": {},
+    "first_unused_find_unused": {"find_unused_parameters": True},
+    "first_unused_static": {"static_graph": True},
+}
+"""Scenarios of :class:`TwoOutputs` and their DDP options."""
+NAN_PARAM_AT: dict[str, tuple[int, ...]] = {"nan_param_late": (20,), "nan_param_twice": (20, 23)}
+"""Scenarios where rank 1's parameters become NaN, and the steps."""
+JOIN: dict[str, int] = {"join_uneven": 5, "join_model_only": 5, "join_agreement_first": 5}
+"""Scenarios run under a Join context, and how many fewer batches rank 1 has."""
+
+
 def _leak(step: int) -> MemoryLeakSuspected:
     """A rank-local incident (this rank's memory grows)."""
     return MemoryLeakSuspected(
@@ -66,18 +106,27 @@ def _stop_on_leak(incident: Any, history: Any) -> Decision:
 
 async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -> dict[str, Any]:
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    net: nn.Module = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
     model: nn.Module
+    base = _base(scenario)
     if scenario == "fsdp2":
         fully_shard(net)  # gradients become DTensor shards
         model = net
+    elif base in TWO_OUTPUTS:
+        net = TwoOutputs()
+        options = TWO_OUTPUTS[base]
+        model = DistributedDataParallel(
+            net,
+            find_unused_parameters=options.get("find_unused_parameters", False),
+            static_graph=options.get("static_graph", False),
+        )
     else:
         model = DistributedDataParallel(net)  # broadcasts rank 0's initial parameters
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(100 + rank)
     recorder = RecordingSink()
     every5 = ("nan_one_rank_every5", "nan_three_one_rank_every5")
-    cadence = Cadence(grad_every=5) if scenario in every5 else None
+    cadence = Cadence(grad_every=5) if base in every5 else None
     distributed: Any = None
     if scenario == "crash_one_rank":
         distributed = RankAgreement(timeout=5.0, overlap=False)
@@ -85,6 +134,8 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
         distributed = RankAgreement(timeout=5.0, overlap=not scenario.startswith("blocking"))
     if scenario == "blocking_nan_one_rank_every5":
         cadence = Cadence(grad_every=5)
+    if scenario.startswith("ov_"):
+        distributed = RankAgreement(overlap=True)
     result: dict[str, Any] = {"rank": rank, "stopped_at": None, "reason": ""}
     step = -1
     try:
@@ -102,29 +153,64 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
             assert session.recovery is not None
             session.recovery.register(_stop_on_leak, on=MemoryLeakSuspected)
             retry = Retrying(session.recovery, state=CallState(batch_size=32))
-            for step in range(STEPS):
-                if scenario == "stop_early_one_rank" and rank == 1 and step == 15:
+            steps = STEPS - (JOIN.get(base, 0) if rank == 1 else 0)
+            joinables: list[Any] = [model, session.agreement]
+            if base == "join_agreement_first":
+                joinables.reverse()
+            join: Any = contextlib.nullcontext()
+            if base == "join_model_only":
+                join = model.join()  # type: ignore[operator]
+            elif base in JOIN:
+                join = Join(joinables)
+            join.__enter__()
+            for step in range(steps):
+                if rank == 1 and step in NAN_PARAM_AT.get(base, ()):
+                    with torch.no_grad():  # the last layer's weight, before the forward
+                        [p for p in net.parameters() if p.dim() == 2][-1][0, 0] = math.nan
+                if base == "level_off_inf_grad" and rank == 0 and step == 5:
+                    session.set_level("off")  # this rank's probe no longer checks anything
+                if base == "stop_early_one_rank" and rank == 1 and step == 15:
                     session.publish(_leak(step))  # before backward: rides in the launch
                 # The retried block holds no collective (DDP's backward all-reduces): an
                 # attempt that fails on one rank is agreed before any rank goes on.
-                async for attempt in retry:
-                    async with attempt:
-                        size = attempt.state.batch_size or 32
-                        x = torch.randn(size, 8, generator=gen)
-                        y = x.sum(dim=1, keepdim=True)
-                        opt.zero_grad(set_to_none=True)
-                        if scenario == "oom_one_rank" and rank == 1 and step >= 5 and size > 8:
-                            msg = "CUDA out of memory. Tried to allocate 2.00 GiB"
-                            raise torch.OutOfMemoryError(msg)
-                        if scenario == "no_sync_accumulate":  # a micro-batch, not all-reduced
-                            with model.no_sync():  # type: ignore[operator]
-                                torch.autograd.backward(nn.functional.mse_loss(model(x), y))
-                        loss = nn.functional.mse_loss(model(x), y)
-                loss = _fault(scenario, rank, step, loss, model)
+                if base in JOIN:  # a retried call's agreement is not shadowed by a joined rank
+                    x = torch.randn(32, 8, generator=gen)
+                    opt.zero_grad(set_to_none=True)
+                    loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+                else:
+                    async for attempt in retry:
+                        async with attempt:
+                            size = attempt.state.batch_size or 32
+                            x = torch.randn(size, 8, generator=gen)
+                            y = x.sum(dim=1, keepdim=True)
+                            opt.zero_grad(set_to_none=True)
+                            if base == "oom_one_rank" and rank == 1 and step >= 5 and size > 8:
+                                msg = "CUDA out of memory. Tried to allocate 2.00 GiB"
+                                raise torch.OutOfMemoryError(msg)
+                            if base == "no_sync_accumulate":  # a micro-batch, not all-reduced
+                                with model.no_sync():  # type: ignore[operator]
+                                    torch.autograd.backward(nn.functional.mse_loss(model(x), y))
+                            if base in TWO_OUTPUTS:
+                                features, pred = model(x)
+                                loss = nn.functional.mse_loss(pred, y)
+                                if base == "aux_some_ranks" and rank == 0:  # rank 0's aux labels
+                                    loss = loss + 0.01 * features.pow(2).mean()
+                            else:
+                                loss = nn.functional.mse_loss(model(x), y)
+                loss = _fault(base, rank, step, loss, model)
+                bad_grad = base == "level_off_inf_grad" and rank == 1 and step == 21
+                first = next(net.parameters())
+                hook = first.register_hook(_inf_hook) if bad_grad else None  # type: ignore[no-untyped-call]
                 loss.backward()
+                if hook is not None:
+                    hook.remove()
+                if base == "inf_grad_after_one_rank" and rank == 1 and step == 21:
+                    with torch.no_grad():  # after DDP's all-reduce: this rank's gradient only
+                        assert first.grad is not None
+                        first.grad[0, 0] = math.inf
                 if scenario.startswith("crash_one_rank") and rank == 1 and step == 10:
                     os._exit(3)  # after DDP's all-reduce: the others meet it at the agreement
-                if scenario == "stop_late_one_rank" and rank == 1 and step == 15:
+                if base == "stop_late_one_rank" and rank == 1 and step == 15:
                     session.publish(_leak(step))  # after the launch: agreed one step later
                 verdict = await session.check_step(step, loss=loss)
                 if step == 0 and scenario == "fsdp2":
@@ -136,11 +222,12 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
                 if verdict.should_step:
                     opt.step()
                 await session.step_completed(step, loss=verdict.loss)
+            join.__exit__(None, None, None)
     except TrainingStopped as exc:
         result["stopped_at"] = step
         result["reason"] = str(exc)
     except RuntimeError as exc:  # a crashed peer met in DDP's own all-reduce (not ours)
-        if scenario != "crash_one_rank_overlapped":
+        if scenario not in ("crash_one_rank_overlapped", "join_model_only", "join_agreement_first"):
             raise
         result["stopped_at"] = step
         result["reason"] = f"{type(exc).__name__}: {exc}"
@@ -161,6 +248,7 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
     )
     result["batch_size"] = retry.state.batch_size if step >= 0 else None
     result["steps_completed"] = session.steps_completed
+    result["restores"] = sum(a[1] == "restore_state" for a in result["applied"])
     agreement = session.agreement
     result["overlapped"] = agreement.overlapped if isinstance(agreement, RankAgreement) else 0
     launches = agreement.launches if isinstance(agreement, RankAgreement) else ()

@@ -48,9 +48,14 @@ TWO_RANKS = (
     "blocking_nan_one_rank_every5",
     "nan_one_rank_every5:observe",
     "no_sync_accumulate",
+    "ov_nan_one_rank",  # ov_: RankAgreement(overlap=True), launched during backward
+    "ov_spike_one_rank",
+    "ov_nan_three_one_rank_every5",
+    "ov_no_sync_accumulate",
+    "ov_stop_late_one_rank",
     "crash_one_rank",  # last: rank 1 exits
 )
-STEPS = 40  # tests/distributed/_worker.py's STEPS: every one of them agreed during backward
+STEPS = 40  # tests/distributed/_worker.py's STEPS
 THREE_RANKS = ("sustained_one_rank", "sustained_one_rank:aggressive")
 
 
@@ -200,31 +205,38 @@ def test_a_crashed_rank_stops_the_others_with_a_reason(two: dict[str, list[Any]]
     rank0 = two["crash_one_rank"][0]
     assert rank0 is not None and rank0["stopped_at"] == 10
     assert "could not agree" in rank0["reason"]
+    assert "distributed=RankAgreement(timeout=" in rank0["reason"]  # how to wait longer
     assert two["crash_one_rank"][1] is None
 
 
-@pytest.mark.parametrize(
-    "scenario",
-    [
-        "nan_one_rank",
-        "nan_one_rank_every5",
-        "spike_one_rank",
-        "spike_one_rank:aggressive",
-        "oom_one_rank",
-        "nan_loss_only_one_rank",
-    ],
-)
+@pytest.mark.parametrize("scenario", ["ov_nan_one_rank", "ov_spike_one_rank"])
 def test_ddp_agrees_during_backward_at_every_step(two: dict[str, list[Any]], scenario: str) -> None:
-    """Under DDP every safe point's agreement was launched during backward (the fast path),
-    and every launch's hold on the training thread was measured."""
-    assert [r["overlapped"] for r in ranks(two, scenario)] == [STEPS, STEPS]
-    assert [r["launches"] for r in ranks(two, scenario)] == [[STEPS, True], [STEPS, True]]
+    """With RankAgreement(overlap=True) every safe point's agreement under DDP was launched
+    during backward, every launch's hold on the training thread was measured, and the fault is
+    answered as by the blocking agreement."""
+    results = ranks(two, scenario)
+    assert [r["overlapped"] for r in results] == [STEPS, STEPS]
+    assert [r["launches"] for r in results] == [[STEPS, True], [STEPS, True]]
+    blocking = ranks(two, scenario.removeprefix("ov_"))
+    assert [r["applied"] for r in results] == [r["applied"] for r in blocking]
+    assert same_everywhere(results, "params")
 
 
-def test_sustained_spike_agreed_during_backward(three: dict[str, list[Any]]) -> None:
-    """Three ranks: every agreement of the sustained-spike run was overlapped."""
+@pytest.mark.parametrize(
+    "scenario", ["nan_one_rank", "spike_one_rank:aggressive", "oom_one_rank", "no_sync_accumulate"]
+)
+def test_the_default_agreement_blocks_at_the_safe_point(
+    two: dict[str, list[Any]], scenario: str
+) -> None:
+    """By default nothing is launched during backward: one agreement per safe point."""
+    assert [r["overlapped"] for r in ranks(two, scenario)] == [0, 0]
+    assert [r["launches"] for r in ranks(two, scenario)] == [[0, True], [0, True]]
+
+
+def test_sustained_spike_agreed_at_the_safe_point(three: dict[str, list[Any]]) -> None:
+    """Three ranks: every agreement of the sustained-spike run blocked at the safe point."""
     for scenario in THREE_RANKS:
-        assert [r["overlapped"] for r in ranks(three, scenario)] == [STEPS] * 3
+        assert [r["overlapped"] for r in ranks(three, scenario)] == [0] * 3
 
 
 @pytest.mark.parametrize("scenario", ["fsdp2", "blocking_nan_one_rank_every5"])
@@ -239,15 +251,17 @@ def test_fsdp_and_overlap_off_fall_back_to_the_blocking_agreement(
     assert same_everywhere(results, "params")
 
 
-def test_escalation_on_one_rank_restores_every_rank_together(two: dict[str, list[Any]]) -> None:
+@pytest.mark.parametrize("scenario", ["nan_three_one_rank_every5", "ov_nan_three_one_rank_every5"])
+def test_escalation_on_one_rank_restores_every_rank_together(
+    two: dict[str, list[Any]], scenario: str
+) -> None:
     """Three NaN batches in a row on rank 1 with gradient checks every 5th step: rank 1's
     strategy escalates to a restore that only it counted; every rank skips 12-14 and restores
-    at the same safe point (one later, as agreed), ending equal and finite."""
-    results = ranks(two, "nan_three_one_rank_every5")
+    at the same safe point (overlapped: one later, as agreed), ending equal and finite."""
+    results = ranks(two, scenario)
     assert all({12, 13, 14} <= set(r["skipped"]) and r["finite"] for r in results)
     assert any(a[1] == RecoveryAction.RESTORE_STATE.value for a in results[0]["applied"])
     assert same_everywhere(results, "applied") and same_everywhere(results, "params")
-    assert [r["overlapped"] for r in results] == [STEPS, STEPS]
 
 
 def test_observe_policy_is_not_made_to_skip(two: dict[str, list[Any]]) -> None:
@@ -259,18 +273,18 @@ def test_observe_policy_is_not_made_to_skip(two: dict[str, list[Any]]) -> None:
 
 
 def test_no_sync_micro_batches_do_not_launch(two: dict[str, list[Any]]) -> None:
-    """Gradient accumulation with DDP's no_sync(): only the all-reduced backward launches the
-    agreement, once per safe point; parameters stay equal."""
-    results = ranks(two, "no_sync_accumulate")
+    """Gradient accumulation with DDP's no_sync() and overlap=True: only the all-reduced
+    backward launches the agreement, once per safe point; parameters stay equal."""
+    results = ranks(two, "ov_no_sync_accumulate")
     assert [r["overlapped"] for r in results] == [STEPS, STEPS]
     assert same_everywhere(results, "params") and all(r["finite"] for r in results)
 
 
 def test_nan_only_in_the_loss_does_not_split_the_ranks(two: dict[str, list[Any]]) -> None:
-    """A NaN added to rank 1's loss (its gradient stays finite): no rank skips alone, the
-    ranks end equal and finite, nobody stops (the incident rides in the next agreement)."""
+    """A NaN added to rank 1's loss (its gradient stays finite): no rank skips alone (every
+    rank skips it, agreed at the safe point), the ranks end equal and finite, nobody stops."""
     results = ranks(two, "nan_loss_only_one_rank")
-    assert all(r["skipped"] == [] and r["stopped_at"] is None and r["finite"] for r in results)
+    assert all(r["skipped"] == [12] and r["stopped_at"] is None and r["finite"] for r in results)
     assert same_everywhere(results, "params")
 
 
@@ -290,8 +304,9 @@ def test_stop_decided_on_one_rank_after_backward_stops_both_next_step(
 ) -> None:
     """The same incident published after backward (after the launch) rides in the next
     agreement: both ranks stop together at step 16, parameters equal."""
-    results = ranks(two, "stop_late_one_rank")
-    assert [r["stopped_at"] for r in results] == [16, 16]
+    assert [r["stopped_at"] for r in ranks(two, "ov_stop_late_one_rank")] == [16, 16]
+    results = ranks(two, "stop_late_one_rank")  # blocking: agreed at the safe point of step 15
+    assert [r["stopped_at"] for r in results] == [15, 15]
     assert same_everywhere(results, "params")
 
 
