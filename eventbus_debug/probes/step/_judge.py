@@ -121,6 +121,7 @@ class Judge:
         self._vanish_streak = 0
         self._vanish_reported = False
         self._param_base: tuple[int, tuple[int, ...], Sequence[float]] = (-1, (), ())
+        self._ratios_warned: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         self._spikes: LossSpikeDetector
         self._explosions: ExplosionDetector
         self.thresholds = thresholds
@@ -323,15 +324,21 @@ class Judge:
         if not any(map(operator.lt, values, repeat(th.update_ratio_low))) and not any(
             map(operator.gt, values, repeat(th.update_ratio_high))
         ):
+            self._ratios_warned = None
             return ratios  # every ratio within bounds (the healthy step)
-        low = [n for n, r in ratios.items() if r < th.update_ratio_low]
-        high = [n for n, r in ratios.items() if r > th.update_ratio_high]
-        _log.warning(
-            "weight_update_ratio_out_of_bounds",
-            step=lay.step,
-            stalled=low[:10],
-            too_large=high[:10],
-        )
+        low = tuple(n for n, r in ratios.items() if r < th.update_ratio_low)
+        # inf: the parameter's norm was 0 at the snapshot (a zero-initialized bias): no scale
+        high = tuple(n for n, r in ratios.items() if th.update_ratio_high < r < math.inf)
+        if (low, high) != self._ratios_warned and (low or high):
+            # Said once per change of the set: a parameter group at lr=0, a bias before a
+            # BatchNorm (its gradient is 0) or a warm-up from 0 would repeat it every check.
+            self._ratios_warned = (low, high)
+            _log.warning(
+                "weight_update_ratio_out_of_bounds",
+                step=lay.step,
+                stalled=list(low[:10]),
+                too_large=list(high[:10]),
+            )
         return ratios
 
     def _judge_grads(

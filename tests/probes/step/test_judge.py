@@ -202,3 +202,38 @@ def test_no_dead_layers_when_per_layer_checks_are_off() -> None:
     judge = _judge(vanishing_patience=2, vanishing_per_layer=False)
     for step, c in enumerate([1.0, 0.0, 0.0, 0.0]):
         assert _vanished(_run(judge, _layout(step), [0.5, 1.0, 1.0, c])) == []
+
+
+def test_out_of_bounds_update_ratios_are_logged_once_per_change(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A parameter that stays stalled (an lr=0 group, a bias before BatchNorm) is said once,
+    not at every check; a new set is said again, and so is a return after a healthy check.
+    A zero ‖w‖ at the snapshot (inf) has no scale and is not "too large"."""
+    params = Checks(loss=True, grads=True, params=True, updates=True)
+    judge = _judge()
+
+    def check(step: int, updates: list[float]) -> None:
+        _run(
+            judge,
+            _layout(step, checks=params, param_slots=(0, 1, 2, 3)),
+            [0.5, 1, 1, 1, 0, 1, 1, 1],
+        )
+        _run(
+            judge,
+            _layout(step + 1, update_slots=(0, 1, 2), update_base=step),
+            [0.5, 1, 1, 1, *updates],
+        )
+
+    with caplog.at_level("WARNING"):
+        for step in range(0, 20, 2):  # "b" stalled at every check; "a" (norm 0) moves
+            check(step, [0.5, 0.0, 0.1])
+        assert caplog.text.count("weight_update_ratio_out_of_bounds") == 1
+        check(20, [0.5, 0.0, 0.0])  # "c" stalls too: a new set
+        check(22, [0.5, 0.1, 0.1])  # healthy
+        check(24, [0.5, 0.0, 0.1])  # "b" again after a healthy check
+    said = [r.getMessage() for r in caplog.records if "weight_update_ratio" in r.getMessage()]
+    assert len(said) == 3 and all('too_large=""' in m for m in said)
+    assert ["stalled=b " in said[0], "stalled=b,c " in said[1], "stalled=b " in said[2]] == [
+        True
+    ] * 3
