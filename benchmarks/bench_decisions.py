@@ -554,6 +554,61 @@ def _length_buckets(steps: int, lr_scale: float) -> Workload:
     )
 
 
+# -- a healthy run: a BERT masked LM at Hugging Face's init, on random tokens --------------------
+class _BertHf(nn.Module):
+    """HF's BERT layout (embedding LayerNorm, two post-LN encoder layers), HF's init: normal
+    weights, zero biases. At that init the attention query/key gradients are ~1e-4 of the
+    model's RMS and wander 10x (what a fixed 1e-4 dead-layer floor reported as dead)."""
+
+    def __init__(self, vocab: int = 100, std: float = 0.015) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, D_MODEL)
+        self.pos = nn.Embedding(SEQ, D_MODEL)
+        self.norm = nn.LayerNorm(D_MODEL)
+        self.layers = nn.Sequential(_BertLayer(D_MODEL, 4), _BertLayer(D_MODEL, 4))
+        self.head = nn.Linear(D_MODEL, vocab)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=std)
+            if isinstance(m, nn.Linear):
+                nn.init.zeros_(m.bias)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))
+        out: torch.Tensor = self.head(self.layers(h))
+        return out
+
+
+def _bert_hf_init(steps: int, lr_scale: float) -> Workload:
+    """Masked LM on random tokens (attention stays near uniform, as early in pre-training)."""
+    vocab = 100
+    g = torch.Generator().manual_seed(SEED)
+    data = torch.randint(1, vocab, (4096, SEQ), generator=g)
+    masks = torch.rand(max(steps, 1), 8, SEQ, generator=g) < 0.15
+    held, held_mask = data[4000:], torch.rand(96, SEQ, generator=g) < 0.15
+    torch.manual_seed(SEED)
+    model = _BertHf(vocab)
+    idx = _sampler(4000, steps, 8, SEED + 1)
+
+    def mlm(ids: torch.Tensor, mask: torch.Tensor) -> Batch:
+        return ids.masked_fill(mask, 0), ids.masked_fill(~mask, -100)
+
+    def loss(m: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(m(xb).reshape(-1, vocab), yb.reshape(-1), ignore_index=-100)
+
+    hx, hy = mlm(held, held_mask)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-4 * lr_scale, weight_decay=0.01)
+    return Workload(
+        model=model,
+        optimizer=optimizer,
+        batch=lambda step: mlm(data[idx[step]], masks[step]),
+        loss=loss,
+        heldout=lambda m: _eval(m, lambda: loss(m, hx, hy)),
+        n_classes=vocab,
+        scheduler=_warmup_decay(optimizer, steps),
+    )
+
+
 # -- faults ---------------------------------------------------------------------------------------
 
 
@@ -645,6 +700,7 @@ RUNS: Final[tuple[RunSpec, ...]] = (
     RunSpec(name="amp_fp16", kind=RunKind.HEALTHY, build=_cls(amp=True)),
     RunSpec(name="multitask_mix", kind=RunKind.HEALTHY, build=_multitask),
     RunSpec(name="length_buckets", kind=RunKind.HEALTHY, build=_length_buckets),
+    RunSpec(name="bert_hf_init", kind=RunKind.HEALTHY, build=_bert_hf_init),
     RunSpec(
         name="nan_input",
         kind=RunKind.FAULTY,
