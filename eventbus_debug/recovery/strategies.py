@@ -293,7 +293,9 @@ class ClipOnExplosion:
         min_ratio: clip only when the norm is at least this many times the largest norm the run
             had accepted (``GradientExploded.largest``); below that the explosion is reported
             (``CONTINUE``). The SAFE policy uses 100: only a norm orders of magnitude beyond
-            anything the run has seen is touched. ``1.0`` clips every detected explosion.
+            anything the run has seen is touched, and above 1 nothing is clipped before the
+            run has accepted a norm (no evidence of its scale). ``1.0`` clips every detected
+            explosion.
         lower_lr_after: consecutive explosions before the LR is lowered as well; ``None``:
             never.
         lr_factor: the LR multiplier then.
@@ -331,6 +333,11 @@ class ClipOnExplosion:
         if not math.isfinite(total):
             return (_report(f"{what}: not finite, left to the non-finite strategies"),)
         largest = incident.largest
+        if largest <= 0 and self.min_ratio > 1:
+            # nothing accepted yet (the cap judged a norm with no history): there is no evidence
+            # that it is min_ratio x anything the run produces, and a raw-scale regression has
+            # such norms from its first step
+            return (_report(f"{what}; not clipped: no accepted norm to compare with yet"),)
         bar = self.min_ratio * largest if largest > 0 else incident.threshold
         if total < bar:
             return (

@@ -11,6 +11,7 @@ from torch import nn
 from eventbus_debug import Anomaly, RecoveryEngine, SafePoint, Session, TrainingStopped
 from eventbus_debug.events import (
     Event,
+    GradientExploded,
     LossSpiked,
     NonFiniteDetected,
     RecoveryAction,
@@ -19,8 +20,14 @@ from eventbus_debug.events import (
     StepSkipped,
     TensorRole,
 )
-from eventbus_debug.recovery import RecoveryPolicy, RollbackOnLossSpike, default_strategies
+from eventbus_debug.recovery import (
+    ClipOnExplosion,
+    RecoveryPolicy,
+    RollbackOnLossSpike,
+    default_strategies,
+)
 from eventbus_debug.recovery.registry import StrategySpec
+from eventbus_debug.recovery.strategies import StrategyHistory
 from eventbus_debug.testing import RecordingSink
 
 from ._loop import all_finite
@@ -129,6 +136,48 @@ class TestSafeDefaults:
             assert "sustained" in {e.rule for e in spikes}
             assert not recorder.of_type(StepSkipped)
             assert opt.param_groups[0]["lr"] == pytest.approx(3e-3)
+
+    async def test_a_raw_scale_regression_is_never_clipped(self) -> None:
+        """An MLP regressing raw prices (targets ~7e5, MSE, Adam) has gradient norms of 1e7 to
+        1e9 from its first step, above the 1e6 cap: at most the first is reported, nothing is
+        clipped, skipped or rescaled, and the parameters equal a plain loop's."""
+
+        def build() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+            torch.manual_seed(0)
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(512, 13, generator=gen)
+            w = torch.rand(13, generator=gen) * 3e4
+            y = 4.0 * (x @ w + 1.8e5 + 2e4 * torch.randn(512, generator=gen))[:, None]
+            model = nn.Sequential(nn.Linear(13, 32), nn.ReLU(), nn.Linear(32, 1))
+            return model, torch.optim.Adam(model.parameters(), lr=0.3), x, y
+
+        def batch(step: int, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            idx = torch.arange(32) + 32 * (step % 16)
+            return nn.functional.mse_loss(model(x[idx]), y[idx])
+
+        plain, plain_opt, x, y = build()
+        for step in range(300):
+            plain_opt.zero_grad(set_to_none=True)
+            batch(step, plain, x, y).backward()  # type: ignore[no-untyped-call]
+            plain_opt.step()
+        model, opt, x, y = build()
+        recorder = RecordingSink()
+        async with session_for(model, opt, recorder) as session:
+            for step in range(300):
+                opt.zero_grad(set_to_none=True)
+                loss = batch(step, model, x, y)
+                loss.backward()  # type: ignore[no-untyped-call]
+                verdict = await session.check_step(step, loss=loss)
+                if verdict.should_step:
+                    opt.step()
+                await session.step_completed(step, loss=verdict.loss)
+        exploded = recorder.of_type(GradientExploded)
+        assert [(e.step, e.rule) for e in exploded] in ([], [(0, "cap")])
+        assert incidents(recorder) == exploded
+        assert recorder.of_type(RecoveryApplied) == []
+        assert not recorder.of_type(StepSkipped)
+        for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(ours, theirs)
 
     async def test_nan_parameter_and_loss_restore_at_once(self) -> None:
         """A NaN parameter makes the loss NaN in the same step: restored right there, no LR cut."""
@@ -392,3 +441,26 @@ def test_default_safe_chain_has_no_stop_for_bad_batches() -> None:
     """The safe policy's non-finite loss/gradient strategy never declines (never exhausts)."""
     names = [s.name for s in default_strategies()]
     assert names[:3] == ["skip_non_finite", "restore_non_finite_state", "report_non_finite"]
+
+
+class TestClipOnExplosion:
+    @staticmethod
+    def exploded(largest: float) -> GradientExploded:
+        return GradientExploded(step=0, total_norm=3e8, threshold=1e6, largest=largest, rule="cap")
+
+    def test_safe_never_clips_without_accepted_history(self) -> None:
+        """min_ratio 100 with no accepted norm (largest 0): nothing shows the norm is 100x the
+        run's scale, so it is reported, not clipped."""
+        decided = ClipOnExplosion(min_ratio=100.0).decide(self.exploded(0.0), StrategyHistory())
+        assert decided is not None and [d.action.kind for d in decided] == [RecoveryAction.CONTINUE]
+        assert "no accepted norm" in decided[0].reason
+
+    def test_safe_clips_far_beyond_the_accepted_history(self) -> None:
+        """With history, a norm 100x the largest accepted one is clipped to the threshold."""
+        decided = ClipOnExplosion(min_ratio=100.0).decide(self.exploded(1e4), StrategyHistory())
+        assert decided is not None and decided[0].action.kind is RecoveryAction.CLIP_GRADIENTS
+
+    def test_min_ratio_one_clips_at_the_cap_without_history(self) -> None:
+        """min_ratio 1 clips every detected explosion, the first one included."""
+        decided = ClipOnExplosion().decide(self.exploded(0.0), StrategyHistory())
+        assert decided is not None and decided[0].action.kind is RecoveryAction.CLIP_GRADIENTS

@@ -482,20 +482,29 @@ class ExplosionDetector:
     """Flags a total gradient norm far above the run's running median, from the first step.
 
     From the second gradient check a norm above ``factor x median`` of the last *window*
-    accepted norms, and above the largest norm the run has accepted, is an explosion; an
-    absolute *cap* applies from the first check. Zero, non-finite and exploded norms never enter
-    the window (an explosion cannot raise its own bar).
+    accepted norms, and above the largest norm the run has accepted, is an explosion. Zero,
+    non-finite and exploded norms never enter the window (an explosion cannot raise its own
+    bar).
+
+    The absolute *cap* judges only what has nothing to be compared with: a norm while the
+    window is empty (the first checks, and the first after a :meth:`reset`). Once the run has
+    accepted norms, its own scale is the reference: a regression on raw, unnormalized targets
+    (prices around 1e5) has healthy norms of 1e6 to 1e8 from the first step, and a cap judged
+    against them fired on every step. With the window empty, a norm above the cap is reported
+    once; a later one within *factor* of the smallest norm so reported is the run's scale and
+    starts the window (two norms of the same order, step after step, are the data, not an
+    explosion), while one more than *factor* times larger is reported as well.
 
     Args:
         window: how many accepted norms the median covers.
         factor: the growth factor over the median.
-        cap: the absolute cap (``None``: none).
+        cap: the absolute cap on a norm with no accepted history (``None``: none).
         floor: a norm below this fraction of the largest the run accepted is never an
             explosion (a converged BERT-like model's median norm falls 100x while hard batches
             keep early-training norms: 207 false incidents over 20k steps with 0.1).
     """
 
-    __slots__ = ("_largest", "_window", "cap", "factor", "floor")
+    __slots__ = ("_above_cap", "_largest", "_window", "cap", "factor", "floor")
 
     def __init__(
         self, *, window: int, factor: float, cap: float | None, floor: float = 1.0
@@ -505,6 +514,8 @@ class ExplosionDetector:
         self.cap = cap
         self.floor = floor
         self._largest = 0.0
+        self._above_cap = math.inf
+        """The smallest norm reported above the cap while the window was empty."""
 
     @classmethod
     def from_thresholds(cls, th: Thresholds) -> Self:
@@ -517,25 +528,30 @@ class ExplosionDetector:
         return self._largest
 
     def reset(self) -> None:
-        """Restart the window (after a restore); the largest norm seen is kept."""
+        """Restart the window (after a restore); the largest norm seen is kept, what was
+        reported above the cap is forgotten (the undone steps vouch for nothing)."""
         self._window.clear()
+        self._above_cap = math.inf
 
     def observe(self, norm: float) -> ExplosionVerdict | None:
         """Judge one finite total norm; returns the verdict when it exploded, else ``None``."""
         if norm == 0.0:
             return None  # a zero gradient (a converged or satisfied loss) says nothing of scale
         window = self._window
-        count = len(window)
-        baseline = window.median() if count else math.nan
-        # A converged model's norms shrink by orders of magnitude while a hard batch still has
-        # the norms of early training: 10x that tiny median is noise, not an explosion, as long
-        # as it stays within what the run has already seen (and accepted).
-        growth = max(self.factor * baseline, self.floor * self._largest) if count else math.inf
-        cap = self.cap if self.cap is not None else math.inf
-        threshold = min(cap, growth)
-        if norm > threshold:
-            rule = "cap" if cap <= growth else "growth"
-            return ExplosionVerdict(threshold, baseline, self._largest, rule)
+        if window:
+            baseline = window.median()
+            # A converged model's norms shrink by orders of magnitude while a hard batch still
+            # has the norms of early training: 10x that tiny median is noise, not an explosion,
+            # as long as it stays within what the run has already seen (and accepted).
+            threshold = max(self.factor * baseline, self.floor * self._largest)
+            if norm > threshold:
+                return ExplosionVerdict(threshold, baseline, self._largest, "growth")
+        elif self.cap is not None and norm > self.cap:
+            # Nothing accepted to compare with: the cap judges. A norm of the order of one
+            # already reported is the run's scale; the first of its order is reported.
+            if norm > self.factor * self._above_cap or self._above_cap == math.inf:
+                self._above_cap = min(self._above_cap, norm)
+                return ExplosionVerdict(self.cap, math.nan, self._largest, "cap")
         window.add(norm)
         self._largest = max(self._largest, norm)
         return None

@@ -255,6 +255,56 @@ class TestExplosions:
         assert again is not None and again.baseline == 1.0  # 20 never entered the window
         assert detector.largest == 1.0
 
+    def test_a_raw_scale_run_is_reported_once_then_learned(self) -> None:
+        """Norms of 3e6 growing to 1e8 from the first step (a regression on raw prices): the
+        first is above the cap with nothing to compare with and is reported; the next, of the
+        same order, is the run's scale and starts the window, so growth is judged from there."""
+        detector = ExplosionDetector(window=50, factor=10.0, cap=1e6)
+        first = detector.observe(3.4e6)
+        assert first is not None and first.rule == "cap" and first.largest == 0.0
+        norms = [3.4e6 * 1.002**i for i in range(2000)]  # 3.4e6 -> 1.8e8, slowly
+        assert [n for n in norms if detector.observe(n)] == []
+        assert detector.largest == norms[-1]
+
+    def test_the_cap_does_not_judge_a_run_with_history(self) -> None:
+        """Norms accepted below the cap that then grow past it stay quiet: once the run has
+        history its own median is the reference, not the absolute cap."""
+        detector = ExplosionDetector(window=50, factor=10.0, cap=1e6)
+        norms = [8.7e5, 9.8e5, 1.4e6, 2.2e6, 2.1e6, 2.7e6, 3.0e6, 3.7e6]
+        assert [n for n in norms if detector.observe(n)] == []
+
+    def test_a_norm_far_above_the_one_reported_is_reported_too(self) -> None:
+        """With the window empty, only a norm within factor of the smallest reported one is the
+        run's scale; one 100x larger is reported as well and vouches for nothing."""
+        detector = ExplosionDetector(window=50, factor=10.0, cap=1e6)
+        assert detector.observe(2e6) is not None
+        huge = detector.observe(2e8)
+        assert huge is not None and huge.rule == "cap"
+        assert detector.largest == 0.0  # neither entered the window
+        assert detector.observe(5e6) is None  # of the first one's order: the run's scale
+        boom = detector.observe(5e8)
+        assert boom is not None and boom.rule == "growth" and boom.baseline == 5e6
+
+    def test_planted_explosions_still_fire_after_the_scale_is_learned(self) -> None:
+        """One batch x1000 on a learned raw scale is a growth explosion, and it never raises
+        its own bar: the same norm again fires again."""
+        detector = ExplosionDetector(window=50, factor=10.0, cap=1e6)
+        assert detector.observe(3e6) is not None
+        for _ in range(100):
+            assert detector.observe(3e6) is None
+        verdicts = [detector.observe(3e9), detector.observe(3e9)]
+        assert all(v is not None and v.rule == "growth" and v.baseline == 3e6 for v in verdicts)
+        assert detector.largest == 3e6
+
+    def test_reset_forgets_the_reported_norm(self) -> None:
+        """After a restore the window is empty and what was reported above the cap vouches for
+        nothing: the next norm above the cap is reported again."""
+        detector = ExplosionDetector(window=50, factor=10.0, cap=1e6)
+        assert detector.observe(2e6) is not None
+        detector.reset()
+        assert detector.observe(2e6) is not None
+        assert detector.observe(2e6) is None
+
     def test_healthy_noisy_norms_are_quiet(self) -> None:
         """Log-normal norm noise (x/÷ 3) over 20,000 checks raises nothing."""
         rng = random.Random(2)
