@@ -409,8 +409,8 @@ def test_ddp_example_report_counts_its_300_steps(tmp_path: Path) -> None:
     # the example itself: both ranks skipped together, parameters equal
     assert "parameters identical on every rank: True" in done.stdout
     assert done.stdout.count("'skipped': [100], 'applied': [(100, 'skip_step')]") == 2
-    # the spike, planted at 200 on rank 0: judged on the mean loss a step later, by both
-    assert done.stdout.count("'spikes': [201, 202, 203, 204, 205]") == 2
+    # the spike, planted at 200 on rank 0: judged on the mean loss at that step, by both
+    assert done.stdout.count("'spikes': [200, 201, 202, 203, 204]") == 2
     assert sorted(p.name for p in log.glob("events*.jsonl")) == [
         "events.jsonl",
         "events.rank1.jsonl",
@@ -420,12 +420,22 @@ def test_ddp_example_report_counts_its_300_steps(tmp_path: Path) -> None:
     assert s.ranks == (0, 1) and s.steps == 300 and s.steps_by_rank == {0: 300, 1: 300}
     assert s.steps_per_s == pytest.approx(300 / s.duration_s)
     assert s.steps_skipped == live.steps_skipped == 1
-    assert s.recovery_decisions == live.recovery_decisions
-    # The NaN batch was rank 1's: its loss is non-finite there only (one more row than rank 0's
-    # own log), its gradients everywhere (DDP all-reduces them); both ranks skipped step 100.
-    assert s.incidents_total == live.incidents_total + 1
-    assert ("non_finite_detected", (1,)) in rows_at(s.incidents, 100)
-    assert ("non_finite_detected", (0, 1)) in rows_at(s.incidents, 100)
+    # The NaN batch was rank 1's: its loss is non-finite there only, its gradients everywhere
+    # (DDP all-reduces them). Each rank decided its skip on what it saw first (rank 1 on its
+    # loss, rank 0 on the gradients): two decision rows, each with its own applied row, for the
+    # one step both ranks skipped. Rank 0's own log has the gradient's three rows.
+    assert s.recovery_decisions == {**live.recovery_decisions, "skip_step": 2}
+    assert s.incidents_total == live.incidents_total + 3
+    at_100 = rows_at(s.incidents, 100)
+    assert ("non_finite_detected", (1,)) in at_100
+    assert ("non_finite_detected", (0, 1)) in at_100
+    assert sorted(r for r in at_100 if r[0] != "non_finite_detected") == [
+        ("recovery_applied", (0,)),
+        ("recovery_applied", (1,)),
+        ("recovery_decided", (0,)),
+        ("recovery_decided", (1,)),
+        ("step_skipped", (0, 1)),
+    ]
     assert all(r.ranks == (0, 1) for r in s.incidents if r.step != 100)
     page = paths.html.read_text() if paths.html else ""
     assert '<div class="v">300</div><div class="l">steps</div>' in page
