@@ -12,7 +12,9 @@ healthy run is a bug:
   normal, and :meth:`reset` restarts the window after a restore;
 * a high loss at a level the run's recent outliers keep reaching (a second task's batches, a
   long-sequence bucket, a heavy tail) is the data's distribution, not a spike: the loss-spike
-  detector remembers its outliers for a while and judges each new one against them.
+  detector remembers its outliers for a while and judges each new one against them; the
+  explosion detector does the same for a gradient norm's heavy tail, and learns a run's own
+  scale when its very first norms are above the absolute cap (a regression on raw prices).
 """
 
 from __future__ import annotations
@@ -495,6 +497,15 @@ class ExplosionDetector:
     starts the window (two norms of the same order, step after step, are the data, not an
     explosion), while one more than *factor* times larger is reported as well.
 
+    A heavy tail is learned like the loss-spike detector's recurring levels: an accepted norm
+    above half the growth bar (``factor / 2 x median``) is a *tail* norm, remembered for
+    *memory* checks. A norm above the growth bar is quiet (and accepted) when at least
+    *recurrence* remembered tail norms lie within a factor of 2 below it, outside the current
+    streak of tail norms: a seq2seq model whose rare hard batches reach 7x, 8x, then 13x the
+    median as its learning rate decays is its data, while a norm climbing step after step
+    (one streak) never vouches for itself, and an exploded norm is never remembered (one
+    explosion vouches for nothing, and a norm 1000x the median has no tail within 2x of it).
+
     Args:
         window: how many accepted norms the median covers.
         factor: the growth factor over the median.
@@ -502,13 +513,45 @@ class ExplosionDetector:
         floor: a norm below this fraction of the largest the run accepted is never an
             explosion (a converged BERT-like model's median norm falls 100x while hard batches
             keep early-training norms: 207 false incidents over 20k steps with 0.1).
+        memory: how many checks a tail norm is remembered.
+        recurrence: how many earlier tail norms within 2x below a norm make it the data.
+
+    Raises:
+        ValueError: if *memory* or *recurrence* is not an int >= 1.
     """
 
-    __slots__ = ("_above_cap", "_largest", "_window", "cap", "factor", "floor")
+    __slots__ = (
+        "_above_cap",
+        "_checks",
+        "_largest",
+        "_streak",
+        "_tail",
+        "_window",
+        "cap",
+        "factor",
+        "floor",
+        "memory",
+        "recurrence",
+    )
 
     def __init__(
-        self, *, window: int, factor: float, cap: float | None, floor: float = 1.0
+        self,
+        *,
+        window: int,
+        factor: float,
+        cap: float | None,
+        floor: float = 1.0,
+        memory: int = 1000,
+        recurrence: int = 2,
     ) -> None:
+        self.memory = positive_int("memory", memory)
+        self.recurrence = positive_int("recurrence", recurrence)
+        self._checks = 0
+        self._tail = _Outliers()
+        """Recent accepted norms above half the growth bar (the run's heavy tail)."""
+        self._streak = 0
+        """The check that started the current streak of tail or exploded norms (0: none);
+        the norms of one streak never vouch for each other."""
         self._window = _RunningMedian(window)
         self.factor = factor
         self.cap = cap
@@ -532,11 +575,17 @@ class ExplosionDetector:
         reported above the cap is forgotten (the undone steps vouch for nothing)."""
         self._window.clear()
         self._above_cap = math.inf
+        self._tail.clear()
+        self._streak = 0
 
     def observe(self, norm: float) -> ExplosionVerdict | None:
         """Judge one finite total norm; returns the verdict when it exploded, else ``None``."""
         if norm == 0.0:
             return None  # a zero gradient (a converged or satisfied loss) says nothing of scale
+        checks = self._checks = self._checks + 1
+        tail = self._tail
+        if tail.order and tail.order[0][0] < checks - self.memory:
+            tail.expire(checks - self.memory)
         window = self._window
         if window:
             baseline = window.median()
@@ -544,8 +593,14 @@ class ExplosionDetector:
             # has the norms of early training: 10x that tiny median is noise, not an explosion,
             # as long as it stays within what the run has already seen (and accepted).
             threshold = max(self.factor * baseline, self.floor * self._largest)
-            if norm > threshold:
-                return ExplosionVerdict(threshold, baseline, self._largest, "growth")
+            if norm > 0.5 * self.factor * baseline:
+                if not self._streak:
+                    self._streak = checks  # the first check of this streak
+                if norm > threshold and self._earlier_tail(norm) < self.recurrence:
+                    return ExplosionVerdict(threshold, baseline, self._largest, "growth")
+                tail.add(checks, norm)
+            else:
+                self._streak = 0
         elif self.cap is not None and norm > self.cap:
             # Nothing accepted to compare with: the cap judges. A norm of the order of one
             # already reported is the run's scale; the first of its order is reported.
@@ -555,3 +610,15 @@ class ExplosionDetector:
         window.add(norm)
         self._largest = max(self._largest, norm)
         return None
+
+    def _earlier_tail(self, norm: float) -> int:
+        """How many remembered tail norms lie in ``[norm / 2, norm]``, outside this streak."""
+        low = 0.5 * norm
+        tail = self._tail
+        count = tail.count(low, norm)
+        for at, value in reversed(tail.order):
+            if at < self._streak:
+                break
+            if low <= value <= norm:
+                count -= 1
+        return count

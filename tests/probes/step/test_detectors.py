@@ -305,6 +305,54 @@ class TestExplosions:
         assert detector.observe(2e6) is not None
         assert detector.observe(2e6) is None
 
+    @staticmethod
+    def heavy_tailed(detector: ExplosionDetector) -> None:
+        """300 checks around 1.0 with hard batches at 7x, 8x and 9.5x the median, apart."""
+        for i in range(300):
+            hard = {100: 7.0, 180: 8.0, 260: 9.5}.get(i)
+            assert detector.observe(hard if hard else 1.0 + 0.01 * (i % 7)) is None
+
+    def test_a_recurring_heavy_tail_is_learned(self) -> None:
+        """A hard batch at 13x the median (hf BART late in a linear decay: 18.6 vs 10x 1.44)
+        is quiet when earlier hard batches reached within 2x of it; it joins the window."""
+        detector = ExplosionDetector(window=50, factor=10.0, cap=1e6)
+        self.heavy_tailed(detector)
+        assert detector.observe(13.0) is None
+        assert detector.largest == 13.0
+
+    def test_a_planted_explosion_after_a_heavy_tail_still_fires(self) -> None:
+        """The tail vouches only within 2x: a batch x1000 fires, and never vouches for the
+        next one (exploded norms are not remembered)."""
+        detector = ExplosionDetector(window=50, factor=10.0, cap=1e6)
+        self.heavy_tailed(detector)
+        assert [detector.observe(1000.0) is not None for _ in range(3)] == [True, True, True]
+
+    def test_a_climbing_norm_never_vouches_for_itself(self) -> None:
+        """Norms growing 1.4x a step (a diverging run) are one streak of tail norms: they do
+        not vouch for each other, so the growth rule fires once 10x the median is crossed."""
+        detector = ExplosionDetector(window=50, factor=10.0, cap=1e6)
+        for _ in range(100):
+            assert detector.observe(1.0) is None
+        climbing = [1.4**i for i in range(1, 12)]
+        fired = [n for n in climbing if detector.observe(n)]
+        assert fired and fired[0] == climbing[6]  # 1.4**7 = 10.5
+
+    def test_a_single_earlier_hard_batch_is_not_enough(self) -> None:
+        """recurrence 2: one earlier tail norm within 2x does not make a 12x norm the data."""
+        detector = ExplosionDetector(window=50, factor=10.0, cap=1e6)
+        for i in range(200):
+            assert detector.observe(8.0 if i == 100 else 1.0) is None
+        assert detector.observe(12.0) is not None
+
+    @pytest.mark.parametrize(
+        ("kwargs", "match"),
+        [({"memory": 0}, "memory"), ({"recurrence": 0.5}, "recurrence")],
+    )
+    def test_bad_tail_arguments_are_refused(self, kwargs: dict[str, object], match: str) -> None:
+        """memory and recurrence are checked at construction, naming the argument."""
+        with pytest.raises((TypeError, ValueError), match=match):
+            ExplosionDetector(window=50, factor=10.0, cap=None, **kwargs)  # type: ignore[arg-type]
+
     def test_healthy_noisy_norms_are_quiet(self) -> None:
         """Log-normal norm noise (x/÷ 3) over 20,000 checks raises nothing."""
         rng = random.Random(2)
