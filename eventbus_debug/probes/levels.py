@@ -60,8 +60,10 @@ class Thresholds:
             (``requires_grad=False``) are never dead.
         vanishing_patience: vanishing checks in a row before an incident.
         vanishing_per_layer: look for dead layers at all (not only the whole model).
-        explosion: an absolute cap on the total gradient norm, checked from the first step;
-            ``None`` for none.
+        explosion: an absolute cap on a total gradient norm with nothing accepted to compare
+            with (the first checks, and the first after a restore); a later norm within
+            *explosion_factor* of one reported above it is the run's scale and starts the
+            baseline; ``None`` for none.
         explosion_factor: the total norm may not exceed this many times the running median of
             the last *explosion_window* accepted norms (checked from the second step).
         explosion_window: how many accepted norms the running median covers.
