@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from eventbus_debug import DebugLevel
-from eventbus_debug.sinks import ReportWriter, http as http_module
+from eventbus_debug.sinks import ReportWriter, _http_guard, http as http_module
 from eventbus_debug.sinks.http import DebugServer
 from tests.sinks._chromium import dump_dom, needs_chromium
 from tests.sinks.report.test_writer import scripted_events
@@ -377,4 +377,4 @@ async def test_dns_rebinding_page_gets_no_report(tmp_path: Path) -> None:
 )
 def test_host_header_parsing(header: bytes, host: str | None) -> None:
     """The Host header's name is parsed strictly: port removed, anything odd refused."""
-    assert http_module._host_of(header) == host
+    assert _http_guard._host_of(header) == host
