@@ -10,7 +10,7 @@ in-process.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 from eventbus_debug import DebugLevel, StepProbe
-from eventbus_debug.events import Event, StepChecked
+from eventbus_debug.events import StepChecked
 from eventbus_debug.recovery import StateSnapshots
+from tests._doubles import RecordingPublisher
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
@@ -87,17 +88,6 @@ def test_fully_shard_model_captures_twice_and_restores_bit_for_bit() -> None:
     assert all(torch.equal(a, b) for a, b in zip(good, _values(model, opt), strict=True))
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def publish_nowait(self, event: Event, /) -> None:
-        self.events.append(event)
-
-    def publish_many_nowait(self, events: Iterable[Event], /) -> None:
-        self.events.extend(events)
-
-
 def _update_ratios(shard: bool) -> list[Mapping[str, float]]:
     """The ADVANCED probe's weight-update ratios over 25 SGD steps (measured every 10)."""
     torch.manual_seed(0)
@@ -106,7 +96,7 @@ def _update_ratios(shard: bool) -> list[Mapping[str, float]]:
         fsdp.fully_shard(model)
         assert all(_is_dtensor(p) for p in model.parameters())  # the premise
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sink = _Recorder()
+    sink = RecordingPublisher()
     probe = StepProbe(model, sink, level=DebugLevel.ADVANCED)
     gen = torch.Generator().manual_seed(1)
     for step in range(25):

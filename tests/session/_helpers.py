@@ -3,25 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import nn
-
-from eventbus_debug.events import Event
-
-
-class Collect:
-    """A Publisher double that keeps what it was given."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def publish_nowait(self, event: Event, /) -> None:
-        self.events.append(event)
-
-    def publish_many_nowait(self, events: Iterable[Event], /) -> None:
-        self.events.extend(events)
 
 
 def setup() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -13,8 +13,9 @@ from eventbus_debug.extras import InputSpec
 from eventbus_debug.extras.validation import InputValidator, ValidationPolicy
 from eventbus_debug.probes import StepProbe
 from eventbus_debug.session.boundary import Body, StepBoundary, run, run_sync
+from tests._doubles import RecordingPublisher
 
-from ._helpers import Collect, batch, setup
+from ._helpers import batch, setup
 
 
 def _body(log: list[str]) -> Body[tuple[str, str]]:
@@ -68,9 +69,9 @@ def _boundary(
     optimizer: bool = True,
     skip_non_finite: bool = True,
     validator: InputValidator | None = None,
-) -> tuple[StepBoundary, Collect, list[int], nn.Module]:
+) -> tuple[StepBoundary, RecordingPublisher, list[int], nn.Module]:
     model, opt = setup()
-    publisher = Collect()
+    publisher = RecordingPublisher()
     flushes: list[int] = []
     boundary = StepBoundary(
         model=model,

@@ -18,8 +18,9 @@ from eventbus_debug.probes import StepProbe
 from eventbus_debug.session.boundary import StepBoundary
 from eventbus_debug.session.budget import MAX_STRETCH, OverheadMeter
 from eventbus_debug.testing import RecordingSink
+from tests._doubles import RecordingPublisher
 
-from ._helpers import Collect, batch, setup
+from ._helpers import batch, setup
 
 
 def _meter(budget: float | None, *, window: int = 4) -> OverheadMeter:
@@ -107,7 +108,12 @@ def test_non_finite_caught_every_step_under_the_budget() -> None:
     model, opt = setup()
     probe = StepProbe(model)
     boundary = StepBoundary(
-        model=model, optimizer=opt, name="t", publisher=Collect(), probe=probe, overhead_budget=0.01
+        model=model,
+        optimizer=opt,
+        name="t",
+        publisher=RecordingPublisher(),
+        probe=probe,
+        overhead_budget=0.01,
     )
     ticks: Iterator[float] = (0.001 * i for i in range(10**6))
     boundary.meter = OverheadMeter(probe, 0.01, window=1, clock=lambda: next(ticks))

@@ -34,8 +34,9 @@ from eventbus_debug.exceptions import BusClosedError, SubscriptionError
 from eventbus_debug.sinks import AlertSink
 from eventbus_debug.sinks.alerts import Alert, AlertRule
 from eventbus_debug.testing import RecordingSink
+from tests._doubles import RecordingPublisher
 
-from ._helpers import Collect, setup
+from ._helpers import setup
 
 GUARD_S = 25.0
 """A hang guard, well under the bus's default close timeout (30 s): not a timing assertion."""
@@ -242,7 +243,7 @@ class TestSyncExit:
         """The alert sink's flusher task is cancelled at exit (its sleep, an hour here, does
         not hold the exit up) and the summary still pending is delivered by the sink's close."""
         got: list[Alert] = []
-        alerts = AlertSink(Collect(), flush_interval=3600.0)
+        alerts = AlertSink(RecordingPublisher(), flush_interval=3600.0)
         alerts.add_rule(AlertRule(event_types=(NonFiniteDetected,), cooldown=3600.0), got.append)
         model, opt = setup()
         done = threading.Event()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -32,6 +32,7 @@ from eventbus_debug.probes.step._dead_layers import (
 )
 from eventbus_debug.recovery import ReportVanishing
 from eventbus_debug.recovery.strategies import StrategyHistory
+from tests._doubles import RecordingPublisher
 
 PATIENCE = 10
 RELATIVE = 1e-4
@@ -239,21 +240,8 @@ Step = Callable[[int], torch.Tensor]
 """One training step's forward and backward: the loss."""
 
 
-class _Recorder:
-    """A Publisher test double: the events in a list."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def publish_nowait(self, event: Event, /) -> None:
-        self.events.append(event)
-
-    def publish_many_nowait(self, events: Iterable[Event], /) -> None:
-        self.events.extend(events)
-
-
 def _run(model: nn.Module, step_fn: Step, steps: int, level: DebugLevel) -> list[Event]:
-    sink = _Recorder()
+    sink = RecordingPublisher()
     probe = StepProbe(model, sink, level=level)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.01)
     for step in range(steps):
@@ -399,7 +387,7 @@ def test_layers_frozen_mid_run_with_zeroed_grads_are_not_dead() -> None:
         nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
     )
     x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
-    sink = _Recorder()
+    sink = RecordingPublisher()
     probe = StepProbe(model, sink)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     frozen = [*model[0].parameters(), *model[2].parameters()]

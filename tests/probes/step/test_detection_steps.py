@@ -24,9 +24,9 @@ from eventbus_debug.events import (
     StepChecked,
     TensorRole,
 )
+from tests._doubles import RecordingPublisher
 
 from ..conftest import batch, grad_of, linear_at, make_mlp
-from .test_probe import RecordingPublisher
 
 AT = 30
 """The step every fault is planted at (after a healthy warm-up of the detectors)."""

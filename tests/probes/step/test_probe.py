@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import anyio
 import pytest
@@ -10,7 +9,6 @@ from torch import nn
 
 from eventbus_debug import Cadence, DebugLevel, EventBus, StepProbe, StepVerdict, Thresholds
 from eventbus_debug.events import (
-    Event,
     GradientExploded,
     GradientVanished,
     LossSpiked,
@@ -19,6 +17,7 @@ from eventbus_debug.events import (
     TensorRole,
 )
 from eventbus_debug.testing import capture_events
+from tests._doubles import RecordingPublisher
 
 from ..conftest import batch, grad_of, grads_of, linear_at, make_mlp
 
@@ -329,19 +328,6 @@ class TestBadInput:
             Cadence(param_every=0)
         with pytest.raises(TypeError, match="level must be"):
             StepProbe(mlp).level = "basic"  # type: ignore[assignment]
-
-
-class RecordingPublisher:
-    """A Publisher test double: no bus, the events in a list."""
-
-    def __init__(self) -> None:
-        self.events: list[Event] = []
-
-    def publish_nowait(self, event: Event, /) -> None:
-        self.events.append(event)
-
-    def publish_many_nowait(self, events: Iterable[Event], /) -> None:
-        self.events.extend(events)
 
 
 class TestEntries:
