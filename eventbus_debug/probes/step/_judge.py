@@ -122,6 +122,7 @@ class Judge:
         self._vanish_reported = False
         self._param_base: tuple[int, tuple[int, ...], Sequence[float]] = (-1, (), ())
         self._ratios_warned: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+        self._scaler_hinted = False
         self._spikes: LossSpikeDetector
         self._explosions: ExplosionDetector
         self.thresholds = thresholds
@@ -364,6 +365,15 @@ class Judge:
                     # scale. Routine in fp16 training, not an incident (the session reports
                     # a StepSkipped with the scales once scaler.update() ran).
                     return total, False
+                if self._scaler is None and loss_finite and not self._scaler_hinted:
+                    self._scaler_hinted = True  # said once a run
+                    _log.warning(
+                        "non_finite_gradients_with_finite_loss",
+                        step=step,
+                        hint="if this run uses torch.amp.GradScaler, pass scaler= (Session(..., "
+                        "scaler=scaler)): its overflow steps are then the scaler's to skip, "
+                        "not incidents that skip and restore",
+                    )
                 known = [c for c in counts if c[0] is not None]
                 nan = sum(c[0] or 0 for c in known) if known else None
                 inf = sum(c[1] or 0 for c in known) if known else None

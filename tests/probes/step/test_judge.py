@@ -237,3 +237,19 @@ def test_out_of_bounds_update_ratios_are_logged_once_per_change(
     assert ["stalled=b " in said[0], "stalled=b,c " in said[1], "stalled=b " in said[2]] == [
         True
     ] * 3
+
+
+def test_non_finite_gradients_under_a_finite_loss_hint_at_scaler_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Without scaler=, a GradScaler's overflow steps look like non-finite gradients under a
+    finite loss: still an incident, and the log says once how to tell the session."""
+    judge = _judge()
+    with caplog.at_level("WARNING"):
+        _run(judge, _layout(0), [math.nan, 1.0, math.nan, 1.0])  # the loss itself: no hint
+        assert "non_finite_gradients_with_finite_loss" not in caplog.text
+        for step in (1, 2, 3):
+            out = _run(judge, _layout(step), [0.5, 1.0, math.inf, 1.0])
+            assert any(isinstance(e, NonFiniteDetected) for e in out.events)
+    said = [r.getMessage() for r in caplog.records if "finite_loss" in r.getMessage()]
+    assert len(said) == 1 and "scaler=" in said[0] and "step=1" in said[0]
