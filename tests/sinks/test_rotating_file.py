@@ -625,11 +625,13 @@ class TestWriteBehind:
             (e.kind, e.step) for e in events
         ]
 
+    @pytest.mark.parametrize("flush_interval", [0.0, 0.01], ids=["write", "timed_flush"])
     async def test_a_background_failure_is_raised_once_and_nothing_is_lost(
-        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flush_interval: float
     ) -> None:
-        """Disk full met by the writer thread: the next batch raises it once; close writes all."""
-        sink = RotatingFileSink(tmp_path, wake_interval=0.005)
+        """Disk full met by the writer thread, on a write or (``flush_interval > 0``) on its
+        timed flush: the next batch raises it once, later batches do not, close writes all."""
+        sink = RotatingFileSink(tmp_path, wake_interval=0.005, flush_interval=flush_interval)
         await sink.start()
         monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
         await sink.handle_batch(_steps(0, 3))
@@ -641,6 +643,7 @@ class TestWriteBehind:
         assert _step_numbers(tmp_path) == list(range(5))
         stats = sink.statistics()
         assert (stats.write_errors, stats.lines_lost) == (1, 0)
+        assert not stats.failing
         assert len(_resumed(tmp_path)) == 1
 
     async def test_a_background_outage_is_kept_for_the_next_batch_before_it_shows(
@@ -667,26 +670,6 @@ class TestWriteBehind:
             await sink.handle_batch(_steps(3, 1))
         await sink.aclose()
         assert _step_numbers(tmp_path) == list(range(4))
-
-    async def test_a_failed_interval_flush_is_an_outage_raised_once(
-        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        """``flush_interval > 0``: the writer thread's timed flush fails; the next batch raises
-        it once, later batches do not, and close writes every line."""
-        sink = RotatingFileSink(tmp_path, wake_interval=0.005, flush_interval=0.01)
-        await sink.start()
-        monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
-        await sink.handle_batch(_steps(0, 3))
-        await _until_failing(sink)
-        with pytest.raises(LogWriteError, match="No space left"):
-            await sink.handle_batch(_steps(3, 1))
-        await sink.handle_batch(_steps(4, 1))  # the outage is reported once
-        await sink.aclose()
-        assert _step_numbers(tmp_path) == list(range(5))
-        stats = sink.statistics()
-        assert stats.lines_lost == 0
-        assert not stats.failing
-        assert len(_resumed(tmp_path)) == 1
 
     async def test_unencodable_event_is_reported_by_the_next_batch(self, tmp_path: Path) -> None:
         """An event JSON cannot carry, met by the writer thread: the next batch raises it."""
