@@ -14,6 +14,7 @@ from .typing import Publisher
 __all__ = (
     "INT64_MAX",
     "fraction",
+    "int64_count",
     "non_negative",
     "positive_int",
     "positive_number",
@@ -25,6 +26,21 @@ __all__ = (
 INT64_MAX: Final = 2**63 - 1
 """The largest step or count the events may hold: the log (orjson) and every reader of it
 store integers in 64 bits, so a larger one could not be written."""
+
+
+def int64_count(name: str, value: int) -> int:
+    """*value* (an int: a step, a number of samples) if it is in ``[0, 2**63 - 1]``.
+
+    Raises:
+        ValueError: if *value* is negative, or too large for the log's 64-bit integers.
+    """
+    if 0 <= value <= INT64_MAX:
+        return value
+    if value < 0:
+        msg = f"{name} must be >= 0, got {value}"
+    else:
+        msg = f"{name} must fit in 64 bits (<= 2**63 - 1, as the log stores it), got {value}"
+    raise ValueError(msg)
 
 
 def _is_number(value: object) -> TypeGuard[int | float]:

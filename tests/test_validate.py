@@ -22,6 +22,24 @@ def test_positive_int_accepts() -> None:
     assert v.positive_int("capacity", 3) == 3
 
 
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (-1, r"step must be >= 0, got -1"),
+        (2**63, r"step must fit in 64 bits .*got 9223372036854775808$"),
+    ],
+)
+def test_int64_count_refuses(value: int, match: str) -> None:
+    """Negative counts, and counts the log's 64-bit integers cannot hold, are refused."""
+    with pytest.raises(ValueError, match=match):
+        v.int64_count("step", value)
+
+
+def test_int64_count_accepts() -> None:
+    """0 and 2**63 - 1 come back unchanged."""
+    assert [v.int64_count("step", n) for n in (0, 2**63 - 1)] == [0, 2**63 - 1]
+
+
 @pytest.mark.parametrize("value", [0, -0.5, math.nan, math.inf, False, "1"])
 def test_positive_numbers_refuse(value: object) -> None:
     """Numbers and durations must be finite and > 0; bools and strings are refused."""

@@ -23,7 +23,7 @@ import anyio.lowlevel
 import torch
 from torch import nn
 
-from .._validate import INT64_MAX
+from .._validate import INT64_MAX, int64_count
 from ..events import Event, StepCompleted, StepSkipped
 from ..extras.validation import InputValidator, OutputChecker, Violation
 from ..probes import AnomalyArming, LeakDetector, StepProbe, StepProfiler, StepVerdict
@@ -502,15 +502,7 @@ def _samples(samples: object) -> int:
     if isinstance(samples, bool | float) or not hasattr(samples, "__index__"):
         msg = f"samples must be an int (the step's number of samples), got {type(samples).__qualname__} {samples!r}"
         raise TypeError(msg)
-    count = operator.index(samples)
-    if not 0 <= count <= INT64_MAX:
-        msg = (
-            f"samples must be >= 0, got {count}"
-            if count < 0
-            else f"samples must fit in 64 bits (<= 2**63 - 1), got {count}"
-        )
-        raise ValueError(msg)
-    return count
+    return int64_count("samples", operator.index(samples))
 
 
 def _checked_loss(loss: object, loss_fn: object) -> torch.Tensor:

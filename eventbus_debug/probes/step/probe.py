@@ -25,7 +25,7 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
-from ..._validate import INT64_MAX, positive_int, publisher
+from ..._validate import int64_count, positive_int, publisher
 from ...events import LossSpiked
 from ...typing import Publisher
 from ..levels import Cadence, Checks, DebugLevel, Thresholds, checks_due
@@ -333,13 +333,7 @@ class StepProbe:
         if not isinstance(step, int) or isinstance(step, bool):
             msg = f"step must be an int, got {type(step).__qualname__} {step!r}"
             raise TypeError(msg)
-        if not 0 <= step <= INT64_MAX:
-            msg = (
-                f"step must be >= 0, got {step}"
-                if step < 0
-                else f"step must fit in 64 bits (<= 2**63 - 1, as every log reader stores it), got {step}"
-            )
-            raise ValueError(msg)
+        int64_count("step", step)
         if loss is None:
             return
         if isinstance(loss, torch.Tensor):
