@@ -7,6 +7,9 @@ each, in an order that rotates every iteration, so drift on a shared machine hit
              one asynchronous MAX all_reduce of a vector of the agreement's size on a gloo
              group of its own, launched from a hook on the output's gradient and waited after
              backward (what the overlapped agreement does, minus everything else)
+  floor_blocking
+             the bare step plus one blocking MAX all_reduce of the same vector after backward,
+             where the default agreement runs it (what any blocking agreement costs at least)
   session    the default Session with distributed=False (checks, recovery, no agreement)
   agreed     the Session inside the group with RankAgreement(overlap=True) (opt-in): the
              agreement is launched during backward and waited at the safe point
@@ -50,7 +53,7 @@ WIDTH = 768
 BATCH = 128
 
 
-MODES = ("bare", "floor", "session", "agreed", "blocking")
+MODES = ("bare", "floor", "floor_blocking", "session", "agreed", "blocking")
 SESSIONS = ("session", "agreed", "blocking")
 
 
@@ -92,6 +95,7 @@ async def _run(
     y = torch.randint(0, 10, (BATCH,), generator=gen)
     models = {mode: _model() for mode in MODES}
     floor = _Floor(models["floor"][0], floor_group)
+    blocking_vec = torch.zeros_like(floor.vec)
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     async with contextlib.AsyncExitStack() as stack:
         sessions = {
@@ -115,9 +119,11 @@ async def _run(
                 opt.zero_grad(set_to_none=True)
                 loss = nn.functional.cross_entropy(model(x), y)
                 loss.backward()
-                if mode in ("bare", "floor"):
+                if mode in ("bare", "floor", "floor_blocking"):
                     if mode == "floor":
                         floor.wait()
+                    elif mode == "floor_blocking":
+                        dist.all_reduce(blocking_vec, op=dist.ReduceOp.MAX, group=floor_group)
                     opt.step()
                 else:
                     session = sessions[mode]
@@ -161,6 +167,9 @@ def _worker(rank: int, world: int, init: str, steps: int, warmup: int) -> None:
         print(f"DDP step, 2 ranks, gloo, MLP {WIDTH}x3 batch {BATCH}, 1 thread per rank")
         print(f"  bare step                   {m['bare'] * 1e3:8.2f} ms")
         print(f"  bare + one all_reduce       {m['floor'] * 1e3:8.2f} ms   (floor)")
+        print(
+            f"  bare + one blocking reduce  {m['floor_blocking'] * 1e3:8.2f} ms   (blocking floor)"
+        )
         print(f"  session, no agreement       {m['session'] * 1e3:8.2f} ms")
         print(f"  session, agreed             {m['agreed'] * 1e3:8.2f} ms   (overlap=True, opt-in)")
         print(f"  session, agreed, blocking   {m['blocking'] * 1e3:8.2f} ms   (the default)")
@@ -177,6 +186,12 @@ def _worker(rank: int, world: int, init: str, steps: int, warmup: int) -> None:
             f"(steps without a parameter check, 1 in {every} has one)"
         )
         print(f"  blocking / no agreement     {m['blocking'] / m['session']:8.3f}x")
+        print(
+            f"  blocking floor / bare       {m['floor_blocking'] / m['bare']:8.3f}x   "
+            "(any blocking collective after backward)"
+        )
+        beyond_blocking = (m["blocking"] - m["session"]) - (m["floor_blocking"] - m["bare"])
+        print(f"  blocking beyond its floor   {beyond_blocking * 1e3:8.2f} ms a step")
         print(f"  agreed / bare               {m['agreed'] / m['bare']:8.3f}x")
         fast, blocking = agreements["agreed"], agreements["blocking"]
         print(f"  agreed:   the launch call took     {_spread(fast.launches)}")
