@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         Delivery as Delivery,
         Event as Event,
         Severity as Severity,
+        current_rank as current_rank,
         event_type as event_type,
     )
     from .exceptions import (
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     )
     from .recovery import (
         CallState as CallState,
+        RankAgreement as RankAgreement,
         RecoveryEngine as RecoveryEngine,
         RecoveryPolicy as RecoveryPolicy,
         Retrying as Retrying,
@@ -89,6 +91,7 @@ _HOMES: dict[str, str] = {
     "Severity": ".events",
     "Delivery": ".events",
     "event_type": ".events",
+    "current_rank": ".events",
     # extension points
     "Sink": ".typing",
     "BatchSink": ".typing",
@@ -107,6 +110,7 @@ _HOMES: dict[str, str] = {
     "StepProbe": ".probes",
     "StepVerdict": ".probes",
     "RecoveryEngine": ".recovery",
+    "RankAgreement": ".recovery",
     "RecoveryPolicy": ".recovery",
     "SafePoint": ".recovery",
     "Retrying": ".recovery",

@@ -193,3 +193,16 @@ def test_import_checker(source: str, expected: str | None) -> None:
         assert problems == []
     else:
         assert len(problems) == 1 and expected in problems[0], problems
+
+
+def test_documented_import_paths_of_the_distributed_names() -> None:
+    """README and docs write ``distributed=RankAgreement(...)`` and ``current_rank()``: both import
+    from the top level (and ``RankAgreement`` from ``eventbus_debug.recovery``) as one object."""
+    from eventbus_debug import RankAgreement, current_rank
+    from eventbus_debug.events import current_rank as events_current_rank
+    from eventbus_debug.recovery import RankAgreement as RecoveryRankAgreement
+    from eventbus_debug.recovery.agreement import RankAgreement as Home
+
+    assert RankAgreement is RecoveryRankAgreement is Home
+    assert current_rank is events_current_rank
+    assert current_rank() == 0  # no process group in the tests' main process

@@ -17,6 +17,7 @@ from .actions import (
     SkipStep,
     Stop,
 )
+from .agreement import RankAgreement
 from .amp import ScalerMonitor, ScalerStepWatcher
 from .calls import report_error, report_error_sync
 from .classify import ErrorClassification, ErrorClassifier, ErrorRule, is_out_of_memory
@@ -76,6 +77,7 @@ __all__: tuple[str, ...] = (
     "ModelLoadingFallback",
     "NoGoodStateError",
     "Pending",
+    "RankAgreement",
     "RecoveryEngine",
     "RecoveryPolicy",
     "RecoveryStatistics",
