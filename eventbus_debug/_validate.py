@@ -1,7 +1,10 @@
 """The one home of argument rules: each check raises a clear error naming what was wrong.
 
 A bool is never a number here (``True`` is not a capacity). Messages read
-``"<name> must be ..., got <value!r>"`` so a user sees both the rule and their value.
+``"<name> must be ..., got <value!r>"`` so a user sees both the rule and their value. A value
+of the wrong type (a string, None, a bool, a list where a number goes) is an
+:class:`~eventbus_debug.exceptions.ArgumentTypeError`: a ``TypeError`` that is also the
+``ValueError`` earlier releases raised; a number out of range is a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Final, TypeGuard
 
+from .exceptions import ArgumentTypeError
 from .typing import Publisher
 
 __all__ = (
@@ -47,11 +51,18 @@ def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _refuse(name: str, value: object, rule: str, *, wrong_type: bool) -> ValueError:
+    """The error for *value*: an ArgumentTypeError for a wrong type, else a ValueError."""
+    msg = f"{name} must be {rule}, got {value!r}"
+    return ArgumentTypeError(msg) if wrong_type else ValueError(msg)
+
+
 def _finite(name: str, value: object, *, strict: bool, rule: str) -> float:
-    """*value* as a finite float above 0 (*strict*) or at least 0; else a ValueError with *rule*."""
-    if not _is_number(value) or not math.isfinite(value) or (value <= 0 if strict else value < 0):
-        msg = f"{name} must be {rule}, got {value!r}"
-        raise ValueError(msg)
+    """*value* as a finite float above 0 (*strict*) or at least 0; else an error with *rule*."""
+    if not _is_number(value):
+        raise _refuse(name, value, rule, wrong_type=True)
+    if not math.isfinite(value) or (value <= 0 if strict else value < 0):
+        raise _refuse(name, value, rule, wrong_type=False)
     return float(value)
 
 
@@ -59,11 +70,13 @@ def positive_int(name: str, value: object) -> int:
     """*value* as an int >= 1.
 
     Raises:
-        ValueError: if *value* is not an int >= 1 (bools refused).
+        ArgumentTypeError: if *value* is not an int (bools and floats refused).
+        ValueError: if *value* is below 1.
     """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        msg = f"{name} must be an int >= 1, got {value!r}"
-        raise ValueError(msg)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _refuse(name, value, "an int >= 1", wrong_type=True)
+    if value < 1:
+        raise _refuse(name, value, "an int >= 1", wrong_type=False)
     return value
 
 
@@ -71,7 +84,8 @@ def positive_number(name: str, value: object) -> float:
     """*value* as a finite float > 0.
 
     Raises:
-        ValueError: if *value* is not a finite number > 0.
+        ArgumentTypeError: if *value* is not a number (an int or a float; bools refused).
+        ValueError: if *value* is not finite or not > 0.
     """
     return _finite(name, value, strict=True, rule="a finite number > 0")
 
@@ -80,7 +94,8 @@ def positive_seconds(name: str, value: object) -> float:
     """*value* as a duration in seconds: a finite number > 0.
 
     Raises:
-        ValueError: if *value* is not a finite number of seconds > 0.
+        ArgumentTypeError: if *value* is not a number (an int or a float; bools refused).
+        ValueError: if *value* is not finite or not > 0.
     """
     return _finite(name, value, strict=True, rule="a finite number of seconds > 0")
 
@@ -89,7 +104,8 @@ def non_negative(name: str, value: object) -> float:
     """*value* as a finite float >= 0.
 
     Raises:
-        ValueError: if *value* is not a finite number >= 0.
+        ArgumentTypeError: if *value* is not a number (an int or a float; bools refused).
+        ValueError: if *value* is not finite or is negative.
     """
     return _finite(name, value, strict=False, rule="a finite number >= 0")
 
@@ -98,12 +114,14 @@ def fraction(name: str, value: object, *, inclusive: bool = True) -> float:
     """*value* as a float in [0, 1] (``inclusive``) or in (0, 1).
 
     Raises:
-        ValueError: if *value* is not a number in the range.
+        ArgumentTypeError: if *value* is not a number (an int or a float; bools refused).
+        ValueError: if *value* is outside the range (NaN included).
     """
-    if not _is_number(value) or not (0.0 <= value <= 1.0 if inclusive else 0.0 < value < 1.0):
-        bounds = "in [0, 1]" if inclusive else "in (0, 1)"
-        msg = f"{name} must be a number {bounds}, got {value!r}"
-        raise ValueError(msg)
+    rule = "a number in [0, 1]" if inclusive else "a number in (0, 1)"
+    if not _is_number(value):
+        raise _refuse(name, value, rule, wrong_type=True)
+    if not (0.0 <= value <= 1.0 if inclusive else 0.0 < value < 1.0):
+        raise _refuse(name, value, rule, wrong_type=False)
     return float(value)
 
 

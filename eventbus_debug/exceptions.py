@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = (
+    "ArgumentTypeError",
     "BusClosedError",
     "EventBusError",
     "EventDecodeError",
@@ -14,6 +15,16 @@ __all__ = (
 
 class EventBusError(Exception):
     """Base class for every error raised by eventbus_debug."""
+
+
+class ArgumentTypeError(EventBusError, TypeError, ValueError):
+    """Raised when an argument is not of the type it must be (a string where a number goes).
+
+    A :class:`TypeError`, as Python's own wrong-type errors are. It is also a
+    :class:`ValueError` because earlier releases raised ``ValueError`` for these (the number
+    checks refused a string like a negative number): code written to catch ``ValueError``
+    around a constructor still catches it.
+    """
 
 
 class BusClosedError(EventBusError, RuntimeError):

@@ -39,7 +39,7 @@ from .subscription import Subscription
 if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backport there
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ("EventBus",)
+__all__ = ("EventBus", "check_subscriptions")
 
 _log = get_logger(__name__)
 
@@ -526,12 +526,15 @@ class EventBus:
 
         Raises:
             TimeoutError: if *timeout* seconds pass first.
+            TypeError: if a positional argument is not a :class:`Subscription`.
             ValueError: if *timeout* is not None nor a finite number >= 0 (NaN, negative,
-                infinite, a bool or a string).
+                infinite; a bool or a string is an ArgumentTypeError, both a ValueError and a
+                TypeError), or a subscription is another bus's.
             BusClosedError: if the bus was never started.
         """
         if timeout is not None:
             timeout = non_negative("timeout", timeout)
+        check_subscriptions(subscriptions, self)
         if self._state is _State.NEW:
             msg = "drain() needs a running bus; use `async with EventBus() as bus:`"
             raise BusClosedError(msg)
@@ -888,3 +891,25 @@ def _all_incidents(event_types: tuple[type[Event], ...]) -> bool:
             return False
         stack.extend(cls.__subclasses__())
     return True
+
+
+def check_subscriptions(subscriptions: tuple[object, ...], bus: object) -> None:
+    """Refuse what ``drain(*subscriptions)`` cannot wait for, naming it.
+
+    Raises:
+        TypeError: if an item is not a :class:`Subscription` (a sink, a name...).
+        ValueError: if an item is a subscription of another bus.
+    """
+    for i, sub in enumerate(subscriptions):
+        if not isinstance(sub, Subscription):
+            msg = (
+                f"drain()'s subscriptions must be Subscriptions that subscribe() returned, got "
+                f"{type(sub).__qualname__} {sub!r} (argument {i + 1})"
+            )
+            raise TypeError(msg)
+        if sub._bus is not None and sub._bus is not bus:
+            msg = (
+                f"drain()'s subscriptions must be this bus's, got subscription {sub.name!r} of "
+                f"another bus (argument {i + 1})"
+            )
+            raise ValueError(msg)

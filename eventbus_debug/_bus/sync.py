@@ -13,7 +13,7 @@ from typing_extensions import Self
 from .._validate import non_negative, positive_int
 from ..events import Delivery, Event
 from ..exceptions import BusClosedError
-from .bus import EventBus
+from .bus import EventBus, check_subscriptions
 from .statistics import BusStatistics
 from .subscription import Subscription
 
@@ -167,11 +167,14 @@ class SyncEventBus:
 
         Raises:
             TimeoutError: if *timeout* seconds pass first.
-            ValueError: if *timeout* is not None nor a finite number >= 0.
+            TypeError: if a positional argument is not a :class:`Subscription`.
+            ValueError: if *timeout* is not None nor a finite number >= 0, or a subscription
+                is another bus's.
             BusClosedError: if the bus is not running.
         """
         if timeout is not None:
             timeout = non_negative("timeout", timeout)
+        check_subscriptions(subscriptions, self._bus)
         self.flush()
         self._call_async(lambda: self._bus.drain(*subscriptions, timeout=timeout))
 

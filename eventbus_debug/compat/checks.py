@@ -81,16 +81,30 @@ def _threshold(value: object, argument: str, *, allow_inf: bool = True) -> float
 
 
 def _named(model: nn.Module, *, grads: bool) -> list[tuple[str, torch.Tensor]]:
+    """*model*'s floating-point parameters (or their gradients, when they have one), by name.
+
+    A model on the meta device is refused whether or not its parameters have gradients: a
+    meta model has none, and an empty report would read as "nothing wrong".
+
+    Raises:
+        TypeError: if *model* is not an ``nn.Module``.
+        ValueError: if a parameter or a gradient is on the meta device (it has no values).
+    """
     named: list[tuple[str, torch.Tensor]] = []
     for n, p in _check_model(model).named_parameters():
-        t = p.grad if grads else p.detach()
-        if t is None or not (p.is_floating_point() or p.is_complex()):
+        if not (p.is_floating_point() or p.is_complex()):
             continue
-        if t.is_meta:
-            what = "gradient of parameter" if grads else "parameter"
-            msg = f"the {what} {n!r} is on the meta device: it has a shape but no values to check; materialize the model first (model.to_empty(device=...) and load its weights)"
+        t = p.grad if grads else p.detach()
+        if p.is_meta or (t is not None and t.is_meta):
+            what = "parameter" if p.is_meta else "gradient of parameter"
+            msg = (
+                f"the {what} {n!r} is on the meta device: it has a shape but no values to "
+                "check; materialize the model first (model.to_empty(device=...) and load its "
+                "weights)"
+            )
             raise ValueError(msg)
-        named.append((n, t))
+        if t is not None:
+            named.append((n, t))
     return named
 
 
@@ -152,6 +166,7 @@ def analyze_gradients(model: nn.Module) -> tuple[ParameterStats, ...]:
 
     Raises:
         TypeError: if *model* is not an ``nn.Module``.
+        ValueError: if a parameter is on the meta device (it holds no values).
     """
     return _stats(model, grads=True)[0]
 
@@ -161,6 +176,7 @@ def analyze_model_parameters(model: nn.Module) -> tuple[ParameterStats, ...]:
 
     Raises:
         TypeError: if *model* is not an ``nn.Module``.
+        ValueError: if a parameter is on the meta device (it holds no values).
     """
     return _stats(model, grads=False)[0]
 
@@ -175,7 +191,7 @@ def check_gradients(
 
     Raises:
         TypeError: if *model* is not an ``nn.Module`` or a threshold is not a number.
-        ValueError: if a threshold is zero, negative or NaN, or a gradient is on the meta device.
+        ValueError: if a threshold is zero, negative or NaN, or a parameter is on the meta device.
     """
     high = _threshold(gradient_threshold, "gradient_threshold")
     low = _threshold(vanishing_threshold, "vanishing_threshold", allow_inf=False)
@@ -197,7 +213,7 @@ def check_gradient_explosion(model: nn.Module, threshold: float = 10.0) -> tuple
 
     Raises:
         TypeError: if *model* is not an ``nn.Module`` or *threshold* not a number.
-        ValueError: if *threshold* is zero, negative or NaN, or a gradient is on the meta device.
+        ValueError: if *threshold* is zero, negative or NaN, or a parameter is on the meta device.
     """
     limit = _threshold(threshold, "threshold")
     stats, bad = _stats(model, grads=True)
@@ -209,7 +225,7 @@ def check_gradient_vanishing(model: nn.Module, threshold: float = 1e-7) -> tuple
 
     Raises:
         TypeError: if *model* is not an ``nn.Module`` or *threshold* not a number.
-        ValueError: if *threshold* is zero, negative, NaN or infinite, or a gradient is on the
+        ValueError: if *threshold* is zero, negative, NaN or infinite, or a parameter is on the
             meta device.
     """
     limit = _threshold(threshold, "threshold", allow_inf=False)

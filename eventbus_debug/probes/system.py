@@ -25,7 +25,7 @@ from typing_extensions import Self
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._validate import publisher
+from .._validate import non_negative, positive_int, positive_seconds, publisher
 from ..events import Event, MemorySampled, ResourceThresholdExceeded, SystemSampled
 from ..typing import Publisher
 from .memory import MemorySnapshot, memory_snapshot
@@ -171,6 +171,12 @@ class ResourceThresholds:
             ``threshold - hysteresis`` (so a sustained condition is one incident).
         sustain: how many consecutive readings above the threshold make an incident (default
             3: with the session's 10 s interval, half a minute of pressure); 1 fires at once.
+
+    Raises:
+        TypeError: if a threshold is neither None nor a number, *hysteresis* not a number or
+            *sustain* not an int.
+        ValueError: if a threshold or *hysteresis* is negative or not finite, or *sustain* is
+            below 1.
     """
 
     cpu_percent: float | None = None
@@ -182,12 +188,20 @@ class ResourceThresholds:
     sustain: int = 3
 
     def __post_init__(self) -> None:
-        if not (self.hysteresis >= 0 and math.isfinite(self.hysteresis)):
-            msg = f"hysteresis must be a finite number >= 0, got {self.hysteresis!r}"
-            raise ValueError(msg)
-        if isinstance(self.sustain, bool) or not isinstance(self.sustain, int) or self.sustain < 1:
+        for metric in METRICS:
+            value = getattr(self, metric)
+            if value is not None:
+                try:
+                    non_negative(metric, value)
+                except ValueError as exc:
+                    msg = f"{metric} must be a finite percentage >= 0 or None, got {value!r}"
+                    raise type(exc)(msg) from None
+        non_negative("hysteresis", self.hysteresis)
+        try:
+            positive_int("sustain", self.sustain)
+        except ValueError as exc:
             msg = f"sustain must be an integer >= 1 (consecutive readings), got {self.sustain!r}"
-            raise ValueError(msg)
+            raise type(exc)(msg) from None
 
     def threshold(self, metric: str) -> float | None:
         """The threshold of *metric*."""
@@ -263,7 +277,9 @@ class SystemSampler:
 
     Raises:
         ValueError: if *interval* is not a positive finite number.
-        TypeError: if *bus* is not a Publisher (either bus) or None.
+        TypeError: if *bus* is not a Publisher (either bus) or None, *interval* not a number,
+            *thresholds* not a :class:`ResourceThresholds` or None, or *sample* / *step* not
+            callable.
     """
 
     def __init__(
@@ -277,11 +293,19 @@ class SystemSampler:
         step: Callable[[], int | None] | None = None,
         source: str = "system_sampler",
     ) -> None:
-        if not (isinstance(interval, int | float) and math.isfinite(interval) and interval > 0):
+        try:
+            self.interval = positive_seconds("interval", interval)
+        except ValueError as exc:
             msg = f"interval must be a positive number of seconds, got {interval!r}"
-            raise ValueError(msg)
-        self.interval = float(interval)
-        self.thresholds = thresholds or ResourceThresholds()
+            raise type(exc)(msg) from None
+        if thresholds is not None and not isinstance(thresholds, ResourceThresholds):
+            msg = f"thresholds must be a ResourceThresholds or None, got {thresholds!r}"
+            raise TypeError(msg)
+        self.thresholds = thresholds if thresholds is not None else ResourceThresholds()
+        for name, fn in (("sample", sample), ("step", step)):
+            if fn is not None and not callable(fn):
+                msg = f"{name} must be a callable or None, got {fn!r}"
+                raise TypeError(msg)
         self._bus = publisher("bus", bus)
         self._sample = sample
         self._disk_path = disk_path

@@ -16,6 +16,8 @@ from typing import Any, Final
 
 import torch
 
+from .._validate import positive_number
+
 __all__ = ("GROUP_LR_KEYS", "SCHEDULER_LR_ATTRIBUTES", "lr_schedulers", "scale_learning_rate")
 
 GROUP_LR_KEYS: Final = ("initial_lr", "max_lr", "min_lr")
@@ -56,9 +58,17 @@ def scale_learning_rate(
 ) -> str:
     """Multiply every param group's LR by *factor*, and the base LRs *schedulers* recompute from.
 
+    *factor* is checked as :class:`~eventbus_debug.events.ScaleLR` checks it: a zero,
+    negative, NaN or infinite factor would write a rate no optimizer recovers from.
+
     Returns:
         What changed, in words (``"lr x0.5: 0.1 -> 0.05 in 1 param group(s), 1 scheduler"``).
+
+    Raises:
+        TypeError: if *factor* is not a number.
+        ValueError: if *factor* is not a finite number > 0 (nothing is changed).
     """
+    positive_number("factor", factor)
     before = [float(g["lr"]) for g in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * factor

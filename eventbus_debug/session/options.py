@@ -15,7 +15,9 @@ from typing import Any, Final, Protocol, TextIO, TypedDict, runtime_checkable
 
 import torch
 
+from .._bus._adapter import SinkAdapter, default_name
 from .._validate import fraction, positive_seconds
+from ..exceptions import ArgumentTypeError, SubscriptionError
 from ..extras.validation import InputSpec, OutputChecker
 from ..probes import Cadence, DebugLevel, LeakDetector, Thresholds
 from ..recovery import RecoveryEngine, RecoveryPolicy
@@ -101,6 +103,33 @@ def _check_type(name: str, value: object, types: tuple[type, ...], expected: str
         raise TypeError(msg)
 
 
+def _sinks(value: object) -> tuple[Any, ...]:
+    """``sinks=`` as a tuple, each checked as ``subscribe`` will check it.
+
+    Raises:
+        TypeError: if *value* is not a sequence, or an item is not a sink (the message names
+            ``sinks[i]``; a :class:`~eventbus_debug.exceptions.SubscriptionError`).
+    """
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        msg = (
+            "sinks must be a sequence of sinks (async functions or objects with async "
+            f"handle/handle_batch), got {value!r}"
+        )
+        raise TypeError(msg)
+    items = tuple(value)
+    for i, sink in enumerate(items):
+        _check_sink(f"sinks[{i}]", sink)
+    return items
+
+
+def _check_sink(knob: str, sink: object) -> None:
+    """Refuse *sink* now, naming *knob*, if the bus would refuse to subscribe it later."""
+    try:
+        SinkAdapter(sink, default_name(sink))
+    except SubscriptionError as exc:
+        raise SubscriptionError(f"{knob}: {exc}") from None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SessionOptions:
     """Everything a session is configured with, besides its model and optimizer.
@@ -123,7 +152,9 @@ class SessionOptions:
         recovery: ``True`` (default) for a :class:`~eventbus_debug.RecoveryEngine` with the
             default strategies (applied at the safe point when an optimizer is given), an
             engine already subscribed to the session's bus, or ``False``.
-        sinks: more sinks to subscribe (objects or async functions).
+        sinks: more sinks to subscribe (objects or async functions), each checked here as
+            ``subscribe`` will check it (a :class:`~eventbus_debug.exceptions.SubscriptionError`
+            naming ``sinks[i]``).
         thresholds: the step probe's thresholds.
         cadence: the step probe's cadence.
         skip_non_finite: without recovery, advise skipping the optimizer step when the step
@@ -212,7 +243,7 @@ class SessionOptions:
         object.__setattr__(self, "plan", plan)
         object.__setattr__(self, "schedulers", lr_schedulers(self.scheduler))
         object.__setattr__(self, "recovery_policy", recovery_policy(self.policy))
-        object.__setattr__(self, "sinks", tuple(self.sinks))
+        object.__setattr__(self, "sinks", _sinks(self.sinks))
         if self.log_dir is not None:
             _check_type("log_dir", self.log_dir, (str, os.PathLike), "a path or None")
             if not os.fspath(self.log_dir):
@@ -227,9 +258,13 @@ class SessionOptions:
             if not isinstance(value, bool | Sink | BatchSink):
                 msg = f"{knob} must be True, False or a sink, got {value!r}"
                 raise TypeError(msg)
+            if not isinstance(value, bool):
+                _check_sink(knob, value)
         if not isinstance(self.console, bool | Sink | BatchSink | _Writable):
             msg = f"console must be a bool, a text stream or a sink, got {self.console!r}"
             raise TypeError(msg)
+        if isinstance(self.console, Sink | BatchSink):
+            _check_sink("console", self.console)
         if not isinstance(self.recovery, bool | RecoveryEngine):
             msg = f"recovery must be True, False or a RecoveryEngine, got {self.recovery!r}"
             raise TypeError(msg)
@@ -238,12 +273,12 @@ class SessionOptions:
         if self.system_interval is not None:
             try:
                 positive_seconds("system_interval", self.system_interval)
-            except ValueError:
+            except ValueError as exc:
                 msg = (
                     "system_interval must be a positive number of seconds or None, "
                     f"got {self.system_interval!r}"
                 )
-                raise ValueError(msg) from None
+                raise type(exc)(msg) from None
         if self.overhead_budget is not None:
             fraction("overhead_budget", self.overhead_budget, inclusive=False)
         if self.close_timeout is not None:
@@ -253,7 +288,7 @@ class SessionOptions:
                 msg = (
                     f"close_timeout must be a number of seconds or None, got {self.close_timeout!r}"
                 )
-                raise TypeError(msg)
+                raise ArgumentTypeError(msg)
             object.__setattr__(
                 self, "close_timeout", positive_seconds("close_timeout", self.close_timeout)
             )

@@ -8,6 +8,7 @@ steps -- the most common real leak (``losses.append(loss)`` instead of ``loss.it
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ class LeakThresholds:
         cuda_bytes: the minimum CUDA allocated growth over the window.
         live_tensors: the minimum growth of live tensors over the window.
         graph_tensors: the minimum growth of graph-holding tensors surviving across samples.
+
+    Raises:
+        TypeError: if a field is not a number (*window* not an int).
+        ValueError: if *window* is below 3, *rising_fraction* outside [0, 1], or another field
+            negative or NaN (a minimum growth may be ``math.inf``: that resource never leaks).
     """
 
     window: int = 8
@@ -53,11 +59,15 @@ class LeakThresholds:
     graph_tensors: int = 4
 
     def __post_init__(self) -> None:
-        if self.window < 3:
+        if positive_int("window", self.window) < 3:
             msg = f"window must be >= 3 samples to fit a trend, got {self.window}"
             raise ValueError(msg)
         non_negative("warmup", self.warmup)
         fraction("rising_fraction", self.rising_fraction)
+        for name in ("rss_bytes", "cuda_bytes", "live_tensors", "graph_tensors"):
+            value = getattr(self, name)
+            if value != math.inf:  # inf: never a leak of this resource
+                non_negative(name, value)
 
     def min_growth(self, resource: str) -> float:
         """The minimum growth over the window for *resource* (one of :data:`RESOURCES`)."""
@@ -110,7 +120,8 @@ class LeakDetector:
 
     Raises:
         ValueError: if *every* is below 1.
-        TypeError: if *bus* is not a Publisher (either bus) or None.
+        TypeError: if *bus* is not a Publisher (either bus) or None, *every* not an int, or
+            *thresholds* not a :class:`LeakThresholds` or None.
     """
 
     def __init__(
@@ -124,7 +135,10 @@ class LeakDetector:
         source: str = "leak_detector",
     ) -> None:
         self.every = positive_int("every", every)
-        self.thresholds = thresholds or LeakThresholds()
+        if thresholds is not None and not isinstance(thresholds, LeakThresholds):
+            msg = f"thresholds must be a LeakThresholds or None, got {thresholds!r}"
+            raise TypeError(msg)
+        self.thresholds = thresholds if thresholds is not None else LeakThresholds()
         self.count_tensors = count_tensors
         self.publish_samples = publish_samples
         self.source = source
