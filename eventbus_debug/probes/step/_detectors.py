@@ -14,7 +14,13 @@ healthy run is a bug:
   long-sequence bucket, a heavy tail) is the data's distribution, not a spike: the loss-spike
   detector remembers its outliers for a while and judges each new one against them; the
   explosion detector does the same for a gradient norm's heavy tail, and learns a run's own
-  scale when its very first norms are above the absolute cap (a regression on raw prices).
+  scale when its very first norms are above the absolute cap (a regression on raw prices);
+* a value the run has already shown while healthy is not a spike or an explosion relative to a
+  converged baseline: a converged model that meets harder or noisier data (a curriculum step, a
+  data-mix change) sees its loss and gradient norm climb back toward early-training levels,
+  which is a distribution shift. A loss at or below the largest baseline (running median) the
+  run has had, and a norm within twice the largest baseline the run has had, are the data;
+  what goes beyond the run's own range is judged as before.
 """
 
 from __future__ import annotations
@@ -49,6 +55,11 @@ noise, so the relative tolerance is widened by ``_MIN_NOISE / n`` (10x the basel
 with one loss seen, the plain ``rtol`` from five on). Below five, the spread of the few losses
 seen (largest minus smallest) stands in for ``|median|`` when it is larger: a loss hovering
 around zero (a policy-gradient loss whose sign flips) has a tiny median but not a tiny noise."""
+
+_SCALE_VALUES: Final = 5
+"""Values in a window before its median counts as a baseline the run has had (the largest such
+baseline is the run's own range, see :class:`LossSpikeDetector` and :class:`ExplosionDetector`):
+one value, a first loss or a first norm, is a sample, not a level."""
 
 _LEVEL_BELOW: Final = 0.5
 _LEVEL_ABOVE: Final = 10.0
@@ -208,6 +219,19 @@ class LossSpikeDetector:
     than *sustained_rtol* x ``|median|`` and *sustained_mad* sigmas above the median is
     *elevated*.
 
+    A loss at or below the largest baseline the run has had (a running median of at least
+    five losses) is within the range the run has already shown while healthy, and is never
+    reported: a converged classifier meeting 10 % label noise goes from 0.012 back to 1.2 (its
+    first baseline was 2.3), a WGAN generator's loss drifts back to where it started; the data
+    moved, the training did not break. Such a loss is judged and remembered like any other (a
+    level it shows is learned, a streak of them restarts the window at the new level) but it
+    joins the window instead of being kept out. The trade: a late loss that stays at or below
+    that level (a language model spiking from 2.5 back to 8 when it started at 10.8) is not
+    reported by this detector; a loss beyond the run's range is judged as before, and a streak
+    that crosses it is still one streak. The level a reported :attr:`SpikeRule.SUSTAINED`
+    restart moved the baseline to is not a healthy one, so it does not raise that largest
+    baseline until the baseline is back within the run's range.
+
     Outliers and elevated losses are remembered for *memory* observations, flagged or not, so
     the detector learns a high loss that recurs (a second task's batches, a long-sequence
     bucket, a heavy tail) instead of firing on it forever. An earlier outlier is *at the level*
@@ -259,6 +283,8 @@ class LossSpikeDetector:
     __slots__ = (
         "_judged",
         "_outliers",
+        "_peak",
+        "_peak_held",
         "_run",
         "_run_length",
         "_runs",
@@ -314,6 +340,11 @@ class LossSpikeDetector:
         self.sustained_rtol = sustained_rtol
         self.sustained_mad = sustained_mad
         self._scale = 0.0
+        self._peak = -math.inf
+        """The largest baseline (running median, signed) the run has had while healthy."""
+        self._peak_held = False
+        """True from a sustained restart until the baseline is back at or below the peak: the
+        reported level is not a healthy baseline."""
         self._streak = 0
         self._streak_losses: list[float] = []
         """The outliers of the current streak (they never vouch for each other)."""
@@ -344,7 +375,8 @@ class LossSpikeDetector:
 
     def reset(self) -> None:
         """Forget the window, the streak and the outliers (after a restore: the loss level is
-        the snapshot's, and what the undone steps showed vouches for nothing)."""
+        the snapshot's, and what the undone steps showed vouches for nothing); the largest
+        baseline the run had is kept (the run has shown that range)."""
         self._window.clear()
         self._streak = 0
         self._streak_losses.clear()
@@ -370,6 +402,10 @@ class LossSpikeDetector:
             return None
         median = window.median()
         self._scale = max(self._scale, abs(median))
+        if median <= self._peak:
+            self._peak_held = False  # back within the run's range
+        elif not self._peak_held and len(window) >= _SCALE_VALUES:
+            self._peak = median
         excess = loss - median
         if excess <= 0.0:
             if self._run_length:
@@ -424,7 +460,12 @@ class LossSpikeDetector:
             self._streak_losses.append(loss)
             if self._streak >= self.patience:
                 return self._sustained(loss, median, tolerance)
-        if spike and not (known or earlier >= self.recurrence):
+        # A loss within the run's range (at or below its largest healthy baseline) is never
+        # reported: it joins the window (a converged model meeting harder data climbs back
+        # toward its early losses; that is the data), but it is remembered as an outlier like
+        # any other, so a level it shows is learned and the losses of one streak still never
+        # vouch for each other.
+        if spike and not (known or earlier >= self.recurrence) and loss > self._peak:
             return SpikeVerdict(SpikeRule.SPIKE, median, tolerance, self._streak)  # kept out
         if not spike:
             self._tail = max(self._tail, z)
@@ -453,13 +494,16 @@ class LossSpikeDetector:
         self._run.clear()
         self._run_length = 0
 
-    def _sustained(self, loss: float, median: float, tolerance: float) -> SpikeVerdict:
+    def _sustained(self, loss: float, median: float, tolerance: float) -> SpikeVerdict | None:
         streak = self._streak
         self._streak = 0
         self._streak_losses.clear()
         self._end_run()  # remembered: the same shift again is a known level
         self._window.clear()
         self._window.add(loss)  # the new level is the baseline from here on
+        if loss <= self._peak:
+            return None  # a shift back within the run's range: the data moved, not reported
+        self._peak_held = True  # a reported level is not a healthy baseline of the run
         return SpikeVerdict(SpikeRule.SUSTAINED, median, tolerance, streak)
 
 
@@ -484,9 +528,19 @@ class ExplosionDetector:
     """Flags a total gradient norm far above the run's running median, from the first step.
 
     From the second gradient check a norm above ``factor x median`` of the last *window*
-    accepted norms, and above the largest norm the run has accepted, is an explosion. Zero,
-    non-finite and exploded norms never enter the window (an explosion cannot raise its own
-    bar).
+    accepted norms, above the largest norm the run has accepted, and above *reach* (2) times
+    the largest median (of at least five norms) the run has had, is an explosion. Zero, non-finite and exploded norms
+    never enter the window (an explosion cannot raise its own bar).
+
+    The last two are the scale the run has already shown while healthy: a converged model that
+    meets harder or noisier data sees its norm climb 30x over its converged median, back to
+    early-training norms and a little beyond the largest of them (1.2x on a classifier given
+    10 % label noise, 1.2x its first median too), and that is the data, not an explosion. The
+    run's scale is a baseline it had (a median of *window* norms), not one norm: a single hard
+    batch does not widen it (the heavy tail below is learned from recurrence). The trade: a
+    late explosion that stays within twice the run's early baseline (30x a converged median
+    when the first steps had 100x) is not reported; one that goes on is, at the first norm
+    beyond that scale, and the loss-spike detector judges the same step on its own.
 
     The absolute *cap* judges only what has nothing to be compared with: a norm while the
     window is empty (the first checks, and the first after a :meth:`reset`). Once the run has
@@ -513,17 +567,22 @@ class ExplosionDetector:
         floor: a norm below this fraction of the largest the run accepted is never an
             explosion (a converged BERT-like model's median norm falls 100x while hard batches
             keep early-training norms: 207 false incidents over 20k steps with 0.1).
+        reach: a norm up to this multiple of the largest median the run has had is never an
+            explosion (a converged classifier meeting 10 % label noise reaches 1.2x both its
+            largest early norm and its first median: 7 false incidents with none).
         memory: how many checks a tail norm is remembered.
         recurrence: how many earlier tail norms within 2x below a norm make it the data.
 
     Raises:
-        ValueError: if *memory* or *recurrence* is not an int >= 1.
+        ValueError: if *memory* or *recurrence* is not an int >= 1, or *reach* is not a
+            finite positive number.
     """
 
     __slots__ = (
         "_above_cap",
         "_checks",
         "_largest",
+        "_peak",
         "_streak",
         "_tail",
         "_window",
@@ -531,6 +590,7 @@ class ExplosionDetector:
         "factor",
         "floor",
         "memory",
+        "reach",
         "recurrence",
     )
 
@@ -541,11 +601,15 @@ class ExplosionDetector:
         factor: float,
         cap: float | None,
         floor: float = 1.0,
+        reach: float = 2.0,
         memory: int = 1000,
         recurrence: int = 2,
     ) -> None:
         self.memory = positive_int("memory", memory)
         self.recurrence = positive_int("recurrence", recurrence)
+        self.reach = positive_number("reach", reach)
+        self._peak = 0.0
+        """The largest median of accepted norms the run has had (its healthy scale)."""
         self._checks = 0
         self._tail = _Outliers()
         """Recent accepted norms above half the growth bar (the run's heavy tail)."""
@@ -571,8 +635,8 @@ class ExplosionDetector:
         return self._largest
 
     def reset(self) -> None:
-        """Restart the window (after a restore); the largest norm seen is kept, what was
-        reported above the cap is forgotten (the undone steps vouch for nothing)."""
+        """Restart the window (after a restore); the largest norm and median seen are kept,
+        what was reported above the cap is forgotten (the undone steps vouch for nothing)."""
         self._window.clear()
         self._above_cap = math.inf
         self._tail.clear()
@@ -589,10 +653,15 @@ class ExplosionDetector:
         window = self._window
         if window:
             baseline = window.median()
-            # A converged model's norms shrink by orders of magnitude while a hard batch still
-            # has the norms of early training: 10x that tiny median is noise, not an explosion,
-            # as long as it stays within what the run has already seen (and accepted).
-            threshold = max(self.factor * baseline, self.floor * self._largest)
+            if baseline > self._peak and len(window) >= _SCALE_VALUES:
+                self._peak = baseline
+            # A converged model's norms shrink by orders of magnitude while a hard batch, or
+            # harder data, still has the norms of early training: 10x that tiny median is the
+            # data, not an explosion, as long as it stays within what the run has already
+            # accepted, or within reach of a baseline the run has had.
+            threshold = max(
+                self.factor * baseline, self.floor * self._largest, self.reach * self._peak
+            )
             if norm > 0.5 * self.factor * baseline:
                 if not self._streak:
                     self._streak = checks  # the first check of this streak
