@@ -5,7 +5,8 @@ plain ``for`` loops. Both satisfy :class:`~eventbus_debug.typing.Publisher`.
 
 Modules: ``bus`` (the dispatcher, publishing, drain and close), ``subscription`` (one sink's
 queue, pump and failures), ``statistics`` (the snapshots), ``_adapter`` (a sink's methods,
-resolved once), ``_waiters`` (one-shot wake-ups) and ``sync`` (the only sync bridge).
+resolved once), ``_cancel`` (a sink's own cancellation told from its task's; sink code the bus
+can stop waiting for), ``_waiters`` (one-shot wake-ups) and ``sync`` (the only sync bridge).
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+import os
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -186,6 +188,7 @@ class EventBus:
         self._names: set[str] = set()
         self._stop_dispatcher = False
         self._dispatcher_scope: anyio.CancelScope | None = None
+        self._forked_from: int | None = None  # in a forked child: the pid of the bus's process
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -201,6 +204,7 @@ class EventBus:
         self._tg = tg
         self._state = _State.RUNNING
         self._accepting = True
+        _RUNNING_BUSES.add(self)
         self._dispatcher_done = anyio.Event()
         self._dispatcher_scope = anyio.CancelScope(shield=True)
         tg.start_soon(self._dispatch_loop, name="eventbus-dispatcher")
@@ -240,13 +244,19 @@ class EventBus:
         """Stop accepting events, deliver everything queued, close the sinks. Idempotent.
 
         Bounded: every queue gets *close_timeout* seconds in total to drain. A sink still busy
-        then is abandoned (its task cancelled; a worker thread stuck in a call is left behind
-        as a daemon) and what it had left is reported by :class:`EventsUndelivered` and
-        :class:`SinkUnresponsive` incidents, in ``statistics()`` and in the library's log.
-        The sinks are then closed one by one in reverse order of subscription, each within
-        what is left of the timeout but at least ``CLOSE_GRACE`` (1 s); the sinks not closed
-        yet still receive the reports about the others (so the log, subscribed first, records
-        them). Worst case: *close_timeout* plus one second per sink and one for the reports.
+        then is abandoned: its task is cancelled once and never waited for (a sink that
+        shields itself, swallows the cancellation or waits on a thread that hangs finishes in
+        the background, or never), and what it had left is counted once and reported by
+        :class:`EventsUndelivered` and :class:`SinkUnresponsive` incidents, in
+        ``statistics()`` and in the library's log. The sinks are then closed one by one in
+        reverse order of subscription; the sinks not closed yet still receive the reports
+        about the others (so the log, subscribed first, records them). Each sink gets what is
+        left of the timeout, but at least ``CLOSE_GRACE`` (1 s), to take those reports, and
+        again to close (an async close runs in a task of its own, a synchronous ``close()``
+        in a daemon thread: both are abandoned when late). Worst case, whatever the sinks do:
+        *close_timeout* plus two ``CLOSE_GRACE`` per sink and one for the bus's dispatcher; a
+        sink that hangs in a call or in its close costs one. On trio (where the sinks' tasks
+        run in the bus's task group) a sink that ignores cancellation still holds the close.
 
         Runs shielded from cancellation, and the sinks' tasks are shielded too: cancelling the
         caller's scope (``move_on_after``, a cancelled training task) loses no queued event.
@@ -261,11 +271,11 @@ class EventBus:
         started = time.monotonic()
         deadline = started + self._close_timeout
         with anyio.CancelScope(shield=True):
-            hung = await self._drain_for_close()
-            if hung:
-                self._report_undelivered(hung)
+            for sub in await self._drain_for_close():
+                sub._abandon(self._close_timeout)
+            self._report_drops(force=True)  # the final reports, if the drain ran out of time
             for sub in reversed(list(self._subs)):
-                await self._close_one(sub, deadline, sub in hung)
+                await self._close_one(sub, deadline)
             self._stop_dispatcher = True
             self._wake_dispatcher()
             if self._dispatcher_done is not None:
@@ -274,6 +284,7 @@ class EventBus:
                 if not self._dispatcher_done.is_set() and self._dispatcher_scope is not None:
                     self._dispatcher_scope.cancel()
         self._state = _State.CLOSED
+        _RUNNING_BUSES.discard(self)
         elapsed = time.monotonic() - started
         if elapsed > 1.0:
             _log.info("bus_close_slow", seconds=round(elapsed, 3))
@@ -541,12 +552,27 @@ class EventBus:
         self._pull_thread_events()
         target = self._seq + len(self._buffer)
         subs = subscriptions or None
-        with anyio.fail_after(timeout):
+        with anyio.move_on_after(timeout) as scope:
             while not self._drained_up_to(target, subs):
                 if self._state is _State.CLOSED:
                     return
                 await self._await_progress()
+        if scope.cancelled_caught:
+            raise TimeoutError(self._drain_timed_out(timeout, target, subs))
         await anyio.lowlevel.checkpoint()
+
+    def _drain_timed_out(
+        self, timeout: float | None, target: int, subs: tuple[Subscription, ...] | None
+    ) -> str:
+        """What a drain that timed out still waited for, in words."""
+        busy = [
+            f"sink {s.name!r} ({s.pending} pending)"
+            for s in (subs if subs is not None else self._subs)
+            if not s._idle_up_to(target)
+        ]
+        if self._seq < target:
+            busy.append(f"{target - self._seq} events not dispatched yet")
+        return f"drain() timed out after {timeout:g} s, waiting for: {', '.join(busy)}"
 
     def _drained_up_to(self, target: int, subs: tuple[Subscription, ...] | None) -> bool:
         if self._seq < target:
@@ -695,7 +721,7 @@ class EventBus:
                 continue
             if self._stop_dispatcher:
                 break
-            unreported = self._report_drops(force=self._state is not _State.RUNNING)
+            unreported = self._report_drops(force=False)
             if self._buffer:
                 continue
             self._wake_pending = False
@@ -777,7 +803,7 @@ class EventBus:
             self._report_drops(force=False)
 
     def _resolve(self, cls: type[Event]) -> _Route:
-        subs = tuple(s for s in self._subs if not s.disabled and s.accepts(cls))
+        subs = tuple(s for s in self._subs if not s.disabled and not s._stopped and s.accepts(cls))
         incident = cls.delivery is Delivery.INCIDENT
         route = _Route(
             subs=subs,
@@ -810,6 +836,16 @@ class EventBus:
         """A subscription was disabled: resolve the routes again without it."""
         self._routes.clear()
 
+    def _task_failed(self, exc: BaseException) -> None:
+        """A sink's task (outside the task group, see ``Subscription._start``) ended with a
+        ``BaseException`` that is not an ``Exception``: raise it in the task group, as if the
+        task had been there (the block is cancelled; leaving the bus raises the group)."""
+        tg = self._tg
+        if tg is None:
+            _log.error("bus_task_failed", error=repr(exc), exc_info=exc)
+            return
+        tg.start_soon(_reraise, exc, name="eventbus-sink-failure")
+
     def _flow_changed(self, pressing: bool) -> None:
         """A flow-controlled subscription went over its high-water mark, or back under."""
         if pressing:
@@ -821,16 +857,24 @@ class EventBus:
     # -- closing -------------------------------------------------------------------------------
 
     async def _drain_for_close(self) -> list[Subscription]:
-        """Deliver everything; return the subscriptions still busy when the timeout fired."""
+        """Deliver everything; return the subscriptions still busy when the timeout fired.
+
+        Telemetry shed meanwhile is reported as while running (at most one
+        :class:`EventsDropped` per sink per *drop_report_interval*), plus a final report once
+        everything else was delivered.
+        """
         self._pull_thread_events()
         with anyio.move_on_after(self._close_timeout):
             while True:
                 self._pull_thread_events()
-                self._report_drops(force=True)
                 target = self._close_target()
                 if self._drained_up_to(target, None) and self._seq == target:
-                    if not self._thread_queue and not any(s.shed_unreported for s in self._subs):
+                    if self._thread_queue:
+                        continue
+                    if not any(s.shed_unreported for s in self._subs):
                         return []
+                    self._report_drops(force=True)
+                    continue
                 await self._await_progress()
         target = self._close_target()
         return [s for s in self._subs if not s._idle_up_to(target)]
@@ -850,29 +894,64 @@ class EventBus:
         self._wake_dispatcher()
         await progress.wait()
 
-    def _report_undelivered(self, hung: list[Subscription]) -> None:
-        """Abandon the sinks still busy at the deadline and report what they lost."""
-        for sub in hung:
-            sub._abandon()
-
-    async def _close_one(self, sub: Subscription, deadline: float, hung: bool) -> None:
-        """Deliver what is left to *sub* (the reports about the sinks closed before it), stop
-        its task and close it, each step bounded by the deadline (at least CLOSE_GRACE)."""
-        if not hung and not sub.disabled:
-            grace = _subscription.CLOSE_GRACE
-            with anyio.move_on_after(max(deadline - time.monotonic(), grace)):
+    async def _close_one(self, sub: Subscription, deadline: float) -> None:
+        """Deliver what is left to *sub* (the reports about the sinks closed before it) and
+        stop its task, then close it; each step within what is left until *deadline*, but at
+        least ``CLOSE_GRACE`` (a sink still busy then is abandoned)."""
+        stop_by = max(deadline, time.monotonic() + _subscription.CLOSE_GRACE)
+        if not sub._stopped and not sub.disabled:
+            with anyio.move_on_after(stop_by - time.monotonic()):
                 while True:
                     self._pull_thread_events()
                     target = self._close_target()
                     if self._drained_up_to(target, (sub,)):
                         break
                     await self._await_progress()
-        await sub._shutdown(deadline)
+        await sub._shutdown(stop_by, deadline)
+
+    def _mark_forked(self, parent: int) -> None:
+        """This is a copy of the bus in a forked child process: no event loop delivers its
+        events here, so publishing is refused (with :meth:`_closed_message`) instead of the
+        events vanishing. The publishers' paths check nothing more: they see a closed bus."""
+        self._forked_from = parent
+        self._accepting = False
+        self._state = _State.CLOSED
+        self._call_soon_threadsafe = self._refuse_wake
+
+    def _refuse_wake(self, callback: Callable[[], object]) -> object:
+        raise BusClosedError(self._closed_message())
 
     def _closed_message(self) -> str:
+        if self._forked_from is not None:
+            return (
+                f"this EventBus runs in process {self._forked_from}; this is a child process "
+                f"({os.getpid()}) forked from it (a DataLoader worker?), where nothing delivers "
+                "its events: they would be lost. Publish from the training process (return "
+                "what the worker found with its sample, as "
+                "eventbus_debug.recovery.SkipCorruptSamples does), or use num_workers=0"
+            )
         if self._state is _State.NEW:
             return "the bus is not running yet; publish inside `async with EventBus() as bus:`"
         return "the bus is closed; events can no longer be published to it"
+
+
+async def _reraise(exc: BaseException) -> None:
+    raise exc
+
+
+_RUNNING_BUSES: weakref.WeakSet[EventBus] = weakref.WeakSet()
+"""The buses running in this process (entered, not closed): the ones a fork copies alive."""
+
+
+def _after_fork_in_child() -> None:
+    parent = os.getppid()
+    for bus in list(_RUNNING_BUSES):
+        bus._mark_forked(parent)
+    _RUNNING_BUSES.clear()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which cannot fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _not_event_message(obj: object) -> str:

@@ -7,6 +7,7 @@ disabling, the close of the sink) lives here.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import inspect
 import time
@@ -30,7 +31,9 @@ from ..events import (
     SinkFailed,
     SinkUnresponsive,
 )
-from ._adapter import SinkAdapter
+from ..threads import run_in_daemon_thread
+from ._adapter import SinkAdapter, is_async_callable
+from ._cancel import abandon, foreign_cancellation, retrieved, run_abandonable, running_loop
 from ._stalls import StallMeter, Timed
 from ._waiters import Waiter
 from .statistics import SubscriptionStatistics
@@ -45,8 +48,11 @@ HANDLE_ROUND: Final = 64
 """A ``handle(event)`` sink yields to the event loop at least once per this many events."""
 FLOW_STALL_TIMEOUT: Final = 1.0
 """A flow-controlled sink that completes no batch for this long stops holding publishers back."""
+TASK_PREFIX: Final = "eventbus-sink-"
+"""The name of a sink's task is this prefix and the subscription's name."""
 CLOSE_GRACE: Final = 1.0
-"""Seconds granted to each sink's close (and to the last reports) once the deadline passed."""
+"""Seconds granted, once the close deadline passed, to each sink to take the last reports and
+stop, then again to close it; and to the bus's dispatcher to stop."""
 
 
 class _Owner(Protocol):
@@ -61,6 +67,8 @@ class _Owner(Protocol):
     def _forget_routes(self) -> None: ...
 
     def _flow_changed(self, pressing: bool) -> None: ...
+
+    def _task_failed(self, exc: BaseException) -> None: ...
 
 
 @final
@@ -97,6 +105,9 @@ class Subscription:
         "_staged_telemetry",
         "_stalled",
         "_stalls",
+        "_stopped",
+        "_task",
+        "_task_id",
         "_telemetry",
         "_waiter",
         "backpressure",
@@ -151,6 +162,11 @@ class Subscription:
         self._inflight_n = 0
         self._consecutive = 0
         self._cancel_scope: anyio.CancelScope | None = None
+        self._task: asyncio.Task[None] | None = None  # the pump, on asyncio (see _start)
+        self._task_id: int | None = None
+        # The bus gave up on the pump (close deadline, unsubscribed): what it held is counted,
+        # and the pump counts nothing more, whenever (if ever) the sink's call returns.
+        self._stopped = False
         self._done: anyio.Event | None = None
         self._sink_closed = False
         self._pressing = False  # holding back `await publish` (flow control)
@@ -198,7 +214,10 @@ class Subscription:
     def cancel(self) -> None:
         """Stop delivering to this sink; queued events are discarded (and counted). Idempotent.
 
-        The sink's ``aclose`` is not called: the caller owns a sink it unsubscribed.
+        An event in the sink's hands is counted as discarded too, and the sink's call is
+        cancelled (never waited for), unless the sink cancels its own subscription: then its
+        current call completes and counts. The sink's ``aclose`` is not called: the caller
+        owns a sink it unsubscribed (see :meth:`close_sink`).
         """
         bus = self._bus
         if bus is not None:
@@ -319,7 +338,7 @@ class Subscription:
 
     def _idle_up_to(self, target: int) -> bool:
         """Whether every event numbered up to *target* was handled (or will never be)."""
-        if self.disabled:
+        if self.disabled or self._stopped:
             return True
         if self._inflight_n and self._inflight_min_seq <= target:
             return False
@@ -380,14 +399,45 @@ class Subscription:
     # -- the pump --------------------------------------------------------------------------
 
     def _start(self, tg: TaskGroup, new_waiter: Callable[[], Waiter]) -> None:
-        """Start the pump task that feeds the sink."""
+        """Start the pump task that feeds the sink.
+
+        On asyncio the pump is a task of its own, outside the bus's task group: the bus waits
+        for it only as long as its close allows, and never has to join it (a sink that ignores
+        cancellation cannot hold the close). Elsewhere it runs in *tg*.
+        """
         self._done = anyio.Event()
         if self._stalls is not None:
             self._stalls.restart()
-        tg.start_soon(self._pump, new_waiter, name=f"eventbus-sink-{self.name}")
+        name = f"{TASK_PREFIX}{self.name}"
+        loop = running_loop()
+        if loop is not None:
+            self._task = loop.create_task(self._run(new_waiter), name=name)
+            self._task.add_done_callback(retrieved)
+        else:
+            tg.start_soon(self._run, new_waiter, name=name)
 
     def _call(self, coro: Awaitable[Any]) -> Awaitable[Any]:
         return coro if self._stalls is None else Timed(coro, self._note_holds)
+
+    async def _run(self, new_waiter: Callable[[], Waiter]) -> None:
+        """The pump, and what its end means: a sink's ``BaseException`` that is neither an
+        ``Exception`` nor a cancellation goes to the bus's task group, which raises it when
+        the bus is left (see :meth:`EventBus.__aexit__`)."""
+        self._task_id = anyio.get_current_task().id
+        try:
+            await self._pump(new_waiter)
+        except anyio.get_cancelled_exc_class():
+            raise  # ends the task (see _pump); a task group takes it as the cancellation it is
+        except (KeyboardInterrupt, SystemExit):
+            raise  # asyncio re-raises them from the event loop itself
+        except BaseException as exc:
+            bus = self._bus
+            if self._task is None:
+                raise  # in the bus's task group already
+            if bus is not None:
+                bus._task_failed(exc)
+            else:
+                _log.error("sink_task_failed", sink=self.name, error=repr(exc), exc_info=exc)
 
     async def _pump(self, new_waiter: Callable[[], Waiter]) -> None:
         adapter = self._adapter
@@ -401,8 +451,13 @@ class Subscription:
                     try:
                         await call(adapter.start())
                     except Exception as exc:
+                        if not self._stopped:
+                            self._fail(exc, None)
+                    except anyio.get_cancelled_exc_class() as exc:
+                        if self._stopped or not foreign_cancellation():
+                            raise
                         self._fail(exc, None)
-                while True:
+                while not self._stopped:
                     if self.disabled or not (self._incidents or self._telemetry):
                         if self.disabled:
                             self.discarded += self._clear()
@@ -424,6 +479,10 @@ class Subscription:
                     # resuming from a checkpoint costs less than a fresh waiter and its wake-up
                     # (benchmarks/bench_step_loop.py, issue #13).
                     await anyio.lowlevel.checkpoint()
+        except anyio.get_cancelled_exc_class():
+            if not self._stopped:
+                self._task_lost()
+            raise
         finally:
             self._inflight_n = 0
             self._release()
@@ -439,9 +498,18 @@ class Subscription:
         try:
             await self._call(handle_batch(events))
         except Exception as exc:
+            if self._stopped:
+                return
+            self.failed += n
+            self._fail(exc, events[0])
+        except anyio.get_cancelled_exc_class() as exc:
+            if self._stopped or not foreign_cancellation():
+                raise
             self.failed += n
             self._fail(exc, events[0])
         else:
+            if self._stopped:
+                return
             self.delivered += n
             self._consecutive = 0
         self._inflight_n = 0
@@ -458,9 +526,18 @@ class Subscription:
             try:
                 await self._call(handle(event))
             except Exception as exc:
+                if self._stopped:
+                    return
+                self.failed += 1
+                self._fail(exc, event)
+            except anyio.get_cancelled_exc_class() as exc:
+                if self._stopped or not foreign_cancellation():
+                    raise
                 self.failed += 1
                 self._fail(exc, event)
             else:
+                if self._stopped:
+                    return
                 self.delivered += 1
                 self._consecutive = 0
             self._inflight_n = 0
@@ -479,8 +556,12 @@ class Subscription:
 
     # -- failures and stalls ---------------------------------------------------------------
 
-    def _fail(self, exc: Exception, event: Event | None) -> None:
-        """Count a failure of the sink (*event* None: its ``start``); disable it if due."""
+    def _fail(self, exc: BaseException, event: Event | None) -> None:
+        """Count a failure of the sink (*event* None: its ``start``); disable it if due.
+
+        *exc* is an ``Exception``, or the cancellation exception the sink raised although its
+        task was not cancelled (see :func:`._cancel.foreign_cancellation`).
+        """
         self._consecutive += 1
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         if self._consecutive == 1:
@@ -504,24 +585,39 @@ class Subscription:
             )
         )
         if self._consecutive >= self._max_failures and not self.disabled:
-            self.disabled = True
-            discarded = self._clear()
-            self.discarded += discarded
-            self._release()
-            bus = self._bus
-            if bus is not None:
-                bus._forget_routes()
-            reason = f"{self._consecutive} consecutive failures, last: {type(exc).__name__}: {exc}"
-            _log.error("sink_disabled", sink=self.name, reason=reason)
-            self._report(
-                SinkDisabled(
-                    source="eventbus",
-                    sink=self.name,
-                    reason=reason,
-                    consecutive_failures=self._consecutive,
-                    discarded=discarded,
-                )
+            self._disable(
+                f"{self._consecutive} consecutive failures, last: {type(exc).__name__}: {exc}"
             )
+
+    def _disable(self, reason: str) -> None:
+        """Deliver nothing more to the sink: discard its queue, report why."""
+        self.disabled = True
+        discarded = self._clear()
+        self.discarded += discarded
+        self._release()
+        bus = self._bus
+        if bus is not None:
+            bus._forget_routes()
+        _log.error("sink_disabled", sink=self.name, reason=reason)
+        self._report(
+            SinkDisabled(
+                source="eventbus",
+                sink=self.name,
+                reason=reason,
+                consecutive_failures=self._consecutive,
+                discarded=discarded,
+            )
+        )
+
+    def _task_lost(self) -> None:
+        """The pump was cancelled by something other than the bus (a sink raising the
+        cancellation exception on Python 3.10, code cancelling every task): the event in the
+        sink's hands counts as failed, and the sink is disabled (nothing feeds it any more)."""
+        if self._inflight_n:
+            self.failed += self._inflight_n
+            self._inflight_n = 0
+        if not self.disabled:
+            self._disable("its task was cancelled (by the sink, or by code other than the bus)")
 
     def _note_holds(self, longest: float, total: float) -> None:
         """Account for how long one call of the sink held the loop; report a stall if due."""
@@ -540,70 +636,86 @@ class Subscription:
 
     # -- leaving the bus -------------------------------------------------------------------
 
+    def _stop_task(self) -> None:
+        """Stop the pump: an idle one leaves its loop when woken (``_input_closed``); one busy
+        in the sink's code is cancelled, once, and on asyncio abandoned (see :meth:`_start`)."""
+        if self._waiter is not None:
+            self._wake()
+            return
+        task = self._task
+        if task is not None:
+            abandon(task)
+        elif self._cancel_scope is not None:
+            self._cancel_scope.cancel()
+
     def _detach(self) -> None:
-        """Unsubscribed: discard the queue, stop the pump, forget the bus."""
-        self.discarded += self._clear()
+        """Unsubscribed: discard the queue and the event in the sink's hands, stop the pump,
+        forget the bus. From inside the sink's own call, that call completes and counts."""
+        lost = self._clear()
+        own_call = self._task_id is not None and anyio.get_current_task().id == self._task_id
+        if not own_call:
+            lost += self._inflight_n
+            self._inflight_n = 0
+            self._stopped = True
+        self.discarded += lost
         self._release()
         self._bus = None
         self._input_closed = True
-        if self._cancel_scope is not None:
-            self._cancel_scope.cancel()
+        if not own_call:
+            self._stop_task()
         self._wake()
 
-    def _abandon(self) -> None:
-        """Still busy at the close deadline: cancel the pump and report what is lost."""
+    def _abandon(self, waited: float) -> None:
+        """Still busy after *waited* seconds of the close: stop the pump (cancelled once,
+        never waited for), count what it held as undelivered (once) and report it."""
+        if self._stopped:
+            return
         lost = self._clear() + self._inflight_n
+        self._inflight_n = 0
+        self._stopped = True
         self.undelivered += lost
         self._release()
         self._input_closed = True
-        if self._cancel_scope is not None:
-            self._cancel_scope.cancel()
+        bus = self._bus
+        if bus is not None:
+            bus._forget_routes()  # nothing more is routed to it, the bus's reports included
+        self._stop_task()
         abandoned = self._thread_busy()
         _log.error(
             "close_timed_out",
             sink=self.name,
             undelivered=lost,
-            timeout_s=self._close_timeout,
+            timeout_s=round(waited, 3),
             thread_abandoned=abandoned,
         )
-        self._report_undelivered(lost)
+        self._report(
+            EventsUndelivered(source="eventbus", sink=self.name, undelivered=lost, timeout_s=waited)
+        )
         self._report(
             SinkUnresponsive(
                 source="eventbus",
                 sink=self.name,
                 phase="drain",
-                waited_s=self._close_timeout,
+                waited_s=waited,
                 thread_abandoned=abandoned,
-            )
-        )
-
-    def _report_undelivered(self, lost: int) -> None:
-        self._report(
-            EventsUndelivered(
-                source="eventbus", sink=self.name, undelivered=lost, timeout_s=self._close_timeout
             )
         )
 
     def _thread_busy(self) -> bool:
         return bool(getattr(self.sink, "thread_busy", False))
 
-    async def _shutdown(self, deadline: float) -> None:
-        """Stop the pump (within ``CLOSE_GRACE``, then cancelled) and close the sink, bounded
-        by what is left until *deadline* but at least ``CLOSE_GRACE``."""
+    async def _shutdown(self, stop_by: float, deadline: float) -> None:
+        """Let the pump finish what it has by *stop_by* (else abandon it), then close the sink
+        within what is left until *deadline*, but at least ``CLOSE_GRACE``."""
         self._input_closed = True
         self._wake()
         done = self._done
-        if done is not None and not done.is_set():
-            with anyio.move_on_after(CLOSE_GRACE):
+        if done is not None and not done.is_set() and not self._stopped:
+            started = time.monotonic()
+            with anyio.move_on_after(stop_by - started):
                 await done.wait()
-            if not done.is_set() and self._cancel_scope is not None:
-                lost = self._clear() + self._inflight_n
-                if lost:
-                    self.undelivered += lost
-                    self._report_undelivered(lost)
-                self._cancel_scope.cancel()
-                with anyio.move_on_after(CLOSE_GRACE):
-                    await done.wait()
+            if not done.is_set():
+                self._abandon(time.monotonic() - started)
         await self.close_sink(max(deadline - time.monotonic(), CLOSE_GRACE))
 
     async def close_sink(self, timeout: float) -> None:
@@ -612,10 +724,13 @@ class Subscription:
         Whoever removes a subscription owns its sink: the bus calls this for every
         subscription when it closes, and a caller that cancelled a subscription may call it
         to close the sink it gave. A plain function (or bound method) subscribed as a handler
-        has nothing to close; a second call does nothing. A close that raises is logged
-        (``sink_close_failed``) and one that outlasts *timeout* is abandoned and logged
-        (``sink_close_timed_out``); while the subscription is still on its bus, each is also
-        published there (:class:`~eventbus_debug.events.SinkCloseFailed`,
+        has nothing to close; a second call does nothing. An async close runs in a task of its
+        own (on asyncio) and a synchronous ``close()`` in a daemon thread, so that one that
+        hangs, shields itself or ignores cancellation is abandoned after *timeout* whatever it
+        does. A close that raises is logged (``sink_close_failed``) and one that outlasts
+        *timeout* is abandoned and logged (``sink_close_timed_out``); while the subscription
+        is still on its bus, each is also published there
+        (:class:`~eventbus_debug.events.SinkCloseFailed`,
         :class:`~eventbus_debug.events.SinkUnresponsive` with ``phase="close"``). Never raises
         what the sink raised.
 
@@ -632,9 +747,7 @@ class Subscription:
         self._sink_closed = True
         with anyio.move_on_after(budget) as scope:
             try:
-                result = aclose()
-                if inspect.isawaitable(result):
-                    await result
+                await self._run_close(aclose)
             except Exception as exc:
                 _log.warning(
                     "sink_close_failed",
@@ -667,3 +780,28 @@ class Subscription:
                     thread_abandoned=abandoned,
                 )
             )
+
+    async def _run_close(self, close: Callable[[], Any]) -> None:
+        """Run the sink's close where its caller can stop waiting for it at any time.
+
+        Raises:
+            Exception: what the close raised; the cancellation exception raised by the close
+                itself (not a cancellation of the caller) comes as a ``RuntimeError``.
+        """
+        name = f"eventbus-close-{self.name}"
+
+        async def run() -> None:
+            if is_async_callable(close):
+                result = close()
+            else:  # a synchronous close() may block: a daemon thread, abandoned if it hangs
+                result = await run_in_daemon_thread(close, name=name)
+            if inspect.isawaitable(result):
+                await result
+
+        try:
+            await run_abandonable(run, name)
+        except anyio.get_cancelled_exc_class() as exc:
+            if not foreign_cancellation():
+                raise
+            msg = f"the close raised {type(exc).__name__} (it awaited something cancelled)"
+            raise RuntimeError(msg) from exc

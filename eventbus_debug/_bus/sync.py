@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Coroutine, Iterable
 from types import TracebackType
-from typing import Any, TypeVar, final
+from typing import Any, Final, TypeVar, final
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+import anyio
+from anyio.from_thread import BlockingPortal
 from typing_extensions import Self
 
 from .._validate import non_negative, positive_int
+from ..diagnostics import get_logger
 from ..events import Delivery, Event
 from ..exceptions import BusClosedError
+from . import subscription as _subscription
 from .bus import EventBus, check_subscriptions
 from .statistics import BusStatistics
 from .subscription import Subscription
@@ -20,6 +26,13 @@ from .subscription import Subscription
 __all__ = ("SyncEventBus",)
 
 T = TypeVar("T")
+
+_log = get_logger(__name__)
+
+THREAD_GRACE: Final = 1.0
+"""Seconds the training thread waits for the bus's thread beyond the bound of what it asked
+(a drain's timeout, the close's bound) before it stops waiting: the bus's event loop is then
+held by a sink (a blocking call in an async handler)."""
 
 
 @final
@@ -49,8 +62,9 @@ class SyncEventBus:
         self._max_pending = positive_int("max_pending", max_pending)
         self._bus = EventBus(**bus_options)
         self._pending = 0
-        self._stack: contextlib.ExitStack | None = None
+        self._host: _LoopThread | None = None
         self._portal: BlockingPortal | None = None
+        self._room: concurrent.futures.Future[Any] | None = None  # flush's wait for room
 
     @property
     def bus(self) -> EventBus:
@@ -70,15 +84,18 @@ class SyncEventBus:
         return self._portal
 
     def __enter__(self) -> Self:
-        stack = contextlib.ExitStack()
+        if self._host is not None:
+            msg = "the SyncEventBus is already running; create a new one"
+            raise RuntimeError(msg)
+        host = _LoopThread(self._bus)
+        host.thread.start()
         try:
-            portal = stack.enter_context(start_blocking_portal("asyncio"))
-            stack.enter_context(portal.wrap_async_context_manager(self._bus))
+            portal = host.ready.result()
         except BaseException:
-            stack.close()
+            host.thread.join()
             raise
         self._portal = portal
-        self._stack = stack
+        self._host = host
         return self
 
     def __exit__(
@@ -90,16 +107,39 @@ class SyncEventBus:
         self.close()
 
     def close(self) -> None:
-        """Flush, drain every queue, close the sinks and stop the thread. Idempotent."""
-        stack, self._stack = self._stack, None
-        if stack is None:
+        """Flush, drain every queue, close the sinks and stop the thread. Idempotent.
+
+        Bounded as :meth:`EventBus.aclose` is, whatever the sinks do, plus ``THREAD_GRACE``
+        (1 s): if a sink holds the bus's event loop longer (a blocking call in an async
+        handler), the training thread stops waiting, logs ``sync_bus_close_timed_out`` naming
+        what holds the loop, and leaves the bus's (daemon) thread behind.
+
+        Raises:
+            BaseExceptionGroup: as leaving an :class:`EventBus` (its own tasks failed).
+        """
+        host, self._host = self._host, None
+        if host is None:
             return
         with contextlib.suppress(BusClosedError):
             self.flush()
+        self._portal = None
+        bound = _close_bound(self._bus) + THREAD_GRACE
+        host.stop()
         try:
-            stack.close()
+            host.closed.result(bound)
+        except concurrent.futures.TimeoutError:
+            if not host.closed.done():
+                _log.error(
+                    "sync_bus_close_timed_out",
+                    waited_s=round(bound, 3),
+                    held_by=_holder(host.loop),
+                    detail="the bus's thread is left behind (a daemon)",
+                )
+                return
+            raise
         finally:
-            self._portal = None
+            if host.closed.done():
+                host.thread.join(THREAD_GRACE)
 
     def subscribe(self, sink: object, /, *event_types: type[Event], **options: Any) -> Subscription:
         """Same as :meth:`EventBus.subscribe`; the sink runs on the bus's thread."""
@@ -159,11 +199,21 @@ class SyncEventBus:
             msg = "the SyncEventBus is not running; use `with SyncEventBus() as bus:`"
             raise BusClosedError(msg)
         self._bus.wake_threadsafe()
-        if self._bus._pressing:
-            self._call_async(self._bus._wait_for_room)
+        if self._bus._pressing and (self._room is None or self._room.done()):
+            # Bounded: a flow-controlled sink that makes no progress stops holding the
+            # publisher after FLOW_STALL_TIMEOUT; a bus thread held by a sink is not waited
+            # for beyond it (nor again, until that wait ended).
+            self._room = self._submit(self._bus._wait_for_room())
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                self._room.result(_subscription.FLOW_STALL_TIMEOUT + THREAD_GRACE)
 
     def drain(self, *subscriptions: Subscription, timeout: float | None = None) -> None:
         """Block until everything published so far was handled (see :meth:`EventBus.drain`).
+
+        With a *timeout*, the training thread waits at most *timeout* plus ``THREAD_GRACE``
+        (1 s), also when a sink holds the bus's event loop (a blocking call in an async
+        handler), which would keep the drain's own timeout from firing; the error then names
+        what holds the loop.
 
         Raises:
             TimeoutError: if *timeout* seconds pass first.
@@ -176,7 +226,22 @@ class SyncEventBus:
             timeout = non_negative("timeout", timeout)
         check_subscriptions(subscriptions, self._bus)
         self.flush()
-        self._call_async(lambda: self._bus.drain(*subscriptions, timeout=timeout))
+        future = self._submit(self._bus.drain(*subscriptions, timeout=timeout))
+        wait = None if timeout is None else timeout + THREAD_GRACE
+        try:
+            future.result(wait)
+        except concurrent.futures.TimeoutError:
+            if future.done():
+                raise  # the drain's own TimeoutError
+            future.cancel()
+            assert self._host is not None
+            held_by = _holder(self._host.loop)
+            _log.error("sync_bus_unresponsive", waited_s=wait, held_by=held_by)
+            msg = (
+                f"drain() timed out: the bus's thread did not answer within {wait:g} s, "
+                f"{held_by} (a blocking call in an async handler? run it in a worker thread)"
+            )
+            raise TimeoutError(msg) from None
 
     def statistics(self) -> BusStatistics:
         """A snapshot of the bus's counters."""
@@ -185,8 +250,81 @@ class SyncEventBus:
     def _call(self, fn: Callable[[], T]) -> T:
         return self.portal.call(fn)
 
-    def _call_async(self, fn: Callable[[], Any]) -> Any:
-        async def run() -> Any:
-            return await fn()
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run *coro* on the bus's event loop; the training thread waits on the future (never
+        blocks to submit it, even while the loop is held)."""
+        loop = self._host.loop if self._host is not None else None
+        if loop is None or self._portal is None:
+            coro.close()
+            msg = "the SyncEventBus is not running; use `with SyncEventBus() as bus:`"
+            raise BusClosedError(msg)
+        return asyncio.run_coroutine_threadsafe(coro, loop)
 
-        return self.portal.call(run)
+
+@final
+class _LoopThread:
+    """The bus's event loop, in a daemon thread: the bus's block and a portal run there.
+
+    ``ready`` gives the portal once the bus was entered; ``closed`` the outcome of leaving the
+    bus (set by :meth:`stop`). The thread is a daemon so that a sink holding the loop forever
+    never keeps the process alive; the training thread waits for it with bounds only.
+    """
+
+    __slots__ = ("_bus", "_stop", "closed", "loop", "ready", "thread")
+
+    def __init__(self, bus: EventBus) -> None:
+        self._bus = bus
+        self._stop: anyio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
+        self.closed: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.thread = threading.Thread(target=self._main, name="eventbus-sync-bus", daemon=True)
+
+    def stop(self) -> None:
+        """Have the loop leave the bus's block (from the training thread; never blocks)."""
+        loop, stop = self.loop, self._stop
+        if loop is None or stop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is already gone
+            loop.call_soon_threadsafe(stop.set)
+
+    def _main(self) -> None:
+        try:
+            anyio.run(self._serve, backend="asyncio")
+        except BaseException as exc:  # handed to the training thread
+            for future in (self.ready, self.closed):
+                if not future.done():
+                    future.set_exception(exc)
+
+    async def _serve(self) -> None:
+        async with BlockingPortal() as portal:
+            self.loop = asyncio.get_running_loop()
+            self._stop = stop = anyio.Event()
+            try:
+                async with self._bus:
+                    self.ready.set_result(portal)
+                    await stop.wait()
+            except BaseException as exc:
+                (self.closed if self.ready.done() else self.ready).set_exception(exc)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                self.closed.set_result(None)
+
+
+def _close_bound(bus: EventBus) -> float:
+    """The longest an :class:`EventBus`'s close takes, whatever its sinks do."""
+    grace = _subscription.CLOSE_GRACE
+    return bus._close_timeout + grace * (2 * len(bus.subscriptions) + 1)
+
+
+def _holder(loop: asyncio.AbstractEventLoop | None) -> str:
+    """What holds *loop* now, in words (the task it runs, read from another thread)."""
+    task = asyncio.current_task(loop) if loop is not None else None
+    if task is None:
+        return "no task of the bus holds it (its thread is busy elsewhere)"
+    name = task.get_name()
+    prefix = _subscription.TASK_PREFIX
+    if name.startswith(prefix):
+        return f"sink {name[len(prefix) :]!r} holds its event loop"
+    return f"task {name!r} holds its event loop"

@@ -459,9 +459,14 @@ class RecoveryEngine:
     def drain_sync(self) -> None:
         """:meth:`drain` for an engine on a :class:`SyncEventBus` (blocks the training thread).
 
+        Bounded also when a sink holds the bus's thread (a blocking call in an async handler,
+        which keeps the bus's own timeout from firing): the training thread stops waiting after
+        *drain_timeout* plus ``THREAD_GRACE`` (1 s); see :meth:`SyncEventBus.drain`.
+
         Raises:
             TypeError: if the engine is on an async :class:`EventBus` (await :meth:`drain`).
-            TimeoutError: after *drain_timeout* seconds.
+            TimeoutError: after *drain_timeout* seconds; its message names the sink the
+                engine waited for, or what holds the bus's thread.
         """
         if self._blocking is None:
             msg = "drain_sync() needs a SyncEventBus; this engine uses an EventBus: await drain()"
