@@ -38,7 +38,8 @@ class SinkAdapter:
                 if fn is not None and not is_async_callable(fn):
                     msg = (
                         f"sink {name!r}: {attr} must be an `async def` method, got {fn!r}; "
-                        "blocking work belongs in a worker thread (anyio.to_thread.run_sync)"
+                        "blocking work belongs in a worker thread the bus can abandon if it "
+                        "hangs: `await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)`"
                     )
                     raise SubscriptionError(msg)
             self.handle_batch = batch

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import anyio
 import pytest
 
-from eventbus_debug import EventBus, Session
+from eventbus_debug import EventBus, Session, SubscriptionError
 from eventbus_debug._bus import subscription as _subscription
 from eventbus_debug.events import (
     Event,
@@ -226,6 +226,20 @@ class TestCloseIsBounded:
         assert not release.is_set()
         assert sub.statistics().discarded == 1
         release.set()
+
+
+class TestTheAdviceForBlockingWork:
+    async def test_a_synchronous_handle_is_refused_with_the_abandonable_thread(
+        self, bus: EventBus
+    ) -> None:
+        """The advice names a worker thread the bus can abandon (``abandon_on_cancel``)."""
+
+        class Blocking:
+            def handle(self, event: Event, /) -> None:
+                pass
+
+        with pytest.raises(SubscriptionError, match=r"run_sync\(fn, abandon_on_cancel=True\)"):
+            bus.subscribe(Blocking())
 
 
 class _Gate:
