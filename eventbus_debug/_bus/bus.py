@@ -16,7 +16,7 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass
 from enum import Enum
 from types import TracebackType
@@ -189,6 +189,9 @@ class EventBus:
         self._stop_dispatcher = False
         self._dispatcher_scope: anyio.CancelScope | None = None
         self._forked_from: int | None = None  # in a forked child: the pid of the bus's process
+        self.lost_in_fork = 0
+        """Events published in a child process forked from this bus's (a ``DataLoader``
+        worker), where nothing delivers them: counted here, in that child, and logged once."""
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -443,7 +446,8 @@ class EventBus:
                 self._end_hold()
             return
         if not self._accepting:
-            raise BusClosedError(self._closed_message())
+            self._refuse(1)
+            return
         raise TypeError(_not_event_message(event))
 
     def publish_many_nowait(self, events: Iterable[Event], /) -> None:
@@ -454,7 +458,8 @@ class EventBus:
             TypeError: if an item is not an :class:`Event` (nothing of the batch is accepted).
         """
         if self._state is not _State.RUNNING:
-            raise BusClosedError(self._closed_message())
+            self._refuse(len(events) if isinstance(events, Sized) else 1)
+            return
         batch = list(events)
         for event in batch:
             if not isinstance(event, Event):
@@ -504,7 +509,8 @@ class EventBus:
             TypeError: if *event* is not an :class:`Event`.
         """
         if self._state is not _State.RUNNING:
-            raise BusClosedError(self._closed_message())
+            self._refuse(1)
+            return
         if not isinstance(event, Event):
             raise TypeError(_not_event_message(event))
         self._thread_queue.append(event)
@@ -911,22 +917,35 @@ class EventBus:
 
     def _mark_forked(self, parent: int) -> None:
         """This is a copy of the bus in a forked child process: no event loop delivers its
-        events here, so publishing is refused (with :meth:`_closed_message`) instead of the
-        events vanishing. The publishers' paths check nothing more: they see a closed bus."""
+        events here. The publishers' paths check nothing more: they see a closed bus, and
+        :meth:`_refuse` counts what they publish and says so once (never raises: a data
+        loader worker that reports something must not stop the training)."""
         self._forked_from = parent
         self._accepting = False
         self._state = _State.CLOSED
-        self._call_soon_threadsafe = self._refuse_wake
+        self._call_soon_threadsafe = None
 
-    def _refuse_wake(self, callback: Callable[[], object]) -> object:
-        raise BusClosedError(self._closed_message())
+    def _refuse(self, count: int) -> None:
+        """A publish the bus cannot take: a :class:`BusClosedError`, except in a forked child.
+
+        In a child process forked from the bus's (a ``DataLoader`` worker) the events cannot
+        reach the bus: they are counted in :attr:`lost_in_fork` and the first is logged once
+        (a warning of the library's logger naming the cause and the way out) instead of
+        raising inside the user's dataset, which would stop the training.
+        """
+        if self._forked_from is None:
+            raise BusClosedError(self._closed_message())
+        self.lost_in_fork += count
+        if self.lost_in_fork == count:
+            _log.warning("events_lost_in_forked_child", detail=self._closed_message())
 
     def _closed_message(self) -> str:
         if self._forked_from is not None:
             return (
                 f"this EventBus runs in process {self._forked_from}; this is a child process "
                 f"({os.getpid()}) forked from it (a DataLoader worker?), where nothing delivers "
-                "its events: they would be lost. Publish from the training process (return "
+                "its events: they are lost (counted in lost_in_fork). Publish from the training "
+                "process (return "
                 "what the worker found with its sample, as "
                 "eventbus_debug.recovery.SkipCorruptSamples does), or use num_workers=0"
             )
