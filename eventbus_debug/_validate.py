@@ -1,7 +1,8 @@
 """The one home of argument rules: each check raises a clear error naming what was wrong.
 
 A bool is never a number here (``True`` is not a capacity). Messages read
-``"<name> must be ..., got <value!r>"`` so a user sees both the rule and their value. A value
+``"<name> must be ..., got <value!r>"`` so a user sees both the rule and their value (an int
+too large for a float, ``10**400``, is named by its size, and refused as out of range). A value
 of the wrong type (a string, None, a bool, a list where a number goes) is an
 :class:`~eventbus_debug.exceptions.ArgumentTypeError`: a ``TypeError`` that is also the
 ``ValueError`` earlier releases raised; a number out of range is a ``ValueError``.
@@ -17,6 +18,7 @@ from .typing import Publisher
 
 __all__ = (
     "INT64_MAX",
+    "brief",
     "fraction",
     "int64_count",
     "non_negative",
@@ -41,10 +43,19 @@ def int64_count(name: str, value: int) -> int:
     if 0 <= value <= INT64_MAX:
         return value
     if value < 0:
-        msg = f"{name} must be >= 0, got {value}"
+        msg = f"{name} must be >= 0, got {brief(value)}"
     else:
-        msg = f"{name} must fit in 64 bits (<= 2**63 - 1, as the log stores it), got {value}"
+        msg = f"{name} must fit in 64 bits (<= 2**63 - 1, as the log stores it), got {brief(value)}"
     raise ValueError(msg)
+
+
+def brief(value: object) -> str:
+    """``repr(value)`` for an error message, at most 80 characters; an int of more than 64
+    bits by its size (``"an int of about 401 digits"``: its digits would not help)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an int of about {int(value.bit_length() * 0.30103) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _is_number(value: object) -> TypeGuard[int | float]:
@@ -53,17 +64,24 @@ def _is_number(value: object) -> TypeGuard[int | float]:
 
 def _refuse(name: str, value: object, rule: str, *, wrong_type: bool) -> ValueError:
     """The error for *value*: an ArgumentTypeError for a wrong type, else a ValueError."""
-    msg = f"{name} must be {rule}, got {value!r}"
+    msg = f"{name} must be {rule}, got {brief(value)}"
     return ArgumentTypeError(msg) if wrong_type else ValueError(msg)
 
 
 def _finite(name: str, value: object, *, strict: bool, rule: str) -> float:
     """*value* as a finite float above 0 (*strict*) or at least 0; else an error with *rule*."""
-    if not _is_number(value):
+    if value.__class__ is float:
+        number: float = value
+    elif _is_number(value):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond a float's range (10**400): not finite
+            raise _refuse(name, value, rule, wrong_type=False) from None
+    else:
         raise _refuse(name, value, rule, wrong_type=True)
-    if not math.isfinite(value) or (value <= 0 if strict else value < 0):
+    if not math.isfinite(number) or (number <= 0 if strict else number < 0):
         raise _refuse(name, value, rule, wrong_type=False)
-    return float(value)
+    return number
 
 
 def positive_int(name: str, value: object) -> int:

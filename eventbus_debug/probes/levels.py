@@ -8,8 +8,9 @@ from enum import Enum
 from typing import Final
 
 from .._validate import non_negative, positive_int, positive_number
+from ..exceptions import ArgumentTypeError
 
-__all__ = ("Cadence", "Checks", "DebugLevel", "Thresholds", "checks_due")
+__all__ = ("Cadence", "Checks", "DebugLevel", "Thresholds", "checks_due", "level_of")
 
 
 class DebugLevel(Enum):
@@ -43,6 +44,30 @@ _LEVEL_RANKS: dict[DebugLevel, int] = {
     DebugLevel.ADVANCED: 2,
     DebugLevel.EXTREME: 3,
 }
+
+
+def level_of(value: DebugLevel | str, name: str = "level") -> DebugLevel:
+    """*value* as a :class:`DebugLevel`: a level, or its name in any case (``"advanced"``).
+
+    Args:
+        value: the level or its name.
+        name: the argument's name in the error messages.
+
+    Raises:
+        ArgumentTypeError: if *value* is neither a :class:`DebugLevel` nor a str.
+        ValueError: if *value* is not a level name (the valid ones are listed).
+    """
+    if isinstance(value, DebugLevel):
+        return value
+    valid = ", ".join(repr(v.value) for v in DebugLevel)
+    if not isinstance(value, str):
+        msg = f"{name} must be a DebugLevel or one of {valid}, got {value!r}"
+        raise ArgumentTypeError(msg)
+    try:
+        return DebugLevel(value.strip().lower())
+    except ValueError:
+        msg = f"{name} must be one of {valid} (or a DebugLevel), got {value!r}"
+        raise ValueError(msg) from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,11 +23,12 @@ import anyio.lowlevel
 import torch
 from torch import nn
 
-from .._validate import INT64_MAX, int64_count
+from .._validate import INT64_MAX, brief, int64_count
 from ..events import Event, StepCompleted, StepSkipped
 from ..extras.validation import InputValidator, OutputChecker, Violation
 from ..probes import AnomalyArming, LeakDetector, StepProbe, StepProfiler, StepVerdict
 from ..probes.anomaly_arming import RngState
+from ..probes.step.probe import loss_value
 from ..recovery import SafePoint, ScalerMonitor, StepDecision
 from ..recovery.device_skip import DeviceSkip
 from ..typing import Publisher
@@ -470,14 +471,14 @@ def _completed_values(
     writes them as ``"NaN"``/``"Infinity"``).
 
     Raises:
-        TypeError: if *step* is not an int, *loss* not a one-element tensor or a real number
-            (``check_step``'s rule; a numpy real scalar is one), *learning_rate* not a real
-            number or a one-element tensor, or *samples* not an int.
+        TypeError: if *step* is not an int, *loss* not a dense one-element real tensor or a
+            real number (``check_step``'s rule; a numpy real scalar is one), *learning_rate*
+            not a real number or a one-element tensor, or *samples* not an int.
         ValueError: if *step* or *samples* is negative, *loss* a tensor of several elements or
-            a meta tensor, or *learning_rate* negative.
+            a meta tensor, *learning_rate* negative, or *loss* / *learning_rate* a number too
+            large for a float (``10**400``).
     """
-    loss = _loss_value(loss)
-    StepProbe._validate(step, loss)  # check_step's rules for the step and the loss
+    loss = StepProbe._validate(step, loss)  # check_step's rules for the step and the loss
     if isinstance(loss, torch.Tensor):
         loss = float(loss.detach())
     lr: float | None = None
@@ -487,32 +488,48 @@ def _completed_values(
             msg = f"learning_rate must be >= 0, got {learning_rate!r}"
             raise ValueError(msg)
     return (
-        None if loss is None else float(loss),  # type: ignore[arg-type]
+        None if loss is None else float(loss),
         lr,
         None if samples is None else _samples(samples),
     )
 
 
 def _loss_value(loss: object) -> Any:
-    """*loss*, with a real scalar of another type (``numpy.float32(0.5)``, ``numpy.int64(1)``)
-    as a float; anything else as it is, for the probe's checks (a tensor, an int, a float, or
-    what they refuse: a bool, a complex, a string)."""
-    if isinstance(loss, numbers.Real) and not isinstance(loss, bool | int | float):
-        return float(loss)
-    return loss
+    """*loss* (not a float, not None) for the probe: a tensor as it is (the probe checks it),
+    another real number (``numpy.float32(0.5)``, an int) as a float.
+
+    Raises:
+        TypeError: if *loss* is neither a tensor nor a real number (a bool, a complex, a str).
+        ValueError: if *loss* is a number too large for a float (``10**400``).
+    """
+    if isinstance(loss, torch.Tensor):
+        return loss
+    return loss_value(loss)
 
 
 def _number(name: str, value: object) -> float:
-    """*value* (a real number or a one-element tensor) as a float."""
+    """*value* (a real number or a dense one-element real tensor) as a float."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.is_meta or value.is_complex():
-            msg = f"{name} must be a number or a one-element real tensor, got shape {tuple(value.shape)} {value.dtype}"
+        if (
+            value.numel() != 1
+            or value.layout is not torch.strided
+            or value.is_meta
+            or value.is_complex()
+        ):
+            msg = (
+                f"{name} must be a number or a one-element real tensor (dense), got shape "
+                f"{tuple(value.shape)} {value.dtype} {value.layout}"
+            )
             raise ValueError(msg)
         return float(value.detach())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         msg = f"{name} must be a number, got {type(value).__qualname__} {value!r}"
         raise TypeError(msg)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        msg = f"{name} must be a number a float can hold (<= 1.8e308), got {brief(value)}"
+        raise ValueError(msg) from None
 
 
 def _samples(samples: object) -> int:

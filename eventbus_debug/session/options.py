@@ -16,10 +16,11 @@ from typing import Any, Final, Protocol, TextIO, TypedDict, runtime_checkable
 import torch
 
 from .._bus._adapter import SinkAdapter, default_name
-from .._validate import fraction, positive_seconds
+from .._validate import brief, fraction, positive_seconds
 from ..exceptions import ArgumentTypeError, SubscriptionError
 from ..extras.validation import InputSpec, OutputChecker
 from ..probes import Cadence, DebugLevel, LeakDetector, Thresholds
+from ..probes.levels import level_of
 from ..recovery import RecoveryEngine, RecoveryPolicy
 from ..recovery.agreement import Agreement
 from ..recovery.lr import lr_schedulers
@@ -79,22 +80,6 @@ class SessionKnobs(TypedDict, total=False):
     overhead_budget: float | None
     device_skip: bool
     close_timeout: float | None
-
-
-def level_of(value: DebugLevel | str) -> DebugLevel:
-    """*value* as a :class:`DebugLevel` (names like ``"advanced"`` accepted, any case).
-
-    Raises:
-        ValueError: if *value* is not a level name (the valid ones are listed).
-    """
-    if isinstance(value, DebugLevel):
-        return value
-    try:
-        return DebugLevel(str(value).lower())
-    except ValueError:
-        valid = ", ".join(v.value for v in DebugLevel)
-        msg = f"level must be one of {valid}; got {value!r}"
-        raise ValueError(msg) from None
 
 
 def _check_type(name: str, value: object, types: tuple[type, ...], expected: str) -> None:
@@ -238,7 +223,7 @@ class SessionOptions:
         plan = (
             plan_for(self.mode)
             if self.mode is not None
-            else DebugPlan(level=level_of(self.level or DebugLevel.BASIC))
+            else DebugPlan(level=level_of(DebugLevel.BASIC if self.level is None else self.level))
         )
         object.__setattr__(self, "plan", plan)
         object.__setattr__(self, "schedulers", lr_schedulers(self.scheduler))
@@ -272,26 +257,28 @@ class SessionOptions:
         self._check_parts()
         if self.system_interval is not None:
             try:
-                positive_seconds("system_interval", self.system_interval)
-            except ValueError as exc:
+                interval = positive_seconds("system_interval", self.system_interval)
+            except ValueError as exc:  # an ArgumentTypeError keeps its type
                 msg = (
-                    "system_interval must be a positive number of seconds or None, "
-                    f"got {self.system_interval!r}"
+                    "system_interval must be a positive, finite number of seconds or None, "
+                    f"got {brief(self.system_interval)}"
                 )
                 raise type(exc)(msg) from None
-        if self.overhead_budget is not None:
-            fraction("overhead_budget", self.overhead_budget, inclusive=False)
+            object.__setattr__(self, "system_interval", interval)
         if self.close_timeout is not None:
-            if isinstance(self.close_timeout, bool) or not isinstance(
-                self.close_timeout, int | float
+            if not isinstance(self.close_timeout, int | float) or isinstance(
+                self.close_timeout, bool
             ):
                 msg = (
-                    f"close_timeout must be a number of seconds or None, got {self.close_timeout!r}"
+                    "close_timeout must be a number of seconds or None, "
+                    f"got {brief(self.close_timeout)}"
                 )
                 raise ArgumentTypeError(msg)
             object.__setattr__(
                 self, "close_timeout", positive_seconds("close_timeout", self.close_timeout)
             )
+        if self.overhead_budget is not None:
+            fraction("overhead_budget", self.overhead_budget, inclusive=False)
         _check_type("device_skip", self.device_skip, (bool,), "a bool")
         if self.device_skip:
             self._check_device_skip()

@@ -13,6 +13,7 @@ This module validates, schedules, offloads and reads (at once or deferred);
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -25,16 +26,16 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
-from ..._validate import int64_count, positive_int, publisher
+from ..._validate import INT64_MAX, brief, int64_count, positive_int, publisher
 from ...events import LossSpiked
 from ...typing import Publisher
-from ..levels import Cadence, Checks, DebugLevel, Thresholds, checks_due
+from ..levels import Cadence, Checks, DebugLevel, Thresholds, checks_due, level_of
 from ._judge import Judge, Judgement
 from ._launch import Launcher, Pending
 from .activations import ActivationHooks
 from .verdict import StepVerdict
 
-__all__ = ("OFFLOAD_NUMEL", "StepProbe")
+__all__ = ("OFFLOAD_NUMEL", "StepProbe", "loss_value")
 
 _log = get_logger(__name__)
 
@@ -42,6 +43,8 @@ OFFLOAD_NUMEL: Final = 1 << 24
 """Default gradient size (elements, CPU only) above which reductions run in a worker thread."""
 MAX_IN_FLIGHT: Final = 4
 """Deferred mode: steps whose results may still be on their way before a read waits for one."""
+_TENSOR: Final = torch.Tensor
+_STRIDED: Final = torch.strided
 
 
 class StepProbe:
@@ -64,8 +67,8 @@ class StepProbe:
         bus: where incidents and :class:`~eventbus_debug.events.StepChecked` telemetry go: any
             :class:`~eventbus_debug.typing.Publisher` (either bus); ``None``: nowhere, use the
             returned verdicts.
-        level: which checks run (see :class:`DebugLevel`); change it between steps with
-            :attr:`level`.
+        level: which checks run: a :class:`DebugLevel` or its name (``"advanced"``, any case);
+            change it between steps with :attr:`level`.
         cadence: how often each check runs.
         thresholds: when the checks fire.
         deferred: read each step's results at a later call instead of waiting for them. Each
@@ -88,8 +91,8 @@ class StepProbe:
     Raises:
         TypeError: if *model* is not an ``nn.Module``, *bus* is not a Publisher or ``None``, or
             *level*/*cadence*/*thresholds*/*scaler* have the wrong type.
-        ValueError: if the model has parameters on the meta device (they hold no values), or
-            *offload_numel* is not an int >= 1.
+        ValueError: if the model has parameters on the meta device (they hold no values),
+            *level* is not a level name, or *offload_numel* is not an int >= 1.
     """
 
     def __init__(
@@ -97,7 +100,7 @@ class StepProbe:
         model: nn.Module,
         bus: Publisher | None = None,
         *,
-        level: DebugLevel = DebugLevel.BASIC,
+        level: DebugLevel | str = DebugLevel.BASIC,
         cadence: Cadence | None = None,
         thresholds: Thresholds | None = None,
         deferred: bool = False,
@@ -165,14 +168,18 @@ class StepProbe:
 
     @property
     def level(self) -> DebugLevel:
-        """The debug level; assign a new one between steps (hooks are added or removed)."""
+        """The debug level; assign a new one (a :class:`DebugLevel` or its name, any case)
+        between steps (hooks are added or removed).
+
+        Raises:
+            ArgumentTypeError: (on assignment) if the value is neither a level nor a str.
+            ValueError: (on assignment) if the value is not a level name.
+        """
         return self._level
 
     @level.setter
-    def level(self, value: DebugLevel) -> None:
-        if not isinstance(value, DebugLevel):
-            msg = f"level must be a DebugLevel, got {value!r}; e.g. DebugLevel.BASIC"
-            raise TypeError(msg)
+    def level(self, value: DebugLevel | str) -> None:
+        value = level_of(value)
         if value is self._level:
             return
         old, self._level = self._level, value
@@ -250,16 +257,20 @@ class StepProbe:
 
         Args:
             step: the training step (an ``int``).
-            loss: the step's loss: a one-element tensor or a number (``None``: not checked).
+            loss: the step's loss: a dense one-element real tensor, or a real number (an int,
+                a float, a numpy real scalar such as ``numpy.float32``; not a bool);
+                ``None``: not checked.
             checkpoint: yield to the event loop once (so sinks progress). A caller that yields
                 once per step anyway (a session) passes False: the call then yields only when
                 it offloads large CPU reductions to a worker thread (see *offload_numel*).
 
         Raises:
-            TypeError: if *step* is not an int, or *loss* neither a tensor nor a number.
-            ValueError: if *step* is negative or *loss* has more than one element.
+            TypeError: if *step* is not an int, or *loss* is neither a tensor nor a real number,
+                or is a complex or a sparse tensor.
+            ValueError: if *step* is negative, *loss* has more than one element, is a meta
+                tensor, or a number too large for a float (``10**400``).
         """
-        self._validate(step, loss)
+        loss = self._validate(step, loss)
         checks = checks_due(self._level, self.cadence, step)
         if checks.any and self._offload(checks):
             return await anyio.to_thread.run_sync(self._check, step, loss, checks)
@@ -279,7 +290,7 @@ class StepProbe:
             TypeError: as :meth:`check_step`.
             ValueError: as :meth:`check_step`.
         """
-        self._validate(step, loss)
+        loss = self._validate(step, loss)
         return self._check(step, loss, checks_due(self._level, self.cadence, step))
 
     async def flush(self) -> StepVerdict | None:
@@ -329,30 +340,29 @@ class StepProbe:
     # -- internals ------------------------------------------------------------------------------
 
     @staticmethod
-    def _validate(step: object, loss: object) -> None:
+    def _validate(step: object, loss: object) -> torch.Tensor | float | None:
+        """*loss* as the probe takes it, after checking *step* and *loss* (``check_step``'s
+        rules): a tensor, a float or None; another real number as a float."""
         if not isinstance(step, int) or isinstance(step, bool):
             msg = f"step must be an int, got {type(step).__qualname__} {step!r}"
             raise TypeError(msg)
-        int64_count("step", step)
-        if loss is None:
-            return
-        if isinstance(loss, torch.Tensor):
-            if loss.numel() != 1:
-                msg = (
-                    f"loss must be a scalar tensor (one element), got shape {tuple(loss.shape)}; "
-                    "reduce it first, e.g. loss.mean()"
-                )
-                raise ValueError(msg)
-            if loss.is_meta:
-                msg = "loss is a meta tensor (it has no values); pass the real loss"
-                raise ValueError(msg)
-            if loss.is_complex():
-                msg = f"loss must be real, got a {loss.dtype} tensor (backward needs a real scalar loss)"
-                raise TypeError(msg)
-            return
-        if isinstance(loss, bool) or not isinstance(loss, int | float):
-            msg = f"loss must be a one-element tensor or a number, got {type(loss).__qualname__}"
+        if not 0 <= step <= INT64_MAX:
+            int64_count("step", step)  # raises
+        if loss is None or loss.__class__ is float:
+            return loss  # None or a float: nothing more to check
+        if loss.__class__ is not _TENSOR and not isinstance(loss, torch.Tensor):
+            return loss_value(loss)
+        if loss.numel() != 1 or loss.layout is not _STRIDED:
+            _refuse_tensor(loss)
+        if loss.is_meta:
+            msg = "loss is a meta tensor (it has no values); pass the real loss"
+            raise ValueError(msg)
+        if loss.is_complex():
+            msg = (
+                f"loss must be real, got a {loss.dtype} tensor (backward needs a real scalar loss)"
+            )
             raise TypeError(msg)
+        return loss
 
     def _offload(self, checks: Checks) -> bool:
         if not checks.grads or self._numel <= self.offload_numel:
@@ -417,3 +427,41 @@ class StepProbe:
         # The scale is a float32 power of two (growth and backoff factors 2 and 0.5 by
         # default): its reciprocal is exact, and one kernel.
         return scale.reciprocal()
+
+
+def loss_value(loss: object) -> float | None:
+    """*loss*, a number that is not a float (an int, ``numpy.float32(0.5)``, a ``Fraction``),
+    as a float; None as None.
+
+    Raises:
+        TypeError: if *loss* is not a real number (a bool, a complex, a string, a list...).
+        ValueError: if *loss* is too large for a float (``10**400``).
+    """
+    if loss is None:
+        return None
+    if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
+        msg = (
+            "loss must be a one-element tensor or a number, got "
+            f"{type(loss).__qualname__} {brief(loss)}"
+        )
+        raise TypeError(msg)
+    try:
+        return float(loss)
+    except OverflowError:
+        msg = f"loss must be a number a float can hold (|loss| <= 1.8e308), got {brief(loss)}"
+        raise ValueError(msg) from None
+
+
+def _refuse_tensor(loss: torch.Tensor) -> None:
+    """Raise the error for a loss tensor that is not dense or not of one element."""
+    if loss.layout is not _STRIDED:
+        msg = (
+            f"loss must be a dense tensor, got a {loss.layout} one; pass loss.to_dense() "
+            "(a loss is a one-element real tensor)"
+        )
+        raise TypeError(msg)
+    msg = (
+        f"loss must be a scalar tensor (one element), got shape {tuple(loss.shape)}; "
+        "reduce it first, e.g. loss.mean()"
+    )
+    raise ValueError(msg)

@@ -327,7 +327,9 @@ class TestBadInput:
         with pytest.raises(ValueError, match="param_every must be"):
             Cadence(param_every=0)
         with pytest.raises(TypeError, match="level must be"):
-            StepProbe(mlp).level = "basic"  # type: ignore[assignment]
+            StepProbe(mlp).level = 1  # type: ignore[assignment]
+        with pytest.raises(ValueError, match="level must be one of"):
+            StepProbe(mlp).level = "loud"
 
 
 class TestEntries:

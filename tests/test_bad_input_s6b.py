@@ -1,0 +1,257 @@
+"""Bad input found by the session-6 audits, second round: each refused with an error naming it.
+
+Constructors that did their own checks raise :class:`ArgumentTypeError` for a wrong type; an int
+too large for a float (``10**400``) is a ``ValueError`` naming the argument, never a bare
+``OverflowError``; a loss is a dense one-element real tensor or a real number, by the same rule
+in ``check_step``, ``step_completed`` and ``StepProbe.check_step``; level names are accepted by
+the step probe; a structure nested too deep for ``check_tensor`` is a ``ValueError``; one
+session driven from two threads at once is a ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import fractions
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from eventbus_debug import (
+    DebugLevel,
+    EventBus,
+    Session,
+    SessionOptions,
+    SyncSession,
+    _validate as v,
+)
+from eventbus_debug.events import StepCompleted
+from eventbus_debug.exceptions import ArgumentTypeError
+from eventbus_debug.probes import StepProbe
+from eventbus_debug.probes.levels import level_of
+from eventbus_debug.session import options
+from eventbus_debug.testing import RecordingSink
+
+HUGE = 10**400
+"""An int no float can hold: ``float(HUGE)`` is an OverflowError."""
+
+
+def _setup() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def _backward(model: nn.Module) -> None:
+    model(torch.randn(6, 4)).pow(2).mean().backward()
+
+
+def _quiet(**knobs: Any) -> dict[str, Any]:
+    return {"log_dir": None, "report": False, "alerts": False, "system_interval": None, **knobs}
+
+
+# -- numbers too large for a float -----------------------------------------------------------------
+
+
+class TestHugeNumbers:
+    @pytest.mark.parametrize("helper", [v.positive_number, v.positive_seconds, v.non_negative])
+    @pytest.mark.parametrize("value", [HUGE, -HUGE])
+    def test_helpers(self, helper: Any, value: int) -> None:
+        with pytest.raises(ValueError, match=r"knob must be .*got an int of about 401 digits"):
+            helper("knob", value)
+
+    def test_helpers_still_take_large_ints(self) -> None:
+        assert v.positive_seconds("knob", 2**64) == float(2**64)
+        assert v.fraction("knob", 1) == 1.0
+
+    def test_fraction_and_int64(self) -> None:
+        with pytest.raises(ValueError, match=r"knob must be a number in \[0, 1\], got an int of"):
+            v.fraction("knob", HUGE)
+        with pytest.raises(ValueError, match=r"knob must fit in 64 bits.*an int of about"):
+            v.int64_count("knob", 10**5000)  # beyond str()'s 4300-digit limit too
+
+    @pytest.mark.parametrize("knob", ["close_timeout", "system_interval"])
+    def test_session_seconds(self, knob: str) -> None:
+        with pytest.raises(ValueError, match=rf"{knob} must be .*an int of about 401 digits"):
+            SessionOptions(**{knob: HUGE})  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize(
+        "knob", ["close_timeout", "drop_report_interval", "stall_threshold", "telemetry_latency"]
+    )
+    def test_bus_seconds(self, knob: str) -> None:
+        with pytest.raises(ValueError, match=rf"{knob} must be"):
+            EventBus(**{knob: HUGE})
+
+    @pytest.mark.parametrize("meth", ["check_step", "step_completed"])
+    def test_loss(self, meth: str) -> None:
+        model, opt = _setup()
+        with SyncSession(model, opt, **_quiet()) as session:
+            _backward(model)
+            for loss in (HUGE, -HUGE, fractions.Fraction(HUGE)):
+                with pytest.raises(ValueError, match=r"loss must be a number a float can hold"):
+                    getattr(session, meth)(0, loss=loss)
+            assert session.steps_completed == 0
+
+    async def test_loss_async(self) -> None:
+        model, opt = _setup()
+        async with Session(model, opt, **_quiet()) as session:
+            _backward(model)
+            with pytest.raises(ValueError, match=r"loss must be a number a float can hold"):
+                await session.check_step(0, loss=HUGE)
+            with pytest.raises(ValueError, match=r"loss must be a number a float can hold"):
+                await session.step_completed(0, loss=HUGE)
+
+    def test_learning_rate(self) -> None:
+        model, opt = _setup()
+        with SyncSession(model, opt, **_quiet()) as session:
+            with pytest.raises(ValueError, match=r"learning_rate must be a number a float can"):
+                session.step_completed(0, learning_rate=HUGE)
+            session.step_completed(0, loss=2**70, learning_rate=2**70)  # large, but a float
+            assert session.steps_completed == 1
+
+
+# -- the loss: dense, one element, real ------------------------------------------------------------
+
+
+def _sparse() -> torch.Tensor:
+    return torch.tensor([[0.5]]).to_sparse()
+
+
+class TestSparseLoss:
+    @pytest.mark.parametrize("meth", ["check_step", "step_completed"])
+    def test_sync_session_refuses(self, meth: str) -> None:
+        model, opt = _setup()
+        sink = RecordingSink()
+        with SyncSession(model, opt, **_quiet(sinks=[sink])) as session:
+            _backward(model)
+            with pytest.raises(TypeError, match=r"loss must be a dense tensor.*sparse_coo"):
+                getattr(session, meth)(0, loss=_sparse())
+            assert session.steps_completed == 0
+        assert not [e for e in sink.events if isinstance(e, StepCompleted)]
+
+    async def test_async_session_refuses(self) -> None:
+        model, opt = _setup()
+        async with Session(model, opt, **_quiet()) as session:
+            _backward(model)
+            with pytest.raises(TypeError, match=r"loss must be a dense tensor"):
+                await session.check_step(0, loss=_sparse())
+            with pytest.raises(TypeError, match=r"loss must be a dense tensor"):
+                await session.step_completed(0, loss=_sparse())
+
+    @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+    def test_probe_refuses_csr_too(self) -> None:
+        model, _ = _setup()
+        probe = StepProbe(model)
+        csr = torch.tensor([[0.5]]).to_sparse_csr()
+        with pytest.raises(TypeError, match=r"loss must be a dense tensor.*sparse_csr"):
+            probe.check_step_sync(0, loss=csr)
+
+    def test_learning_rate_refuses_sparse(self) -> None:
+        model, opt = _setup()
+        with SyncSession(model, opt, **_quiet()) as session:
+            with pytest.raises(ValueError, match=r"learning_rate must be a number or a one-elem"):
+                session.step_completed(0, learning_rate=_sparse())  # type: ignore[arg-type]
+
+    def test_dense_still_accepted(self) -> None:
+        model, opt = _setup()
+        with SyncSession(model, opt, **_quiet()) as session:
+            _backward(model)
+            losses: tuple[torch.Tensor | float, ...] = (
+                torch.tensor(0.5),
+                torch.tensor([[0.5]]),
+                0.5,
+            )
+            for step, loss in enumerate(losses):
+                assert session.check_step(step, loss=loss).loss == 0.5
+                session.step_completed(step, loss=loss)
+
+
+class TestProbeNumbers:
+    """StepProbe.check_step takes any real number, as the sessions do (not a bool)."""
+
+    @pytest.mark.parametrize(
+        "loss", [np.float32(0.5), np.float64(0.5), np.int64(3), fractions.Fraction(1, 2), 3]
+    )
+    def test_real_scalars(self, loss: Any) -> None:
+        model, _ = _setup()
+        _backward(model)
+        verdict = StepProbe(model).check_step_sync(0, loss=loss)
+        assert verdict.loss == float(loss)
+        assert type(verdict.loss) is float
+
+    async def test_real_scalar_async(self) -> None:
+        model, _ = _setup()
+        _backward(model)
+        verdict = await StepProbe(model).check_step(0, loss=np.float32(0.5))  # type: ignore[arg-type]
+        assert verdict.loss == 0.5
+
+    def test_numpy_nan_not_finite(self) -> None:
+        model, _ = _setup()
+        _backward(model)
+        probe = StepProbe(model)
+        assert not probe.check_step_sync(0, loss=np.float32("nan")).finite  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("loss", [True, np.bool_(True), 1 + 2j, "0.5", [0.5], np.array([0.5])])
+    def test_not_real_refused(self, loss: Any) -> None:
+        model, _ = _setup()
+        with pytest.raises(TypeError, match=r"loss must be a one-element tensor or a number"):
+            StepProbe(model).check_step_sync(0, loss=loss)
+
+
+# -- level names -----------------------------------------------------------------------------------
+
+
+class TestLevelNames:
+    def test_constructor_takes_names(self) -> None:
+        model, _ = _setup()
+        assert StepProbe(model, level="advanced").level is DebugLevel.ADVANCED
+        assert StepProbe(model, level=" EXTREME ").level is DebugLevel.EXTREME
+
+    def test_setter_takes_names(self) -> None:
+        model, _ = _setup()
+        probe = StepProbe(model, level=DebugLevel.EXTREME)
+        assert probe.activation_hooks_armed
+        probe.level = "off"
+        assert probe.level is DebugLevel.OFF
+        assert not probe.activation_hooks_armed
+
+    @pytest.mark.parametrize("bad", [1, None, True, 0.5, DebugLevel])
+    def test_wrong_type(self, bad: object) -> None:
+        model, _ = _setup()
+        with pytest.raises(ArgumentTypeError, match=r"level must be a DebugLevel or one of"):
+            StepProbe(model, level=bad)  # type: ignore[arg-type]
+        probe = StepProbe(model)
+        with pytest.raises(ArgumentTypeError, match=r"level must be a DebugLevel"):
+            probe.level = bad  # type: ignore[assignment]
+        assert probe.level is DebugLevel.BASIC
+
+    @pytest.mark.parametrize("bad", ["loud", "", "basic2"])
+    def test_unknown_name(self, bad: str) -> None:
+        model, _ = _setup()
+        with pytest.raises(ValueError, match=r"level must be one of 'off', 'basic'") as err:
+            StepProbe(model, level=bad)
+        assert not isinstance(err.value, TypeError)
+
+    def test_one_conversion(self) -> None:
+        """The session's level_of is the probes' (dependencies point down)."""
+        assert options.level_of is level_of
+        assert level_of("Advanced") is DebugLevel.ADVANCED
+        with pytest.raises(ValueError, match=r"^mode must be one of"):
+            level_of("x", "mode")
+
+    @pytest.mark.parametrize("bad", [0, 1, True])
+    def test_session_level_wrong_type(self, bad: object) -> None:
+        """level=0 was BASIC (a falsy value taken for "not given"): now refused."""
+        with pytest.raises(ArgumentTypeError, match=r"level must be a DebugLevel"):
+            SessionOptions(level=bad)  # type: ignore[arg-type]
+
+    def test_session_set_level(self) -> None:
+        model, opt = _setup()
+        with SyncSession(model, opt, **_quiet(level="advanced")) as session:
+            assert session.level is DebugLevel.ADVANCED
+            session.set_level("Off")
+            levels = [session.level]
+            with pytest.raises(ArgumentTypeError, match=r"level must be"):
+                session.set_level(3)  # type: ignore[arg-type]
+            levels.append(session.level)
+        assert levels == [DebugLevel.OFF, DebugLevel.OFF]
