@@ -15,12 +15,15 @@ healthy run is a bug:
   detector remembers its outliers for a while and judges each new one against them; the
   explosion detector does the same for a gradient norm's heavy tail, and learns a run's own
   scale when its very first norms are above the absolute cap (a regression on raw prices);
-* a value the run has already shown while healthy is not a spike or an explosion relative to a
-  converged baseline: a converged model that meets harder or noisier data (a curriculum step, a
-  data-mix change) sees its loss and gradient norm climb back toward early-training levels,
+* a value the run has shown *recently* while healthy is not a spike or an explosion relative to
+  a converged baseline: a converged model that meets harder or noisier data (a curriculum step,
+  a data-mix change) sees its loss and gradient norm climb back toward early-training levels,
   which is a distribution shift. A loss at or below the largest baseline (running median) the
-  run has had, and a norm within twice the largest baseline the run has had, are the data;
-  what goes beyond the run's own range is judged as before.
+  run has had over the last *memory* observations, and a norm within twice the largest
+  baseline of the last *memory* checks, are the data; what goes beyond that range is judged
+  as before. The range is recent, not the whole run's: a model converged for longer than
+  *memory* steps that climbs back to its first losses or norms is reported (a late spike on a
+  multi-day run is what the detectors are for).
 """
 
 from __future__ import annotations
@@ -58,8 +61,12 @@ around zero (a policy-gradient loss whose sign flips) has a tiny median but not 
 
 _SCALE_VALUES: Final = 5
 """Values in a window before its median counts as a baseline the run has had (the largest such
-baseline is the run's own range, see :class:`LossSpikeDetector` and :class:`ExplosionDetector`):
-one value, a first loss or a first norm, is a sample, not a level."""
+baseline of the last *memory* observations is the run's range, see :class:`LossSpikeDetector`
+and :class:`ExplosionDetector`): one value, a first loss or a first norm, is a sample, not a
+level."""
+
+_RECENT_BLOCKS: Final = 20
+"""How many blocks the run's range (:class:`_RecentMax`) splits *memory* observations into."""
 
 _LEVEL_BELOW: Final = 0.5
 _LEVEL_ABOVE: Final = 10.0
@@ -180,6 +187,46 @@ class _Outliers:
         self.ordered.clear()
 
 
+class _RecentMax:
+    """The largest value fed over about the last *memory* observations (the run's range).
+
+    The observations are grouped into blocks of ``memory // 20`` (at least one); the largest
+    value of each of the last ``ceil(memory / block)`` complete blocks is kept, and the current
+    block's. A value is so remembered for at least *memory* observations and for less than
+    *memory* plus two blocks (1,000 to 1,049 observations with the default 1,000), in O(1)
+    amortized: the detectors feed a value inline (two comparisons a step, see
+    :attr:`current`), and :meth:`roll` runs once a block, over at most forty numbers.
+
+    Attributes:
+        largest: the largest value remembered (*empty* when none is).
+        current: the largest value fed in the current block (*empty* when none was); a value
+            fed must raise it and *largest* to its own.
+        end: the observation that starts the next block (:meth:`roll` is due).
+    """
+
+    __slots__ = ("_blocks", "_count", "_size", "current", "empty", "end", "largest")
+
+    def __init__(self, memory: int, empty: float) -> None:
+        size = max(1, memory // _RECENT_BLOCKS)
+        self._size = size
+        self._count = -(-memory // size)  # complete blocks kept: at least *memory* observations
+        self._blocks: deque[float] = deque(maxlen=self._count)
+        self.empty = empty
+        self.current = self.largest = empty
+        self.end = 1 + size  # observations are numbered from 1
+
+    def roll(self, now: int) -> None:
+        """Close the blocks that ended before observation *now* (``now >= end``)."""
+        blocks, size, empty = self._blocks, self._size, self.empty
+        blocks.append(self.current)
+        passed = (now - self.end) // size  # whole blocks since, with nothing fed (a gap)
+        if passed:
+            blocks.extend([empty] * min(passed, self._count))
+        self.end += (passed + 1) * size
+        self.current = empty
+        self.largest = max(blocks)
+
+
 class SpikeRule(Enum):
     """Which loss-spike rule fired."""
 
@@ -219,18 +266,20 @@ class LossSpikeDetector:
     than *sustained_rtol* x ``|median|`` and *sustained_mad* sigmas above the median is
     *elevated*.
 
-    A loss at or below the largest baseline the run has had (a running median of at least
-    five losses) is within the range the run has already shown while healthy, and is never
-    reported: a converged classifier meeting 10 % label noise goes from 0.012 back to 1.2 (its
-    first baseline was 2.3), a WGAN generator's loss drifts back to where it started; the data
-    moved, the training did not break. Such a loss is judged and remembered like any other (a
-    level it shows is learned, a streak of them restarts the window at the new level) but it
-    joins the window instead of being kept out. The trade: a late loss that stays at or below
-    that level (a language model spiking from 2.5 back to 8 when it started at 10.8) is not
-    reported by this detector; a loss beyond the run's range is judged as before, and a streak
-    that crosses it is still one streak. The level a reported :attr:`SpikeRule.SUSTAINED`
-    restart moved the baseline to is not a healthy one, so it does not raise that largest
-    baseline until the baseline is back within the run's range.
+    A loss at or below the largest baseline the run has had over the last *memory* observations
+    (a running median of at least five losses) is within the range the run has recently shown
+    while healthy, and is never reported: a converged classifier meeting 10 % label noise goes
+    from 0.012 back to 1.2 (its first baseline, 500 steps earlier, was 2.3), a WGAN generator's
+    loss drifts back to where it started; the data moved, the training did not break. Such a
+    loss is judged and remembered like any other (a level it shows is learned, a streak of them
+    restarts the window at the new level) but it joins the window instead of being kept out.
+    The range is the recent one, not the whole run's: a language model converged from 10.8 to
+    2.5 for more than *memory* steps that spikes back to 8 is reported (within *memory* steps
+    of a baseline above 8 it is not: the trade). A loss beyond the range is judged as before,
+    and a streak that crosses it is still one streak. The level a reported
+    :attr:`SpikeRule.SUSTAINED` restart moved the baseline to is not a healthy one, so it does
+    not join the range until the baseline is back within it, or has held that level for
+    *memory* observations (then it is the run's level).
 
     Outliers and elevated losses are remembered for *memory* observations, flagged or not, so
     the detector learns a high loss that recurs (a second task's batches, a long-sequence
@@ -269,7 +318,8 @@ class LossSpikeDetector:
         sustained_mad: ... and this many noise sigmas above it is *elevated*; *patience*
             elevated or spiking losses in a row are a sustained spike.
         tail_decay: per-step decay of the run's largest z-score.
-        memory: how many observations an outlier (and a run of them) is remembered.
+        memory: how many observations an outlier (and a run of them) is remembered, and how
+            far back the run's range (its largest baseline) reaches.
         recurrence: how many earlier outliers at a loss's level make it recurring.
         frequent: the share of the judged losses that earlier outliers at a level must make
             up for the level to be frequent (a streak at a frequent level is chance, not a
@@ -283,8 +333,8 @@ class LossSpikeDetector:
     __slots__ = (
         "_judged",
         "_outliers",
-        "_peak",
         "_peak_held",
+        "_peaks",
         "_run",
         "_run_length",
         "_runs",
@@ -340,11 +390,13 @@ class LossSpikeDetector:
         self.sustained_rtol = sustained_rtol
         self.sustained_mad = sustained_mad
         self._scale = 0.0
-        self._peak = -math.inf
-        """The largest baseline (running median, signed) the run has had while healthy."""
-        self._peak_held = False
-        """True from a sustained restart until the baseline is back at or below the peak: the
-        reported level is not a healthy baseline."""
+        self._peaks = _RecentMax(self.memory, -math.inf)
+        """The largest healthy baseline (running median, signed) of the last *memory*
+        observations: the run's range."""
+        self._peak_held = 0
+        """The observation of a sustained restart (0: none), until the baseline is back at or
+        below the peak or has held for *memory* observations: until then the reported level
+        is not a healthy baseline."""
         self._streak = 0
         self._streak_losses: list[float] = []
         """The outliers of the current streak (they never vouch for each other)."""
@@ -375,8 +427,9 @@ class LossSpikeDetector:
 
     def reset(self) -> None:
         """Forget the window, the streak and the outliers (after a restore: the loss level is
-        the snapshot's, and what the undone steps showed vouches for nothing); the largest
-        baseline the run had is kept (the run has shown that range)."""
+        the snapshot's, and what the undone steps showed vouches for nothing); the baselines
+        of the last *memory* observations are kept (the run has shown that range), and still
+        expire with them."""
         self._window.clear()
         self._streak = 0
         self._streak_losses.clear()
@@ -396,16 +449,22 @@ class LossSpikeDetector:
         oldest = runs.order
         if oldest and oldest[0][0] < horizon:
             runs.expire(horizon)
+        peaks = self._peaks
+        if judged >= peaks.end:
+            peaks.roll(judged)
         window = self._window
         if len(window) < self.warmup:
             window.add(loss)
             return None
         median = window.median()
         self._scale = max(self._scale, abs(median))
-        if median <= self._peak:
-            self._peak_held = False  # back within the run's range
-        elif not self._peak_held and len(window) >= _SCALE_VALUES:
-            self._peak = median
+        held = self._peak_held
+        if held and (judged - held > self.memory or median <= peaks.largest):
+            held = self._peak_held = 0  # back within the range, or the run's level by now
+        if not held and median > peaks.current and len(window) >= _SCALE_VALUES:
+            peaks.current = median
+            if median > peaks.largest:
+                peaks.largest = median
         excess = loss - median
         if excess <= 0.0:
             if self._run_length:
@@ -465,7 +524,7 @@ class LossSpikeDetector:
         # toward its early losses; that is the data), but it is remembered as an outlier like
         # any other, so a level it shows is learned and the losses of one streak still never
         # vouch for each other.
-        if spike and not (known or earlier >= self.recurrence) and loss > self._peak:
+        if spike and not (known or earlier >= self.recurrence) and loss > peaks.largest:
             return SpikeVerdict(SpikeRule.SPIKE, median, tolerance, self._streak)  # kept out
         if not spike:
             self._tail = max(self._tail, z)
@@ -501,9 +560,9 @@ class LossSpikeDetector:
         self._end_run()  # remembered: the same shift again is a known level
         self._window.clear()
         self._window.add(loss)  # the new level is the baseline from here on
-        if loss <= self._peak:
+        if loss <= self._peaks.largest:
             return None  # a shift back within the run's range: the data moved, not reported
-        self._peak_held = True  # a reported level is not a healthy baseline of the run
+        self._peak_held = self._judged  # a reported level is not a healthy baseline of the run
         return SpikeVerdict(SpikeRule.SUSTAINED, median, tolerance, streak)
 
 
@@ -529,18 +588,22 @@ class ExplosionDetector:
 
     From the second gradient check a norm above ``factor x median`` of the last *window*
     accepted norms, above the largest norm the run has accepted, and above *reach* (2) times
-    the largest median (of at least five norms) the run has had, is an explosion. Zero, non-finite and exploded norms
-    never enter the window (an explosion cannot raise its own bar).
+    the largest median (of at least five norms) of the last *memory* checks, is an explosion.
+    Zero, non-finite and exploded norms never enter the window (an explosion cannot raise its
+    own bar).
 
     The last two are the scale the run has already shown while healthy: a converged model that
     meets harder or noisier data sees its norm climb 30x over its converged median, back to
     early-training norms and a little beyond the largest of them (1.2x on a classifier given
-    10 % label noise, 1.2x its first median too), and that is the data, not an explosion. The
-    run's scale is a baseline it had (a median of *window* norms), not one norm: a single hard
-    batch does not widen it (the heavy tail below is learned from recurrence). The trade: a
-    late explosion that stays within twice the run's early baseline (30x a converged median
-    when the first steps had 100x) is not reported; one that goes on is, at the first norm
-    beyond that scale, and the loss-spike detector judges the same step on its own.
+    10 % label noise 500 steps in, 1.2x its first median too), and that is the data, not an
+    explosion. The scale is a baseline the run had (a median of *window* norms), not one norm:
+    a single hard batch does not widen it (the heavy tail below is learned from recurrence).
+    It is the recent scale, not the whole run's: a norm 150x a median the run has held for
+    more than *memory* checks is an explosion however large its first norms were, as long as
+    it is above the largest norm accepted. The trade: within *memory* checks of a baseline of
+    100, a late norm of 30 on a converged median of 1 is not reported; one that goes on is, at
+    the first norm beyond that scale, and the loss-spike detector judges the same step on its
+    own.
 
     The absolute *cap* judges only what has nothing to be compared with: a norm while the
     window is empty (the first checks, and the first after a :meth:`reset`). Once the run has
@@ -567,10 +630,11 @@ class ExplosionDetector:
         floor: a norm below this fraction of the largest the run accepted is never an
             explosion (a converged BERT-like model's median norm falls 100x while hard batches
             keep early-training norms: 207 false incidents over 20k steps with 0.1).
-        reach: a norm up to this multiple of the largest median the run has had is never an
-            explosion (a converged classifier meeting 10 % label noise reaches 1.2x both its
+        reach: a norm up to this multiple of the largest median of the last *memory* checks
+            is never an explosion (a converged classifier meeting 10 % label noise reaches 1.2x both its
             largest early norm and its first median: 7 false incidents with none).
-        memory: how many checks a tail norm is remembered.
+        memory: how many checks a tail norm is remembered, and how far back the run's scale
+            (its largest median) reaches.
         recurrence: how many earlier tail norms within 2x below a norm make it the data.
 
     Raises:
@@ -582,7 +646,7 @@ class ExplosionDetector:
         "_above_cap",
         "_checks",
         "_largest",
-        "_peak",
+        "_peaks",
         "_streak",
         "_tail",
         "_window",
@@ -608,8 +672,9 @@ class ExplosionDetector:
         self.memory = positive_int("memory", memory)
         self.recurrence = positive_int("recurrence", recurrence)
         self.reach = positive_number("reach", reach)
-        self._peak = 0.0
-        """The largest median of accepted norms the run has had (its healthy scale)."""
+        self._peaks = _RecentMax(self.memory, 0.0)
+        """The largest median of accepted norms of the last *memory* checks (the run's
+        healthy scale)."""
         self._checks = 0
         self._tail = _Outliers()
         """Recent accepted norms above half the growth bar (the run's heavy tail)."""
@@ -635,8 +700,9 @@ class ExplosionDetector:
         return self._largest
 
     def reset(self) -> None:
-        """Restart the window (after a restore); the largest norm and median seen are kept,
-        what was reported above the cap is forgotten (the undone steps vouch for nothing)."""
+        """Restart the window (after a restore); the largest norm seen and the medians of the
+        last *memory* checks are kept (they still expire with them), what was reported above
+        the cap is forgotten (the undone steps vouch for nothing)."""
         self._window.clear()
         self._above_cap = math.inf
         self._tail.clear()
@@ -647,20 +713,27 @@ class ExplosionDetector:
         if norm == 0.0:
             return None  # a zero gradient (a converged or satisfied loss) says nothing of scale
         checks = self._checks = self._checks + 1
-        tail = self._tail
-        if tail.order and tail.order[0][0] < checks - self.memory:
-            tail.expire(checks - self.memory)
+        horizon = checks - self.memory
+        tail, peaks = self._tail, self._peaks
+        if tail.order and tail.order[0][0] < horizon:
+            tail.expire(horizon)
+        if checks >= peaks.end:
+            peaks.roll(checks)
         window = self._window
         if window:
             baseline = window.median()
-            if baseline > self._peak and len(window) >= _SCALE_VALUES:
-                self._peak = baseline
+            if baseline > peaks.current and len(window) >= _SCALE_VALUES:
+                peaks.current = baseline
+                if baseline > peaks.largest:
+                    peaks.largest = baseline
             # A converged model's norms shrink by orders of magnitude while a hard batch, or
             # harder data, still has the norms of early training: 10x that tiny median is the
             # data, not an explosion, as long as it stays within what the run has already
-            # accepted, or within reach of a baseline the run has had.
+            # accepted, or within reach of a baseline the run has had recently.
             threshold = max(
-                self.factor * baseline, self.floor * self._largest, self.reach * self._peak
+                self.factor * baseline,
+                self.floor * self._largest,
+                self.reach * peaks.largest,
             )
             if norm > 0.5 * self.factor * baseline:
                 if not self._streak:

@@ -8,7 +8,9 @@ converging (loss 0.012 -> 1.2 with a first baseline of 2.3; norm 0.047 -> 1.55 w
 largest of 1.28) and a WGAN-GP generator whose loss drifts from 0.03 to -0.28 and back. Each
 ``*_is_quiet`` test fired on the detectors before the rule (5 loss reports and 3 to 12 explosion
 reports for the curriculum, 1 sustained report for the WGAN drift); the others show what is
-still reported, and what the rule gives up.
+still reported, and what the rule gives up. The range is the run's recent one (its last
+*memory* observations, 1,000 by default): :class:`TestTheRangeIsRecent` shows that a late climb
+back to early-training levels, long after convergence, is reported.
 """
 
 from __future__ import annotations
@@ -149,9 +151,10 @@ class TestLossBackWithinTheRunsRange:
         ]
 
     def test_the_trade_a_late_spike_below_the_first_baseline_is_not_reported(self) -> None:
-        """What the rule gives up: a language model that converged from 10.8 to 2.5 and
-        spikes back to 8.0 stays within its own range (not reported here); one at 12.0 is
-        beyond it and reported."""
+        """What the rule gives up: a language model that converged from 10.8 to 2.5 and,
+        within *memory* steps of its early baselines, spikes back to 8.0 stays within its
+        recent range (not reported here); one at 12.0 is beyond it and reported. Long after,
+        8.0 is reported (:class:`TestTheRangeIsRecent`)."""
         values = converging_losses(random.Random(4), start=10.8, end=2.5)
         at = len(values)
         values += [8.0] + [2.5] * 20 + [12.0]
@@ -180,9 +183,9 @@ class TestNormBackWithinTheRunsScale:
         assert norm_flags(values) == [at]
 
     def test_the_trade_a_late_explosion_within_the_early_scale(self) -> None:
-        """Early norms around 100, converged at 1.0. A late norm of 30 (30x the converged
-        median) or of 150 (1.5x the early median, beyond the early largest) is within twice
-        the run's early baseline: not reported. A climb from the converged baseline (x3 a
+        """Early norms around 100, converged at 1.0, within *memory* checks of the early ones.
+        A norm of 30 (30x the converged median) or of 150 (1.5x the early median, beyond the
+        early largest) is within twice the run's recent baseline: not reported. A climb from the converged baseline (x3 a
         step) is reported at its first norm beyond that scale (243), not earlier."""
         values = converging_norms(random.Random(6), early=100.0, end=1.0)
         values += [1.0 * random.Random(7).uniform(0.9, 1.1) for _ in range(200)]
@@ -229,3 +232,126 @@ class TestNormBackWithinTheRunsScale:
         """reach 1: a norm beyond the early median (and the largest norm) is an explosion."""
         detector = ExplosionDetector(window=50, factor=10.0, cap=None, reach=1.0)
         assert norm_flags([1.0] * 50 + [0.05] * 100 + [1.5], detector) == [150]
+
+
+MEMORY = 1000
+"""The detectors' default *memory*: how far back the run's range reaches."""
+PAST_MEMORY = 1100
+"""Steps beyond which the range has surely forgotten a level (*memory* plus its last block,
+1,000 to 1,049 observations, and some margin)."""
+
+
+def converged_for(rng: random.Random, steps: int, level: float) -> list[float]:
+    """*steps* values around *level* (+-3 %)."""
+    return [level * rng.uniform(0.97, 1.03) for _ in range(steps)]
+
+
+class TestTheRangeIsRecent:
+    """The range vouches for what the run showed in its last *memory* observations only: a
+    multi-day run whose loss or norm climbs back to early-training levels long after it
+    converged is reported (each test here passed silently when the range was the whole run's).
+    """
+
+    def test_a_late_single_spike_to_an_early_level_is_reported(self) -> None:
+        """A language model converged from 10.8 to 2.5 and held there for more than *memory*
+        steps: a loss of 8.0 is a spike again (within *memory* steps it is not, see the trade
+        above)."""
+        rng = random.Random(10)
+        values = converging_losses(rng, start=10.8, end=2.5)
+        values += converged_for(rng, PAST_MEMORY, 2.5)
+        at = len(values)
+        values += [8.0, *converged_for(rng, 20, 2.5)]
+        assert loss_flags(values) == [(at, "spike")]
+
+    def test_a_late_sustained_climb_to_an_early_level_is_reported_as_sustained(self) -> None:
+        """The same model whose loss goes back to 8 and stays: four spikes, then sustained."""
+        rng = random.Random(11)
+        values = converging_losses(rng, start=10.8, end=2.5)
+        values += converged_for(rng, PAST_MEMORY, 2.5)
+        at = len(values)
+        values += converged_for(rng, 5, 8.0) + converged_for(rng, 20, 8.0)
+        assert loss_flags(values) == [(at + i, "spike") for i in range(4)] + [(at + 4, "sustained")]
+
+    @pytest.mark.parametrize(("after", "fired"), [(150, False), (260, True)])
+    def test_the_range_reaches_back_memory_observations(self, after: int, fired: bool) -> None:
+        """A baseline of 10 that drops to 2.5 (the median of 50 is below 8 some 25 steps
+        later): with memory 200 (blocks of 10), a loss of 8.0 150 steps after the drop is
+        within the range, one 260 steps after it is reported."""
+        rng = random.Random(12)
+        values = converged_for(rng, 100, 10.0)
+        drop = len(values)
+        values += converged_for(rng, after, 2.5)
+        values += [8.0]
+        expected = [(drop + after, "spike")] if fired else []
+        assert loss_flags(values, spikes(memory=200)) == expected
+
+    def test_the_range_survives_a_reset_and_still_expires(self) -> None:
+        """After a restore the range is the run's (8.0 quiet just after it), until *memory*
+        observations have passed (8.0 reported)."""
+        rng = random.Random(13)
+        detector = spikes()
+        early = converging_losses(rng, start=10.8, end=2.5)
+        assert loss_flags(early, detector) == []
+        detector.reset()
+        assert loss_flags([*converged_for(rng, 30, 2.5), 8.0], detector) == []
+        late = [*converged_for(rng, PAST_MEMORY, 2.5), 8.0]
+        assert loss_flags(late, detector) == [(len(late) - 1, "spike")]
+
+    def test_a_reported_level_held_for_memory_observations_is_the_runs(self) -> None:
+        """A sustained shift to 3.0 (memory 100) is reported once; held for 150 steps it is the
+        run's level, so 2.5 (below it, above the first baseline 1.0) 60 steps after the loss
+        fell back to 0.1 (the median too) is within the range. Held for less, the level is not
+        the run's (see above)."""
+        rng = random.Random(14)
+        values = converging_losses(rng, start=1.0, end=0.1)
+        first = len(values)
+        values += converged_for(rng, 150, 3.0) + converged_for(rng, 60, 0.1)
+        values += converged_for(rng, 5, 2.5)
+        assert loss_flags(values, spikes(memory=100)) == [
+            *[(first + i, "spike") for i in range(4)],
+            (first + 4, "sustained"),
+        ]
+
+    def test_a_late_norm_150x_its_converged_median_is_an_explosion(self) -> None:
+        """Early norms around 10 (the largest 11.8), converged at 0.1 for more than *memory*
+        checks: a norm of 15 (150x the median, 1.5x the early one) is an explosion; within
+        *memory* checks of the early median it is not (the trade)."""
+        rng = random.Random(15)
+        values = converging_norms(rng, early=10.0, end=0.1)
+        values += converged_for(rng, PAST_MEMORY, 0.1)
+        at = len(values)
+        values += [15.0, *converged_for(rng, 10, 0.1)]
+        assert max(values[:at]) < 15.0 < 2 * 10.0 * 0.82
+        assert norm_flags(values) == [at]
+        soon = converging_norms(random.Random(15), early=10.0, end=0.1)
+        soon += [*converged_for(rng, 100, 0.1), 15.0]
+        assert norm_flags(soon) == []
+
+    def test_the_scale_survives_a_reset_and_still_expires(self) -> None:
+        """After a restore the early scale is the run's (1.5 quiet just after it, and accepted)
+        until *memory* checks have passed; then 2.0 (40x the median of 0.05, beyond the largest
+        accepted) is an explosion."""
+        detector = explosions()
+        assert norm_flags([1.0] * 50 + [0.05] * 100, detector) == []
+        detector.reset()
+        assert norm_flags([0.05, 0.05, 1.5], detector) == []
+        late = [0.05] * PAST_MEMORY + [2.0]
+        assert norm_flags(late, detector) == [PAST_MEMORY]
+
+    @pytest.mark.parametrize("memory", [1, 7, 20, 1000, 1001])
+    def test_the_range_is_at_least_memory_and_less_than_two_blocks_more(self, memory: int) -> None:
+        """A median of 1.0, then 0.01: 1.5 (beyond the largest norm, within twice the old
+        median) is quiet *memory* checks after the last median of 1.0, and an explosion once
+        *memory* plus two blocks (of memory // 20, at least 1) have passed."""
+        block = max(1, memory // 20)
+        for distance, fired in ((memory, False), (memory + 2 * block, True)):
+            detector = ExplosionDetector(window=5, factor=10.0, cap=None, memory=memory)
+            # the median of 5 is 1.0 for the last time at the third 0.01 (check 12 from 0),
+            # so 1.5 comes *distance* checks after it
+            after = distance + 2
+            flags = norm_flags([1.0] * 10 + [0.01] * after + [1.5], detector)
+            assert flags == ([10 + after] if fired else []), (memory, distance)
+
+    def test_the_default_memory_is_the_outliers(self) -> None:
+        """One horizon: the range reaches as far back as the outliers are remembered."""
+        assert spikes().memory == explosions().memory == MEMORY
