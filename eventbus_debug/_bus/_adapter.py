@@ -77,11 +77,17 @@ def is_async_callable(fn: object) -> bool:
 
 
 def default_name(sink: object) -> str:
-    """A subscription's name when none is given: the sink's ``name``, else its type's name."""
+    """A subscription's name when none is given, readable and stable.
+
+    The sink's ``name`` attribute when it is a non-empty string; else, for a function, its
+    qualified name without the functions it is nested in (``hangs``, not
+    ``main.<locals>.hangs``; a bound method gives ``LossTracker.handle``); else the name of
+    the sink's class (``LossTracker``). The bus adds ``-2``, ``-3``... to a name already used.
+    """
     name = getattr(sink, "name", None)
     if isinstance(name, str) and name:
         return name
     qualname = getattr(sink, "__qualname__", None)
-    if isinstance(qualname, str):
-        return qualname
+    if isinstance(qualname, str) and qualname:
+        return qualname.rpartition("<locals>.")[2]
     return type(sink).__name__

@@ -25,12 +25,13 @@ import functools
 import os
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import ClassVar, Final, TypeVar
+from typing import Any, ClassVar, Final, TypeVar
 
-from .._records import fast_init
+from .._records import FieldCheck, fast_init
+from ._checks import FieldRule, check_fields, field_error, field_rules
 
 if sys.version_info >= (3, 11):
     from typing import dataclass_transform
@@ -153,6 +154,10 @@ class Event:
 
     kind: ClassVar[str] = "event"
     delivery: ClassVar[Delivery] = Delivery.INCIDENT
+    # Whether the constructor checks each field against its declared type (a TypeError naming
+    # the field). Off only for the records the library builds on every training step from
+    # values it checked already; the log writer checks every event anyway (see _checks).
+    _check_fields: ClassVar[bool] = True
 
     seq: int = -1
     time_ns: int = field(default_factory=time.time_ns)
@@ -196,10 +201,43 @@ def event_type(cls: type[E]) -> type[E]:
         )
         raise ValueError(msg)
     new_cls = dataclass(frozen=True, slots=True, kw_only=True)(cls)
+    rules: Mapping[str, FieldRule] | None = {}
+    if new_cls._check_fields:
+        try:
+            rules = field_rules(new_cls)
+        except NameError:  # a forward reference not defined yet: check every field, later
+            rules = None
+    checks = {name: _field_check(new_cls, name, rule) for name, rule in (rules or {}).items()}
+    plain_init = new_cls.__init__
     # the rank is read from this module's cached global, live (see refresh_rank)
-    fast_init(new_cls, live={current_rank: "_rank"}, namespace=globals())
+    fast_init(new_cls, live={current_rank: "_rank"}, namespace=globals(), checks=checks)
+    if new_cls._check_fields and (rules is None or new_cls.__init__ is plain_init):
+        _check_after_init(new_cls)  # fast_init could not generate the checks: the general way
     _REGISTRY[kind] = new_cls
     return new_cls
+
+
+def _field_check(cls: type, name: str, rule: FieldRule) -> FieldCheck:
+    check = rule.check
+
+    def reject(value: Any) -> None:
+        problem = check(value)
+        if problem is not None:
+            raise field_error(cls, name, f"must be {rule.what}, {problem}")
+
+    return FieldCheck(rule.guard, rule.names, reject)
+
+
+def _check_after_init(cls: type) -> None:
+    """Wrap *cls*'s ``__init__`` to check every field once it ran."""
+    init: Callable[..., None] = cls.__dict__["__init__"]  # the dataclass's, or fast_init's
+
+    @functools.wraps(init)
+    def __init__(self: Event, /, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        check_fields(self)
+
+    cls.__init__ = __init__  # type: ignore[misc]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

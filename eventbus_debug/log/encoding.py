@@ -9,6 +9,11 @@ which knows every field's declared type, turns them back into floats. A line loo
 
 The check for non-finite values is resolved once per class (which fields can hold floats), so
 the common all-finite case is one ``orjson.dumps`` of the dataclass.
+
+The encoder never writes a line the decoder refuses: every field is tested against its declared
+type (:mod:`eventbus_debug.events._checks`, the decoder's rules on the object side), and an event
+holding a value of the wrong type, or one JSON cannot carry, is refused with a ``TypeError``
+that names the field.
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ from typing import Any, Final
 import orjson
 
 from ..events import Event, event_types
+from ..events._checks import invalid_field
 from ..exceptions import EventDecodeError
 from ._codegen import make_encoder
 
-__all__ = ("decode_event", "encode_event", "encode_events")
+__all__ = ("decode_event", "encode_event", "encode_events", "unwritable_field")
 
 _NAN: Final = "NaN"
 _POS_INF: Final = "Infinity"
@@ -241,9 +247,35 @@ def _codec(cls: type[Event]) -> _Codec:
 
 
 def _encode_careful(event: Event) -> bytes:
-    """The encoding of an event that holds (or may hold) a non-finite float."""
+    """The encoding of an event that holds (or may hold) a non-finite float or a wrong type.
+
+    Raises:
+        TypeError: a field holds a value its declared type does not allow (named).
+    """
+    found = invalid_field(event)
+    if found is not None:
+        name, problem = found
+        msg = f"field {name!r} {problem}"
+        raise TypeError(msg)
     body = {f.name: _sanitize(getattr(event, f.name)) for f in dataclasses.fields(event)}
     return orjson.dumps({"kind": event.kind, **body}, option=orjson.OPT_APPEND_NEWLINE)
+
+
+def unwritable_field(event: Event, /) -> tuple[str, str] | None:
+    """Why *event* cannot be written: ``(field, problem)``, or None when every field can be.
+
+    A field breaking its declared type's rule comes first; else the first field JSON cannot
+    carry (a tensor, a set, an int beyond 64 bits in an unchecked field...).
+    """
+    found = invalid_field(event)
+    if found is not None:
+        return found
+    for f in dataclasses.fields(event):
+        try:
+            orjson.dumps(getattr(event, f.name))  # as the fast encoder writes it
+        except TypeError as exc:
+            return f.name, str(exc)
+    return None
 
 
 def encode_event(event: Event, /) -> bytes:
@@ -315,9 +347,15 @@ def _encode_one(encode: Callable[[Event], bytes], event: Event) -> bytes:
 
 
 def _unencodable(event: object, exc: TypeError) -> TypeError:
+    detail = str(exc)
+    if isinstance(event, Event) and not detail.startswith("field "):
+        found = unwritable_field(event)  # name the field orjson could not write
+        if found is not None:
+            detail = f"field {found[0]!r}: {found[1]}"
     msg = (
-        f"cannot encode {type(event).__name__}: {exc}; events must hold plain host values "
-        "(convert tensors with .item() or .tolist() before building the event)"
+        f"cannot encode {type(event).__name__}: {detail}; events must hold plain host values "
+        "of their fields' types (convert tensors with .item() or .tolist() before building "
+        "the event)"
     )
     return TypeError(msg)
 

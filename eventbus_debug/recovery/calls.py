@@ -15,21 +15,57 @@ from ..events.recovery import CallSettings
 from .actions import DecidedAction
 from .engine import RecoveryEngine
 
-__all__ = ("report_error", "report_error_sync")
+__all__ = ("ErrorContext", "error_context", "report_error", "report_error_sync")
+
+
+ErrorContext = str | Mapping[str, object] | None
+"""What the caller says about the failed call: a description (the seeds' ``context="train_step"``),
+or a mapping of names to values (``{"batch": 3, "phase": "train"}``)."""
+
+
+def error_context(context: object, /) -> dict[str, str]:
+    """*context* as :class:`ErrorRaised` holds it: a dict of strings.
+
+    A string becomes ``{"context": text}`` (nothing for ``""``), as the seeds'
+    ``ErrorHandler.handle_error(error, "train_step")`` passed it; a mapping keeps its keys and
+    turns each value into ``str(value)`` (``{"batch": 3}`` -> ``{"batch": "3"}``), as
+    :class:`~eventbus_debug.compat.ErrorHandler` does; ``None`` is no context.
+
+    Raises:
+        TypeError: if *context* is neither, or a key is not a string (the message names
+            ``context``).
+    """
+    if context is None:
+        return {}
+    if isinstance(context, str):
+        return {"context": context} if context else {}
+    if not isinstance(context, Mapping):
+        msg = (
+            "context must be a str (a description of the call) or a mapping of str keys to "
+            f"values, got {type(context).__name__} {context!r}"
+        )
+        raise TypeError(msg)
+    out: dict[str, str] = {}
+    for key, value in context.items():
+        if not isinstance(key, str):
+            msg = f"context keys must be str, got {type(key).__name__} {key!r}"
+            raise TypeError(msg)
+        out[key] = value if isinstance(value, str) else str(value)
+    return out
 
 
 def _tagged(
     engine: RecoveryEngine,
     exc: BaseException,
     settings: CallSettings | None,
-    context: Mapping[str, str] | None,
+    context: ErrorContext,
     attempt: int,
     step: int | None,
 ) -> ErrorRaised:
     return engine.error_event(
         exc,
         attempt=attempt,
-        context=context,
+        context=error_context(context),
         settings=settings,
         retry_id=uuid.uuid4().hex,
         step=step,
@@ -41,7 +77,7 @@ async def report_error(
     exc: BaseException,
     *,
     settings: CallSettings | None = None,
-    context: Mapping[str, str] | None = None,
+    context: ErrorContext = None,
     attempt: int = 1,
     step: int | None = None,
 ) -> tuple[DecidedAction, ...]:
@@ -50,9 +86,14 @@ async def report_error(
     The async counterpart of the seeds' ``ErrorHandler.handle_error(error, context)``; the
     caller applies the decisions (or use :func:`~eventbus_debug.recovery.retrying`).
 
+    *context* is a string (``"train_step"``, recorded as ``{"context": "train_step"}``) or a
+    mapping whose values are recorded as strings (``{"batch": 3}`` -> ``{"batch": "3"}``);
+    see :func:`error_context`.
+
     Raises:
         TypeError: if the engine is on a :class:`~eventbus_debug.SyncEventBus` (use
-            :func:`report_error_sync`).
+            :func:`report_error_sync`), or *context* is neither a str nor a mapping with str
+            keys (the message names it).
         TimeoutError: if the engine does not answer within its ``drain_timeout``.
     """
     if engine.blocking:
@@ -69,14 +110,15 @@ def report_error_sync(
     exc: BaseException,
     *,
     settings: CallSettings | None = None,
-    context: Mapping[str, str] | None = None,
+    context: ErrorContext = None,
     attempt: int = 1,
     step: int | None = None,
 ) -> tuple[DecidedAction, ...]:
     """:func:`report_error` for an engine on a :class:`~eventbus_debug.SyncEventBus` (blocks).
 
     Raises:
-        TypeError: if the engine is on an async :class:`~eventbus_debug.EventBus`.
+        TypeError: if the engine is on an async :class:`~eventbus_debug.EventBus`, or
+            *context* is neither a str nor a mapping with str keys.
         TimeoutError: if the engine does not answer within its ``drain_timeout``.
     """
     if not engine.blocking:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import torch
 from torch import nn
 
 from .._bus import EventBus, Subscription, SyncEventBus
+from .._bus._adapter import default_name
 from ..extras.validation import InputValidator, ValidationPolicy
 from ..probes import AnomalyArming, LeakDetector, StepProbe, SystemSampler
 from ..probes.anomaly_arming import arm_on_incidents
@@ -59,7 +60,9 @@ class Sinks:
     """The sinks a session subscribes, with the two it exposes by name.
 
     Attributes:
-        subscribers: each sink with its short name (``"log"``, ``"report"``...).
+        subscribers: each sink with its short name (``"log"``, ``"report"``...; a sink of
+            ``sinks=`` is named as a bus names it: its ``name``, else its function's or
+            class's name, with ``-2``... past a name already taken).
         report: the report sink (None when removed).
         alerts: the alert sink (None when removed).
         flusher: the built-in alert sink whose ``run_flusher`` task the session runs.
@@ -69,6 +72,13 @@ class Sinks:
     report: ReportSink | None = None
     alerts: AlertsSink | None = None
     flusher: AlertSink | None = None
+
+
+_SESSION_NAMES: Final = frozenset(
+    {"log", "report", "alerts", "console", "recovery", "profiler", "localizer"}
+)
+"""The short names of the subscriptions a session makes itself (``training.recovery``...):
+a sink of ``sinks=`` with one of them gets ``-2``."""
 
 
 def rank_zero() -> bool:
@@ -117,8 +127,16 @@ def build_sinks(options: SessionOptions, publisher: Publisher) -> Sinks:
         out.subscribers.append((console, "console"))
     elif console is not False:
         out.subscribers.append((ConsoleSink(stream=console), "console"))
-    for i, sink in enumerate(options.sinks):
-        out.subscribers.append((sink, getattr(sink, "name", None) or f"sink{i}"))
+    taken = {name for _, name in out.subscribers} | _SESSION_NAMES
+    for sink in options.sinks:
+        # Named as a bus names it (its `name`, else its function's or class's name), then
+        # `-2`, `-3`... past the names already taken; the session prefixes its own name.
+        name = base = default_name(sink)
+        n = 2
+        while name in taken:
+            name, n = f"{base}-{n}", n + 1
+        taken.add(name)
+        out.subscribers.append((sink, name))
     return out
 
 

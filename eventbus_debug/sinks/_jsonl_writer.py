@@ -23,7 +23,12 @@ from typing import Final, TypeVar
 from eventbus_debug.diagnostics import get_logger
 from eventbus_debug.events import Event, LogWriteResumed
 from eventbus_debug.exceptions import EventBusError, EventDecodeError
-from eventbus_debug.log.encoding import decode_event, encode_event, encode_events
+from eventbus_debug.log.encoding import (
+    decode_event,
+    encode_event,
+    encode_events,
+    unwritable_field,
+)
 
 __all__ = ("FileSinkStatistics", "JsonlWriter", "LogDirectoryError", "LogWriteError")
 
@@ -69,7 +74,9 @@ class FileSinkStatistics:
         rotations: how many times the live file was rotated.
         write_errors: write, open or rotation failures (the first of an outage raised from
             ``handle_batch``, the others retried quietly with backoff).
-        encode_errors: events that could not be encoded (they hold values JSON cannot carry).
+        encode_errors: events not written because they could not be written readably: a
+            field holds a value of the wrong type for it, or one JSON cannot carry (each is
+            logged with its kind and field; the batch's other events are written).
         current_size: bytes in the live file.
         failing: whether writes are failing now (an outage under way, retried with backoff).
     """
@@ -307,12 +314,36 @@ class JsonlWriter:
             if self._note_outage_locked(exc, background=background):
                 raise  # the first failure of an outage: one SinkFailed incident
         if bad:
-            event, error = bad[0]
-            msg = (
-                f"{len(bad)} event(s) of the batch could not be encoded and were not written "
-                f"(first: {type(event).__name__} seq={event.seq}: {error})"
+            raise self._refused(bad)
+
+    def _refused(self, bad: list[tuple[Event, Exception]]) -> LogWriteError:
+        """Report the events the log could not write readably (counted in encode_errors).
+
+        One diagnostic per kind and field (with how many events and the first one's error);
+        the error returned names the first event.
+        """
+        groups: dict[tuple[str, str | None], tuple[int, Event, Exception]] = {}
+        for event, error in bad:
+            found = unwritable_field(event)
+            key = (event.kind, found[0] if found is not None else None)
+            count, first, first_error = groups.get(key, (0, event, error))
+            groups[key] = (count + 1, first, first_error)
+        for (kind, name), (count, first, first_error) in groups.items():
+            _log.error(
+                "log_events_not_written",
+                path=str(self._path),
+                kind=kind,
+                field=name,
+                events=count,
+                first_seq=first.seq,
+                error=str(first_error),
             )
-            raise LogWriteError(msg)
+        event, error = bad[0]
+        msg = (
+            f"{len(bad)} event(s) of the batch could not be encoded and were not written "
+            f"(first: {event.kind} event {type(event).__name__} seq={event.seq}: {error})"
+        )
+        return LogWriteError(msg)
 
     def _note_outage_locked(self, exc: LogWriteError, *, background: bool = False) -> bool:
         """Schedule the next attempt with backoff; returns True if this failure starts an outage.

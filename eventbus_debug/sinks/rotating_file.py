@@ -157,12 +157,13 @@ class RotatingFileSink:
         queue_capacity: events the bus may queue for this sink (its ``queue_capacity``
             attribute; the bus starts flow control at half of it).
         max_pending_bytes: encoded lines kept for retry while writes fail.
-        wake_interval: ``0`` (default) encodes and writes each batch before
-            :meth:`handle_batch` returns. A positive value hands batches to the sink's writer
+        wake_interval: seconds between two writes of the batches handed over without
+            waiting (default ``0.2``). A positive value hands batches to the sink's writer
             thread without waiting: it writes them every this many seconds (sooner when 4,096
             events wait), at once when a batch holds an incident, and :meth:`handle_batch`
-            waits only when *high_water* events are waiting. Close, flush and drain still
-            write everything.
+            waits only when *high_water* events are waiting. ``0`` encodes and writes each
+            batch before :meth:`handle_batch` returns. Close, flush and drain still write
+            everything.
         high_water: with a positive *wake_interval*, the most events waiting for the writer
             before a batch waits for it (flow control, nothing dropped).
 
@@ -295,7 +296,9 @@ class RotatingFileSink:
         Raises:
             LogWriteError: if a write fails for the first time since the last success (the
                 unwritten lines are kept and retried with backoff), or an event cannot be
-                encoded (the others are written).
+                written readably: a field of the wrong type, or a value JSON cannot carry (it
+                is counted in ``encode_errors`` and logged with its kind and field; the others
+                are written). With write-behind, the next batch raises it.
             RuntimeError: if the sink is closed.
         """
         self._check_open()

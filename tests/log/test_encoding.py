@@ -155,9 +155,15 @@ class TestErrors:
             encode_event({"a": 1})  # type: ignore[arg-type]
 
     def test_encode_unserializable_value(self) -> None:
-        """A value orjson cannot write (e.g. a tensor) gets an actionable message."""
-        ev = SinkFailed(sink="s", error_type="E", message=object())  # type: ignore[arg-type]
-        with pytest.raises(TypeError, match=r"cannot encode SinkFailed: .*plain host values"):
+        """A value orjson cannot write (e.g. a tensor) gets an actionable message naming it.
+
+        The constructor refuses it; the encoder refuses an event changed after construction.
+        """
+        ev = SinkFailed(sink="s", error_type="E", message="m")
+        object.__setattr__(ev, "message", object())
+        with pytest.raises(
+            TypeError, match=r"cannot encode SinkFailed: field 'message' .*plain host values"
+        ):
             encode_event(ev)
 
     def test_unknown_kind(self) -> None:

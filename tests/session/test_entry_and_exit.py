@@ -179,7 +179,7 @@ class TestSharedBus:
         assert bus.subscriptions == (keep,)
         await bus.drain()
         reported = mine.of_type(EventsUndelivered)
-        assert [(e.sink, e.timeout_s) for e in reported] == [("training.sink0", 0.5)]
+        assert [(e.sink, e.timeout_s) for e in reported] == [("training._hang", 0.5)]
         assert reported[0].undelivered > 0
         logged = [e for e in read_events(tmp_path) if isinstance(e, EventsUndelivered)]
         assert logged == reported
@@ -198,9 +198,9 @@ class TestCloseTimeout:
                     await session.step_completed(step, loss=1.0)
         events = list(read_events(tmp_path))
         undelivered = [e for e in events if isinstance(e, EventsUndelivered)]
-        assert [(e.sink, e.timeout_s) for e in undelivered] == [("training.sink0", 0.5)]
+        assert [(e.sink, e.timeout_s) for e in undelivered] == [("training._hang", 0.5)]
         assert undelivered[0].undelivered > 0
-        assert any(isinstance(e, SinkUnresponsive) and e.sink == "training.sink0" for e in events)
+        assert any(isinstance(e, SinkUnresponsive) and e.sink == "training._hang" for e in events)
 
     def test_sync_session_hanging_sink_reported(self, tmp_path: Path) -> None:
         """SyncSession takes close_timeout too."""

@@ -9,7 +9,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 __all__ = (
     "IncidentRow",
@@ -289,9 +289,24 @@ class RunSummary:
         }
 
 
+_COMPUTED: Final = (("mixed_runs", "runs"),)
+"""The documented fields :class:`RunSummary` computes (properties): each written after the
+field it is computed from, so the JSON holds every field the reference lists."""
+
+
 def summary_to_dict(summary: RunSummary, /) -> dict[str, Any]:
-    """A JSON-ready mapping of *summary* (non-finite floats written as ``"NaN"``/``"Infinity"``)."""
-    result: dict[str, Any] = _jsonable(dataclasses.asdict(summary))
+    """A JSON-ready mapping of *summary* (non-finite floats written as ``"NaN"``/``"Infinity"``).
+
+    Every field, the computed ones (``mixed_runs``) included.
+    """
+    fields: dict[str, Any] = _jsonable(dataclasses.asdict(summary))
+    after = {anchor: name for name, anchor in _COMPUTED}
+    result: dict[str, Any] = {}
+    for key, value in fields.items():
+        result[key] = value
+        name = after.get(key)
+        if name is not None:
+            result[name] = _jsonable(getattr(summary, name))
     return result
 
 
