@@ -92,8 +92,9 @@ class Thresholds:
         explosion_factor: the total norm may not exceed this many times the running median of
             the last *explosion_window* accepted norms (checked from the second step), unless it
             stays within the scale the run has shown while healthy: the largest norm it
-            accepted, or twice the largest median it has had (a converged model meeting harder
-            data climbs back to early-training norms; that is not an explosion).
+            accepted, or twice the largest median of its last 1,000 gradient checks (a converged
+            model meeting harder data climbs back to early-training norms; that is not an
+            explosion).
         explosion_window: how many accepted norms the running median covers.
         spike_window: how many recent losses the loss baseline (a running median) covers.
         spike_warmup: finite losses seen before the first spike check (Lightning: 1).
@@ -104,8 +105,9 @@ class Thresholds:
         spike_atol: ... and more than this absolute amount ...
         spike_scale_tol: ... and more than this fraction of the largest baseline the run had
             (converged losses near zero wobble by tiny amounts; that is not a spike). A loss at
-            or below the largest baseline the run had is never reported (a converged model
-            meeting harder data climbs back toward its early losses; that is the data).
+            or below the largest baseline of the run's last 1,000 losses is never reported (a
+            converged model meeting harder data climbs back toward its early losses; that is the
+            data).
         spike_patience: spikes (or *elevated* losses: more than 0.5 x ``|baseline|`` and 4
             noise sigmas above it) in a row reported as a *sustained* spike (the strong,
             persistent evidence a rollback needs); the baseline then restarts at the new level.
