@@ -4,7 +4,7 @@ by the framework's hooks, and the step-level plumbing around it."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, final
 
@@ -18,7 +18,9 @@ __all__ = (
     "DEFAULT_LOG_DIR",
     "FitSession",
     "LossAccumulator",
+    "SampleCounter",
     "batch_size",
+    "clip_gradients",
     "learning_rate",
     "require",
 )
@@ -67,6 +69,11 @@ class LossAccumulator:
         self._total = value if self._total is None else self._total + value
         self._count += 1
 
+    @property
+    def count(self) -> int:
+        """How many losses were added since the last :meth:`take`."""
+        return self._count
+
     def take(self, *, mean: bool = False) -> torch.Tensor | None:
         """The sum (or mean) of the losses added since the last call; None when none was."""
         total, count = self._total, self._count
@@ -74,6 +81,34 @@ class LossAccumulator:
         if total is None:
             return None
         return total / count if mean and count > 1 else total
+
+
+@final
+class SampleCounter:
+    """Adds up the samples of the micro-batches of one optimizer step.
+
+    A micro-batch whose size is unknown makes the step's count unknown (``None``), rather than
+    a count that silently leaves it out.
+    """
+
+    __slots__ = ("_known", "_total")
+
+    def __init__(self) -> None:
+        self._total = 0
+        self._known = True
+
+    def add(self, size: int | None) -> None:
+        """Add one micro-batch of *size* samples (``None``: unknown)."""
+        if size is None:
+            self._known = False
+        else:
+            self._total += size
+
+    def take(self) -> int | None:
+        """The samples added since the last call (``None`` when none was, or one was unknown)."""
+        total, known = self._total, self._known
+        self._total, self._known = 0, True
+        return total if known and total > 0 else None
 
 
 class FitViews:
@@ -257,19 +292,13 @@ def batch_size(batch: Any) -> int | None:
     return None
 
 
-def clip_after_check(model: nn.Module, max_norm: float, verdict: Verdict) -> None:
-    """Clip *model*'s gradients to *max_norm* after the step's check, as the framework would.
+def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip the gradients of *parameters* to *max_norm* exactly as the frameworks do.
 
-    The norm the probe already measured is reused (no second pass) unless it was not measured
-    at this step or recovery clipped already; parameters without a gradient are left alone.
+    ``torch.nn.utils.clip_grad_norm_`` with its defaults (2-norm, ``foreach=None``,
+    ``error_if_nonfinite=False``): the call accelerate makes for Hugging Face ``Trainer``, and
+    the one an Ignite update function writes. The probe's norm is not reused: it is summed in
+    float64 on the host, torch's total norm in the gradients' dtype, and the ulp between them on
+    some steps changes the clipped gradients, and every step after. Returns torch's total norm.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return
-    norm = verdict.grad_norm
-    if norm is None or "clip_gradients" in verdict.actions:
-        # Not measured this step, or recovery already clipped: measure what is there now.
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        total = torch.tensor(norm, device=params[0].grad.device)  # type: ignore[union-attr]
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)

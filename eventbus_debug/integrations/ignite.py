@@ -10,7 +10,10 @@ the session skips has its gradients set to ``None``, which makes that ``optimize
 no-op for the parameters and the optimizer state.
 
 - ``Events.STARTED``: opens a :class:`~eventbus_debug.SyncSession`, installs the hook and the
-  handlers below (:meth:`EventBusDebugHandler.attach` registers exactly this).
+  handlers below (:meth:`EventBusDebugHandler.attach` registers exactly this). Registered twice
+  on the same engine (``attach`` and ``add_event_handler``), it still opens one session; started
+  by a second engine while the first one's run is going on (attached to an evaluator that runs
+  inside the training run, too), it raises a ``ValueError`` saying so.
 - optimizer step pre-hook: checks the gradients, and the loss when ``loss_fn`` was wrapped
   with :meth:`EventBusDebugHandler.track_loss`.
 - ``Events.ITERATION_COMPLETED``: checks ``engine.state.output`` exactly as Ignite's
@@ -19,14 +22,17 @@ no-op for the parameters and the optimizer state.
   becomes a ``NonFiniteDetected`` (role OUTPUT: reported, never acted on after the fact). With
   gradient accumulation, an iteration that does not step waits for the step that closes its
   window: one fault, one incident (the step's own check usually reports it, through the
-  gradients). Then the step is recorded (``StepCompleted``, its loss the output when it is a
-  number).
-
-Clipping: an update function that clips (``clip_grad_norm_``, or
-``supervised_training_step(clip_grad_norm=...)``) does it before ``optimizer.step()``, so the
-check would see the clipped norm and an explosion would not show. Pass ``max_grad_norm=`` to the
-handler instead: it clips after the check, with the norm the check measured.
+  gradients). Then the step is recorded (``StepCompleted``: its loss the checked one, else the
+  output when it is a number; its samples the batch sizes of the window's iterations, the
+  leading dimension of the first tensor in ``engine.state.batch``).
 - ``Events.COMPLETED`` / ``TERMINATE`` / ``EXCEPTION_RAISED``: ends the session.
+
+Clipping: an update function that clips (``torch.nn.utils.clip_grad_norm_`` before
+``optimizer.step()``; Ignite's ``supervised_training_step`` has no clipping argument) hands the
+check clipped gradients, and an explosion then shows a norm of ``max_norm``. Leave it out of the
+update function and pass ``max_grad_norm=`` to the handler: after the check it calls
+``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)``, the call your update
+function would have made, so the parameters are bit for bit those of that update function.
 
 Steps are numbered by Ignite's iteration (``engine.state.iteration - 1``). Under AMP an
 overflow step never reaches the hook (``scaler.step`` skips ``optimizer.step()`` itself).
@@ -47,7 +53,9 @@ from ._common import (
     FitSession,
     FitViews,
     LossAccumulator,
-    clip_after_check,
+    SampleCounter,
+    batch_size,
+    clip_gradients,
     learning_rate,
     require,
 )
@@ -88,8 +96,9 @@ class EventBusDebugHandler(FitViews):
         log_dir: where the JSON-lines log and the report go (``None``: neither).
         output_transform: turns ``engine.state.output`` into what is checked (as
             ``TerminateOnNan``'s argument).
-        max_grad_norm: clip the gradients to this norm after the check (``None``: no clipping
-            by the handler); use it instead of clipping in the update function.
+        max_grad_norm: clip the gradients to this norm after the check, with
+            ``torch.nn.utils.clip_grad_norm_`` (``None``: no clipping by the handler); use it
+            instead of clipping in the update function.
         **session_options: any other :class:`~eventbus_debug.SyncSession` keyword argument
             (``level``, ``policy``, ``scheduler``, ``scaler``, ``recovery``, ``alerts``, ...).
 
@@ -126,7 +135,9 @@ class EventBusDebugHandler(FitViews):
         self._output_transform = output_transform
         self._fit = FitSession("ignite", log_dir, session_options)
         self._loss = LossAccumulator()
+        self._samples = SampleCounter()
         self._engine: Engine | None = None
+        self._started_at: int | None = None  # the iteration the run started at, until it iterates
         self._hook: RemovableHandle | None = None
         self._pending: tuple[int, Verdict, float | None] | None = None
         self._bad_output: int | None = None  # the first non-finite output since the last step
@@ -152,8 +163,11 @@ class EventBusDebugHandler(FitViews):
 
         ``create_supervised_trainer(model, optimizer, handler.track_loss(loss_fn))``: the
         training losses computed since the last optimizer step are averaged (gradient
-        accumulation) and checked with the gradients. Without it, the loss is checked after
-        the step, from ``engine.state.output``.
+        accumulation) and checked with the gradients, so a loss spike is detected (and acted
+        on) before the step. Without it only the gradients are checked before the step;
+        ``engine.state.output`` is checked after it for non-finite values only (as
+        ``TerminateOnNan``) and recorded as the step's loss, but no loss spike is detected
+        from it.
 
         Raises:
             TypeError: if *loss_fn* is not callable.
@@ -178,8 +192,11 @@ class EventBusDebugHandler(FitViews):
     def __call__(self, engine: Engine) -> None:
         """The ``Events.STARTED`` handler: open the session and install the step hook.
 
+        Registered twice for the same engine's ``Events.STARTED``, the second call does nothing.
+
         Raises:
-            ValueError: if called for another event than ``Events.STARTED``.
+            ValueError: if called for another event than ``Events.STARTED``, or by a second
+                engine while the run of the engine it follows goes on (an evaluator).
         """
         if engine.last_event_name != Events.STARTED:
             msg = (
@@ -187,10 +204,22 @@ class EventBusDebugHandler(FitViews):
                 f"engine.add_event_handler(Events.STARTED, handler), not {engine.last_event_name}"
             )
             raise ValueError(msg)
+        if self._engine is not None and self._fit.running:
+            if engine is not self._engine:
+                msg = (
+                    "EventBusDebugHandler was started by a second engine while the run of the "
+                    "engine it follows goes on: attach it to the training engine only, not to "
+                    "an evaluator (one handler checks one training run)"
+                )
+                raise ValueError(msg)
+            if self._started_at == engine.state.iteration:
+                return  # the same Events.STARTED reached it twice: attach + add_event_handler
         if self._engine is not None:
             self._close(RuntimeError("the engine started a new run before the last one ended"))
         self._engine = engine
+        self._started_at = engine.state.iteration
         self._loss.take()
+        self._samples.take()
         self._pending = None
         self._fit.open(self.model, self.optimizer)
         self._hook = self.optimizer.register_step_pre_hook(self._before_step)
@@ -214,16 +243,19 @@ class EventBusDebugHandler(FitViews):
         engine = self._engine
         if engine is None or not self._fit.running:
             return
+        self._started_at = None
         step = max(engine.state.iteration - 1, 0)
         lr = learning_rate(optimizer)
         verdict = self._fit.check(step, self._loss.take(mean=True))
         if verdict.should_step and self.max_grad_norm is not None:
-            clip_after_check(self.model, self.max_grad_norm, verdict)
+            clip_gradients(self.model.parameters(), self.max_grad_norm)
         self._pending = (step, verdict, lr)
 
     def _iteration_completed(self, engine: Engine) -> None:
         if engine is not self._engine:
             return
+        self._started_at = None
+        self._samples.add(batch_size(engine.state.batch))
         pending, self._pending = self._pending, None
         output = self._output_transform(engine.state.output)
         if not _finite(output) and self._bad_output is None:
@@ -239,7 +271,7 @@ class EventBusDebugHandler(FitViews):
             loss = float(output)
         elif loss is None and isinstance(output, torch.Tensor) and output.numel() == 1:
             loss = float(output.detach())
-        self._fit.completed(step, loss=loss, learning_rate=lr)
+        self._fit.completed(step, loss=loss, learning_rate=lr, samples=self._samples.take())
 
     def _report_output(self, step: int) -> None:
         session = self._fit.session
@@ -267,6 +299,8 @@ class EventBusDebugHandler(FitViews):
 
     def _close(self, exc: BaseException | None) -> None:
         self._engine = None
+        self._started_at = None
+        self._samples.take()
         bad, self._bad_output = self._bad_output, None
         if bad is not None:  # the run ended inside an accumulation window
             self._report_output(bad)

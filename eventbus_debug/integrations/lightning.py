@@ -14,8 +14,23 @@ Where it plugs in (Lightning 2.x, automatic optimization):
   (a no-op for parameters without gradients, exactly as a ``GradScaler`` overflow step is a
   no-op), so ``trainer.global_step`` and the LR schedulers advance as usual while the
   parameters and the optimizer state stay untouched.
-- ``on_train_batch_end``: records the step (``StepCompleted``); ``teardown`` /
-  ``on_exception``: ends the session, recording why.
+- ``on_train_batch_end``: records the step (``StepCompleted``): its loss, and its samples (the
+  batch sizes of its micro-batches); ``teardown`` / ``on_exception``: ends the session,
+  recording why.
+
+With ``accumulate_grad_batches``, Lightning divides each micro-batch's loss by the full
+accumulation count, also in an epoch's last, shorter window: the step's loss is the mean over
+the micro-batches actually accumulated. Manual optimization (``automatic_optimization =
+False``): ``self.clip_gradients(...)`` in ``training_step`` clips before ``opt.step()`` reaches
+``on_before_optimizer_step``, so the callback checks the step when that call starts, before it
+clips (the precision plugin's ``clip_gradients`` is wrapped for the fit, on that plugin
+object); the loss is the sum of the ``manual_backward`` losses since the last step. Not
+covered: under ``precision="16-mixed"`` a step skipped there would leave the ``GradScaler`` no
+gradient to unscale at ``opt.step()`` (``scaler.step`` then fails), so the check stays at
+``opt.step()``, after your clip; and a clip by ``torch.nn.utils.clip_grad_norm_`` in your own
+code is never seen before it happens.
+Two ``EventBusDebugCallback`` entries in ``Trainer(callbacks=...)`` (the same one listed twice)
+are a ``ValueError``.
 
 Distributed runs: each rank runs its own session, which agrees every decision with the other
 ranks (see the README's "Distributed training"), so no rank skips, restores or stops alone.
@@ -23,6 +38,7 @@ ranks (see the README's "Distributed training"), so no rank skips, restores or s
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +47,7 @@ from ._common import (
     FitSession,
     FitViews,
     LossAccumulator,
+    SampleCounter,
     batch_size,
     learning_rate,
     require,
@@ -70,8 +87,13 @@ class EventBusDebugCallback(Callback, FitViews):
         super().__init__()
         self._fit = FitSession("lightning", log_dir, session_options)
         self._loss = LossAccumulator()
+        self._samples = SampleCounter()
         self._scaler: torch.amp.GradScaler | None = None
+        self._accumulation = 1  # Lightning divides each micro-batch loss by this (automatic)
         self._pending: tuple[int, Verdict, float | None] | None = None
+        self._early: tuple[int, Verdict, float | None] | None = None  # manual: checked at the clip
+        self._plugin: Any = None  # the precision plugin whose clip_gradients is wrapped
+        self._clip_wrapper: Any = None
 
     # -- Lightning hooks --------------------------------------------------------------------------
 
@@ -79,8 +101,17 @@ class EventBusDebugCallback(Callback, FitViews):
         """Open the session on the module, its optimizer, schedulers and AMP scaler.
 
         Raises:
-            ValueError: if the trainer has no optimizer or more than one.
+            ValueError: if the trainer has no optimizer or more than one, or if its callbacks
+                hold more than one ``EventBusDebugCallback``.
         """
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        listed = sum(isinstance(c, EventBusDebugCallback) for c in callbacks)
+        if listed > 1:
+            msg = (
+                f"Trainer(callbacks=...) holds {listed} EventBusDebugCallback entries (the same "
+                "one listed twice, or two): keep one, or every step is checked again"
+            )
+            raise ValueError(msg)
         optimizers = trainer.optimizers
         if len(optimizers) != 1:
             msg = (
@@ -93,8 +124,13 @@ class EventBusDebugCallback(Callback, FitViews):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._scaler = scaler if isinstance(scaler, torch.amp.GradScaler) else None
         self._loss.take()
-        self._pending = None
+        self._samples.take()
+        self._pending = self._early = None
+        automatic = pl_module.automatic_optimization
+        self._accumulation = int(trainer.accumulate_grad_batches) if automatic else 1
         self._fit.open(pl_module, optimizer, schedulers=schedulers, scaler=self._scaler)
+        if not automatic:
+            self._wrap_clip(trainer.precision_plugin, trainer)
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
@@ -116,10 +152,11 @@ class EventBusDebugCallback(Callback, FitViews):
         """The safe point: check the pre-clip gradients; skip the step when told to."""
         if not self._fit.running:
             return
-        step = trainer.global_step
-        lr = learning_rate(optimizer)
-        verdict = self._fit.check(step, self._loss.take())
-        self._pending = (step, verdict, lr)
+        early, self._early = self._early, None
+        if early is not None and early[0] == trainer.global_step:
+            self._pending = early  # manual optimization: checked before the user's clip
+            return
+        self._pending = self._check(trainer.global_step, optimizer)
 
     def on_train_batch_end(
         self,
@@ -130,20 +167,70 @@ class EventBusDebugCallback(Callback, FitViews):
         batch_idx: int,
     ) -> None:
         """Record the step that just finished (once per optimizer step)."""
+        if not self._fit.running:
+            return
+        self._samples.add(batch_size(batch))
         pending, self._pending = self._pending, None
         if pending is None:
             return
         step, verdict, lr = pending
-        self._fit.completed(step, loss=verdict.loss, learning_rate=lr, samples=batch_size(batch))
+        samples = self._samples.take()
+        self._fit.completed(step, loss=verdict.loss, learning_rate=lr, samples=samples)
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
         """End the session, recording the exception (``SessionEnded.reason``)."""
-        self._fit.close(exception)
+        self._end(exception)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """End the session after ``fit``."""
         if stage == "fit":
-            self._pending = None
-            self._fit.close()
+            self._end(None)
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _check(
+        self, step: int, optimizer: torch.optim.Optimizer
+    ) -> tuple[int, Verdict, float | None]:
+        """Check *step* with the loss of its window (see the module docstring)."""
+        lr = learning_rate(optimizer)
+        count = self._loss.count
+        loss = self._loss.take()
+        if loss is not None and 0 < count != self._accumulation:
+            # A short window (an epoch's last): Lightning still divided by the full count.
+            loss = loss * (self._accumulation / count)
+        return step, self._fit.check(step, loss), lr
+
+    def _wrap_clip(self, plugin: Any, trainer: pl.Trainer) -> None:
+        """Manual optimization: check the step when ``self.clip_gradients`` starts, before it
+        clips (``LightningModule.clip_gradients`` calls the precision plugin's)."""
+        original = plugin.clip_gradients
+
+        @functools.wraps(original)
+        def clip_gradients(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            self._check_before_clip(trainer, optimizer)
+            return original(optimizer, *args, **kwargs)
+
+        plugin.clip_gradients = clip_gradients
+        self._plugin, self._clip_wrapper = plugin, clip_gradients
+
+    def _check_before_clip(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer) -> None:
+        if not self._fit.running or self._early is not None:
+            return
+        scaler = self._scaler
+        if scaler is not None and scaler.is_enabled():
+            # A skip here would leave the scaler no gradient to unscale at opt.step(), and
+            # scaler.step() fails: checked there, after the unscale (and after the clip).
+            return
+        self._early = self._check(trainer.global_step, optimizer)
+
+    def _end(self, exc: BaseException | None) -> None:
+        plugin, self._plugin = self._plugin, None
+        wrapper, self._clip_wrapper = self._clip_wrapper, None
+        if plugin is not None and vars(plugin).get("clip_gradients") is wrapper:
+            del plugin.clip_gradients
+        self._pending = self._early = None
+        self._loss.take()
+        self._samples.take()
+        self._fit.close(exc)

@@ -1,41 +1,57 @@
 """Hugging Face ``Trainer``: one callback, ``Trainer(..., callbacks=[EventBusDebugCallback()])``.
 
-No ``TrainerCallback`` hook sees the pre-clip gradients: ``Trainer`` clips
-(``_clip_grad_norm``, ``args.max_grad_norm``) right after the last backward of a step and only
-then calls ``on_pre_optimizer_step``. An injected explosion would show a norm of exactly
-``max_grad_norm`` and no incident. So this callback **takes over the clipping**:
+No ``TrainerCallback`` hook sees the pre-clip gradients: ``Trainer`` clips (``_clip_grad_norm``,
+when ``args.max_grad_norm > 0``) right after the last backward of a step and only then calls
+``on_pre_optimizer_step``. An injected explosion would show a norm of exactly
+``max_grad_norm`` and no incident. So this callback **takes over the clipping**, without
+changing what anything else reads:
 
-- ``on_train_begin``: remembers ``args.max_grad_norm`` and sets it to 0 for the run (restored at
-  ``on_train_end``). With 0, ``Trainer`` does not clip but still measures the gradient norm it
-  logs as ``grad_norm`` (through ``accelerator.clip_grad_norm_(..., inf)``, which also unscales
-  fp16 gradients), so ``on_pre_optimizer_step`` sees unscaled, **unclipped** gradients. It opens
-  a :class:`~eventbus_debug.SyncSession` on the model, the optimizer (unwrapped from
-  accelerate's ``AcceleratedOptimizer``), the ``lr_scheduler`` and accelerate's ``GradScaler``
-  (fp16), and registers a forward hook on the model that keeps ``outputs.loss`` of each
-  training micro-batch. The step's loss is their mean; when ``Trainer`` passes the model
-  ``num_items_in_batch`` (causal LMs and other models that take loss kwargs), each
-  micro-batch's loss is already divided by the whole step's token count, so the step's loss is
-  their sum (times the number of processes when ``average_tokens_across_devices`` counts
-  tokens over all ranks, as ``Trainer`` does for the loss it logs): the same figure ``Trainer``
-  logs, whatever ``gradient_accumulation_steps``.
+- ``on_train_begin``: replaces ``args.max_grad_norm`` by an equal float whose one difference is
+  that the ``max_grad_norm > 0`` test made by a ``Trainer`` running this callback is false.
+  That ``Trainer`` then does not clip, but still measures the norm it logs as ``grad_norm``
+  (through ``accelerator.clip_grad_norm_(..., inf)``, which also unscales fp16 gradients), so
+  ``on_pre_optimizer_step`` sees unscaled, **unclipped** gradients. Everything else reads and
+  uses your value: your code and other callbacks, the ``training_args.bin`` of checkpoints
+  (the value pickles as a plain float), and a ``Trainer`` without this callback that shares the
+  arguments, even after a ``train()`` that raised. The plain float is put back at
+  ``on_train_end``. It opens a :class:`~eventbus_debug.SyncSession` on the model, the
+  optimizer (unwrapped from accelerate's ``AcceleratedOptimizer``), the ``lr_scheduler`` and
+  accelerate's ``GradScaler`` (fp16), and wraps the trainer's ``training_step`` for the run (on
+  that ``Trainer`` object only) to keep what each micro-batch's ``training_step`` returns and
+  the batch size of its inputs. ``Trainer`` adds up exactly those returns into the loss it
+  logs, so the step's loss is the figure ``Trainer`` logs, however it was computed
+  (``outputs.loss``, token-normalized losses, ``label_smoothing_factor``,
+  ``compute_loss_func``, your own ``compute_loss``), whatever ``gradient_accumulation_steps``.
 - ``on_pre_optimizer_step``: the safe point. The session checks the pre-clip gradients and the
   loss; a skipped step has its gradients set to ``None`` (``optimizer.step()`` is then a no-op
   for the parameters and the optimizer state; ``global_step`` and the scheduler advance as
-  usual); otherwise the gradients are clipped to the remembered ``max_grad_norm`` with the norm
-  the probe already computed (no second pass), exactly as ``Trainer`` would have.
-- ``on_step_end``: records the step; ``on_train_end``: ends the session.
+  usual); otherwise the gradients are clipped to your ``max_grad_norm`` with
+  ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)``, the very call
+  accelerate makes for ``Trainer``: the run's parameters are bit for bit those of the run
+  without the callback.
+- ``on_step_end``: records the step (its loss, learning rate and samples);
+  ``on_train_end``: ends the session.
+
+``Trainer`` has no hook for a ``train()`` that raises outside the callback. The session left
+open is then closed (``SessionEnded`` saying so, the log flushed, the report written) by the
+next ``train()`` with this callback, or with another one on the same arguments or model, or
+when the callback is garbage-collected, or at the interpreter's exit.
 
 Not covered: DeepSpeed and FSDP clip sharded gradients inside their engines; the callback
-refuses them with a clear error rather than checking a shard-local norm. A loss computed
-outside the model (a custom ``compute_loss``) is not seen: the gradients are still checked.
-Distributed (DDP) runs: the session agrees every decision across the ranks (see the README's
-"Distributed training"): a NaN or a spike on one rank is skipped or rolled back on all of them.
+refuses them with a clear error rather than checking a shard-local norm. Distributed (DDP)
+runs: the session agrees every decision across the ranks (see the README's "Distributed
+training"): a NaN or a spike on one rank is skipped or rolled back on all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import logging
+import sys
+import weakref
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from ._common import (
@@ -43,7 +59,9 @@ from ._common import (
     FitSession,
     FitViews,
     LossAccumulator,
-    clip_after_check,
+    SampleCounter,
+    batch_size,
+    clip_gradients,
     learning_rate,
     require,
 )
@@ -52,7 +70,6 @@ require("transformers", "transformers")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.hooks import RemovableHandle  # noqa: E402
 from transformers import (  # noqa: E402
     TrainerCallback,
     TrainerControl,
@@ -63,6 +80,62 @@ from transformers import (  # noqa: E402
 from ..session import Verdict  # noqa: E402
 
 __all__ = ("EventBusDebugCallback",)
+
+_log = logging.getLogger("eventbus_debug.integrations")
+
+# How far up from on_train_begin the Trainer's own frame is looked for (CallbackHandler's two
+# frames, then Trainer's training loop; a few more for wrappers such as accelerate's
+# find_executable_batch_size).
+_TRAINER_FRAMES = 8
+
+# The attribute of our training_step wrapper holding what the Trainer object had before it.
+_WRAPPED_BEFORE = "_eventbus_debug_wrapped_before"
+_NOTHING = object()
+
+# Callbacks whose session is open, to close one a train() left open when the next run starts.
+_OPEN: weakref.WeakSet[EventBusDebugCallback] = weakref.WeakSet()
+
+
+def _lists(owner: object, callback: EventBusDebugCallback) -> bool:
+    """Whether *owner* (a ``Trainer``) runs *callback*: it is in its ``callback_handler``."""
+    try:
+        callbacks = getattr(getattr(owner, "callback_handler", None), "callbacks", None)
+    except Exception:  # an object whose attribute lookup fails: not a Trainer
+        return False
+    return isinstance(callbacks, list) and any(c is callback for c in callbacks)
+
+
+class _ClipHandover(float):
+    """``args.max_grad_norm`` while the callback clips: your value for everything, except the
+    ``> 0`` test of a ``Trainer`` that runs the callback, which then does not clip before the
+    check. Pickles and copies as a plain float."""
+
+    __slots__ = ("_owner", "asked")
+
+    _owner: weakref.ref[EventBusDebugCallback]
+    asked: bool  # the Trainer made its test since the last safe point
+
+    def __new__(cls, value: float, owner: EventBusDebugCallback) -> _ClipHandover:
+        self = super().__new__(cls, value)
+        self._owner = weakref.ref(owner)
+        self.asked = False
+        return self
+
+    def __gt__(self, value: float, /) -> bool:
+        owner = self._owner()
+        if owner is not None and owner._clips_for(sys._getframe(1)):
+            self.asked = True
+            return False
+        return float(self) > value
+
+    def __reduce__(self) -> tuple[type[float], tuple[float]]:
+        return (float, (float(self),))
+
+
+def _end_left_open(fit: FitSession) -> None:
+    """The finalizer of a callback whose session is open: it was collected, or the interpreter
+    exits, with a ``train()`` that never reached ``on_train_end``."""
+    fit.close(RuntimeError("Trainer.train() ended without on_train_end"))
 
 
 class EventBusDebugCallback(TrainerCallback, FitViews):
@@ -87,12 +160,16 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
     ) -> None:
         self._fit = FitSession("transformers", log_dir, session_options)
         self._loss = LossAccumulator()
-        self._normalized = False  # the step's micro-batch losses were divided by its item count
-        self._hook: RemovableHandle | None = None
+        self._samples = SampleCounter()
         self._args: TrainingArguments | None = None
         self._max_grad_norm = 0.0
+        self._handover: _ClipHandover | None = None
+        self._warned_unasked = False
         self._model: nn.Module | None = None
-        self._pending: tuple[int, Verdict, float | None] | None = None
+        self._trainer: Any = None
+        self._training_step: Callable[..., Any] | None = None  # our wrapper, on self._trainer
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._pending: tuple[int, Verdict, float | None, int | None] | None = None
 
     @property
     def max_grad_norm(self) -> float:
@@ -108,10 +185,11 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Take over clipping, hook the loss, open the session.
+        """Take over clipping, wrap ``training_step``, open the session.
 
         Raises:
-            ValueError: under DeepSpeed or FSDP, or without a model or optimizer.
+            ValueError: under DeepSpeed or FSDP, without a model or optimizer, or when the
+                ``Trainer``'s callbacks hold more than one ``EventBusDebugCallback``.
         """
         if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
             msg = (
@@ -123,8 +201,19 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         if not isinstance(model, nn.Module) or optimizer is None:
             msg = "EventBusDebugCallback needs the Trainer's model and optimizer (on_train_begin)"
             raise ValueError(msg)
-        if self._fit.running:  # a previous train() raised and never reached on_train_end
-            self._teardown(RuntimeError("Trainer.train() ended without on_train_end"))
+        trainer = self._find_trainer()
+        if trainer is not None:
+            listed = sum(
+                isinstance(c, EventBusDebugCallback) for c in trainer.callback_handler.callbacks
+            )
+            if listed > 1:
+                msg = (
+                    f"the Trainer's callbacks hold {listed} EventBusDebugCallback entries (the "
+                    "same one listed twice, or two): keep one, or every step is checked and "
+                    "clipped again"
+                )
+                raise ValueError(msg)
+        self._close_left_open(args, model)
         raw = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer
         if not isinstance(raw, torch.optim.Optimizer):
             msg = f"the Trainer's optimizer is not a torch.optim.Optimizer: {type(raw).__name__}"
@@ -132,13 +221,21 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         scaler = getattr(optimizer, "scaler", None)
         scheduler = kwargs.get("lr_scheduler")
         self._args = args
-        self._max_grad_norm = float(args.max_grad_norm or 0.0)
-        args.max_grad_norm = 0.0
+        self._max_grad_norm = float(args.max_grad_norm or 0.0)  # a handover left behind: its value
+        if self._max_grad_norm > 0:
+            self._handover = _ClipHandover(self._max_grad_norm, self)
+            args.max_grad_norm = self._handover
         self._model = model
         self._loss.take()
-        self._normalized = False
+        self._samples.take()
         self._pending = None
-        self._hook = model.register_forward_hook(self._keep_loss, with_kwargs=True)
+        if trainer is not None:
+            self._wrap_training_step(trainer)
+        else:
+            _log.warning(
+                "EventBusDebugCallback was not called by a transformers Trainer's train(): the "
+                "loss is not checked (the gradients are)"
+            )
         try:
             self._fit.open(
                 model,
@@ -149,6 +246,8 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         except BaseException:
             self._teardown()
             raise
+        _OPEN.add(self)
+        self._finalizer = weakref.finalize(self, _end_left_open, self._fit)
 
     def on_pre_optimizer_step(
         self,
@@ -161,16 +260,18 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         fit = self._fit
         if not fit.running or fit.optimizer is None:
             return
+        self._warn_if_trainer_clipped()
         step = state.global_step
         lr = learning_rate(fit.optimizer)
+        samples = self._samples.take()
         try:
-            verdict = fit.check(step, self._step_loss(args))
+            verdict = fit.check(step, self._loss.take())
         except BaseException as exc:  # TrainingStopped: no Trainer hook runs after this
             self._teardown(exc)
             raise
-        if verdict.should_step and self._max_grad_norm > 0:
-            self._clip(verdict)
-        self._pending = (step, verdict, lr)
+        if verdict.should_step and self._max_grad_norm > 0 and self._model is not None:
+            clip_gradients(self._model.parameters(), self._max_grad_norm)
+        self._pending = (step, verdict, lr, samples)
 
     def on_step_end(
         self,
@@ -182,8 +283,8 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         """Record the step that just finished."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            step, verdict, lr = pending
-            self._fit.completed(step, loss=verdict.loss, learning_rate=lr)
+            step, verdict, lr, samples = pending
+            self._fit.completed(step, loss=verdict.loss, learning_rate=lr, samples=samples)
 
     def on_train_end(
         self,
@@ -192,48 +293,104 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        """Give ``max_grad_norm`` back, remove the hook, end the session."""
+        """Give ``max_grad_norm`` back, unwrap ``training_step``, end the session."""
         self._teardown()
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _keep_loss(
-        self, module: nn.Module, args: Any, kwargs: Mapping[str, Any], output: Any
-    ) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-        if isinstance(loss, torch.Tensor):
+    def _clips_for(self, frame: FrameType) -> bool:
+        """Whether the code running in *frame* is a ``Trainer`` whose clipping this callback
+        has taken over (it runs this callback, whose session is open)."""
+        return self._fit.running and _lists(frame.f_locals.get("self"), self)
+
+    def _find_trainer(self) -> Any:
+        """The ``Trainer`` whose ``train()`` calls this hook (``None`` if there is none)."""
+        frame: FrameType | None = sys._getframe(2)  # the caller of on_train_begin
+        for _ in range(_TRAINER_FRAMES):
+            if frame is None:
+                break
+            owner = frame.f_locals.get("self")
+            if _lists(owner, self) and callable(getattr(owner, "training_step", None)):
+                return owner
+            frame = frame.f_back
+        return None
+
+    def _close_left_open(self, args: TrainingArguments, model: nn.Module) -> None:
+        """Close a session that a ``train()`` which raised left open: this callback's, or
+        another callback's on the same arguments or model (a notebook cell run again)."""
+        reason = RuntimeError("Trainer.train() ended without on_train_end")
+        for other in list(_OPEN):
+            if other is self or other._args is args or other._model is model:
+                other._teardown(reason)
+
+    def _wrap_training_step(self, trainer: Any) -> None:
+        """Wrap *trainer*'s ``training_step`` (on the object, for this run) to keep what each
+        micro-batch's call returns (the loss ``Trainer`` adds up and logs) and its batch size.
+
+        A wrapper of ours left behind by a ``train()`` that raised is replaced, not wrapped
+        again; the teardown puts back what the object had before (usually nothing: the class's
+        method)."""
+        current = trainer.training_step
+        before: Any = vars(trainer).get("training_step", _NOTHING)
+        if _WRAPPED_BEFORE in getattr(current, "__dict__", {}):  # ours, left behind
+            before = vars(current)[_WRAPPED_BEFORE]
+            current = current.__wrapped__
+        original = current
+        callback = weakref.ref(self)
+
+        @functools.wraps(original)
+        def training_step(model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            size = batch_size(inputs)
+            loss = original(model, inputs, *args, **kwargs)
+            owner = callback()
+            if owner is not None:
+                owner._micro_batch(loss, size)
+            return loss
+
+        vars(training_step)[_WRAPPED_BEFORE] = before
+        trainer.training_step = training_step
+        self._trainer = trainer
+        self._training_step = training_step
+
+    def _micro_batch(self, loss: Any, size: int | None) -> None:
+        if self._fit.running and isinstance(loss, torch.Tensor):
             self._loss.add(loss)
-            if kwargs.get("num_items_in_batch") is not None:
-                self._normalized = True
+            self._samples.add(size)
 
-    def _step_loss(self, args: TrainingArguments) -> torch.Tensor | None:
-        """The step's loss from its micro-batches' (see the module's docstring)."""
-        normalized, self._normalized = self._normalized, False
-        if not normalized:
-            return self._loss.take(mean=True)
-        total = self._loss.take()
-        world = int(getattr(args, "world_size", 1) or 1)
-        if (
-            total is not None
-            and world > 1
-            and getattr(args, "average_tokens_across_devices", False)
-        ):
-            total = total * world  # Trainer divides by the tokens of every rank
-        return total
-
-    def _clip(self, verdict: Verdict) -> None:
-        if self._model is not None:
-            clip_after_check(self._model, self._max_grad_norm, verdict)
+    def _warn_if_trainer_clipped(self) -> None:
+        """A ``Trainer`` that did not make its ``max_grad_norm > 0`` test before this step may
+        have clipped before the check (a transformers version that tests it differently)."""
+        handover = self._handover
+        if handover is None:
+            return
+        asked, handover.asked = handover.asked, False
+        if not asked and not self._warned_unasked:
+            self._warned_unasked = True
+            _log.warning(
+                "Trainer did not test args.max_grad_norm before this step's check: it may "
+                "have clipped the gradients already, and an explosion then shows a norm of "
+                "max_grad_norm (this transformers version clips differently)"
+            )
 
     def _teardown(self, exc: BaseException | None = None) -> None:
-        if self._args is not None:
-            self._args.max_grad_norm = self._max_grad_norm
-            self._args = None
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        _OPEN.discard(self)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        args, self._args = self._args, None
+        handover, self._handover = self._handover, None
+        if args is not None and handover is not None and args.max_grad_norm is handover:
+            args.max_grad_norm = float(handover)
+        trainer, self._trainer = self._trainer, None
+        wrapper, self._training_step = self._training_step, None
+        if wrapper is not None and vars(trainer).get("training_step") is wrapper:
+            before = vars(wrapper)[_WRAPPED_BEFORE]
+            if before is _NOTHING:
+                del trainer.training_step
+            else:
+                trainer.training_step = before
         self._model = None
         self._pending = None
+        self._loss.take()
+        self._samples.take()
         self._fit.close(exc)

@@ -12,7 +12,14 @@ from torch import nn
 
 from eventbus_debug import read_events
 from eventbus_debug.events import NonFiniteDetected, SessionEnded, StepSkipped
-from eventbus_debug.integrations._common import FitSession, LossAccumulator, batch_size, require
+from eventbus_debug.integrations._common import (
+    FitSession,
+    LossAccumulator,
+    SampleCounter,
+    batch_size,
+    clip_gradients,
+    require,
+)
 from eventbus_debug.integrations.ignite import EventBusDebugHandler
 
 
@@ -33,6 +40,49 @@ def test_loss_accumulator_sums_or_averages_and_resets() -> None:
     acc.add(torch.tensor(1.0))
     nan = acc.take()
     assert nan is not None and math.isnan(float(nan))
+
+
+def test_loss_accumulator_counts_the_losses_of_the_window() -> None:
+    """count says how many micro-batch losses the next take() covers (a short window)."""
+    acc = LossAccumulator()
+    acc.add(torch.tensor(1.0))
+    acc.add(torch.tensor(3.0))
+    assert acc.count == 2
+    acc.take()
+    assert acc.count == 0
+
+
+def test_sample_counter_adds_up_a_window_and_an_unknown_size_makes_it_unknown() -> None:
+    """The samples of a step's micro-batches; one of unknown size: the step's is unknown."""
+    counter = SampleCounter()
+    assert counter.take() is None
+    counter.add(8)
+    counter.add(3)
+    assert counter.take() == 11
+    assert counter.take() is None
+    counter.add(8)
+    counter.add(None)
+    assert counter.take() is None
+    counter.add(2)
+    assert counter.take() == 2
+
+
+def test_clip_gradients_is_torchs_clip_grad_norm_bit_for_bit() -> None:
+    """The frameworks' own call: the same clipped gradients and the same returned norm."""
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 3)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    x = torch.randn(32, 16)
+    for model in models:
+        model(x).pow(2).sum().backward()
+        model[0].bias.grad = None  # a parameter without a gradient is left alone
+    expected = torch.nn.utils.clip_grad_norm_(models[0].parameters(), 0.01)
+    got = clip_gradients(models[1].parameters(), 0.01)
+    assert torch.equal(expected, got) and float(got) > 0.01
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert (a.grad is None and b.grad is None) or (
+            a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+        )
 
 
 def test_batch_size_finds_the_first_tensor() -> None:
