@@ -11,6 +11,10 @@ session driven from two threads at once is a ``RuntimeError``.
 from __future__ import annotations
 
 import fractions
+import io
+import math
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -26,11 +30,17 @@ from eventbus_debug import (
     SyncSession,
     _validate as v,
 )
-from eventbus_debug.events import StepCompleted
+from eventbus_debug.events import Event, GradientExploded, Severity, StepCompleted
 from eventbus_debug.exceptions import ArgumentTypeError
 from eventbus_debug.probes import StepProbe
+from eventbus_debug.probes.finite import MAX_NESTING, non_finite_counts
 from eventbus_debug.probes.levels import level_of
+from eventbus_debug.recovery import StrategySpec
+from eventbus_debug.recovery.registry import Registration
+from eventbus_debug.recovery.safepoint.snapshot import StateSnapshots
 from eventbus_debug.session import options
+from eventbus_debug.sinks import ConsoleSink
+from eventbus_debug.sinks.alerts import AlertRule, AlertSink, WebhookAlert, rules
 from eventbus_debug.testing import RecordingSink
 
 HUGE = 10**400
@@ -48,6 +58,94 @@ def _backward(model: nn.Module) -> None:
 
 def _quiet(**knobs: Any) -> dict[str, Any]:
     return {"log_dir": None, "report": False, "alerts": False, "system_interval": None, **knobs}
+
+
+# -- constructors with their own checks -----------------------------------------------------------
+
+
+class _Publisher:
+    def publish_nowait(self, event: Event, /) -> None:
+        pass
+
+    def publish_many_nowait(self, events: Iterable[Event], /) -> None:
+        pass
+
+
+def _rule(**kw: Any) -> AlertRule:
+    return AlertRule(event_types=(GradientExploded,), **kw)
+
+
+_WRONG_TYPES: list[tuple[str, Any]] = [
+    ("every", lambda x: StateSnapshots(every=x)),
+    ("step_every", lambda x: ConsoleSink(io.StringIO(), step_every=x)),
+    ("min_severity", lambda x: ConsoleSink(io.StringIO(), min_severity=x)),
+    ("timeout", lambda x: AlertSink(_Publisher(), timeout=x)),
+    ("flush_interval", lambda x: AlertSink(_Publisher(), flush_interval=x)),
+    ("timeout", lambda x: WebhookAlert("http://127.0.0.1:9/hook", timeout=x)),
+    ("url", lambda x: WebhookAlert(x)),
+    ("cooldown", lambda x: _rule(cooldown=x)),
+    ("rate_limit", lambda x: _rule(rate_limit=x)),
+    ("rate_window", lambda x: _rule(rate_window=x)),
+    ("percent", lambda x: rules.cpu_above(x)),
+    ("sustain", lambda x: rules.memory_above(90.0, sustain=x)),
+    ("max_attempts", lambda x: Registration(_spec(max_attempts=x), 0)),
+    (
+        "max_consecutive",
+        lambda x: Registration(_spec(max_consecutive=x), 0),
+    ),
+]
+
+
+def _spec(**kw: Any) -> StrategySpec:
+    return StrategySpec(on=GradientExploded, strategy=lambda incident, history: None, **kw)
+
+
+@pytest.mark.parametrize(("name", "build"), _WRONG_TYPES, ids=[n for n, _ in _WRONG_TYPES])
+@pytest.mark.parametrize("bad", ["1", True, [1], b"x"], ids=["str", "bool", "list", "bytes"])
+def test_constructor_wrong_type(name: str, build: Any, bad: object) -> None:
+    """A wrong type is an ArgumentTypeError naming the argument: a TypeError, and the
+    ValueError these constructors raised before."""
+    if name == "url" and isinstance(bad, str | bool):
+        bad = 1.5  # any str is a URL's type
+    with pytest.raises(ArgumentTypeError, match=rf"{name} must be") as err:
+        build(bad)
+    assert isinstance(err.value, TypeError) and isinstance(err.value, ValueError)
+
+
+_OUT_OF_RANGE: list[tuple[str, Any, object]] = [
+    ("every", lambda x: StateSnapshots(every=x), 0),
+    ("step_every", lambda x: ConsoleSink(io.StringIO(), step_every=x), 0),
+    ("timeout", lambda x: AlertSink(_Publisher(), timeout=x), 0),
+    ("timeout", lambda x: AlertSink(_Publisher(), timeout=x), HUGE),
+    ("flush_interval", lambda x: AlertSink(_Publisher(), flush_interval=x), -1.0),
+    ("timeout", lambda x: WebhookAlert("http://127.0.0.1:9/hook", timeout=x), HUGE),
+    ("url", lambda x: WebhookAlert(x), "ftp://host"),
+    ("cooldown", lambda x: _rule(cooldown=x), -1),
+    ("cooldown", lambda x: _rule(cooldown=x), HUGE),
+    ("cooldown", lambda x: _rule(cooldown=x), float("nan")),
+    ("rate_limit", lambda x: _rule(rate_limit=x), 0),
+    ("rate_window", lambda x: _rule(rate_window=x), HUGE),
+    ("percent", lambda x: rules.cpu_above(x), 101),
+    ("sustain", lambda x: rules.memory_above(90.0, sustain=x), 0),
+    ("max_attempts", lambda x: Registration(_spec(max_attempts=x), 0), 0),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "build", "bad"), _OUT_OF_RANGE, ids=[f"{n}={b!r:.10}" for n, _, b in _OUT_OF_RANGE]
+)
+def test_constructor_out_of_range(name: str, build: Any, bad: object) -> None:
+    with pytest.raises(ValueError, match=rf"{name} must be") as err:
+        build(bad)
+    assert not isinstance(err.value, TypeError)
+
+
+def test_constructors_keep_their_values() -> None:
+    assert StateSnapshots(every=3).every == 3
+    assert _rule(cooldown=math.inf).cooldown == math.inf  # each key delivered once
+    assert _rule(cooldown=2, rate_window=1).rate_window == 1.0
+    assert WebhookAlert("https://example.invalid/hook", timeout=2).timeout == 2.0
+    assert ConsoleSink(io.StringIO(), step_every=5, min_severity=Severity.WARNING) is not None
 
 
 # -- numbers too large for a float -----------------------------------------------------------------
@@ -255,3 +353,103 @@ class TestLevelNames:
                 session.set_level(3)  # type: ignore[arg-type]
             levels.append(session.level)
         assert levels == [DebugLevel.OFF, DebugLevel.OFF]
+
+
+# -- deep nesting ----------------------------------------------------------------------------------
+
+
+def _nested(depth: int, leaf: object) -> object:
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+class TestDeepNesting:
+    def test_at_the_limit_checked(self) -> None:
+        counts = non_finite_counts(_nested(MAX_NESTING, torch.tensor([math.nan])), name="out")
+        assert counts.nan_count == 1
+
+    @pytest.mark.parametrize("depth", [MAX_NESTING + 1, 5000])
+    def test_deeper_refused(self, depth: int) -> None:
+        with pytest.raises(ValueError, match=r"containers nested more than 100 deep \(at out\[0\]"):
+            non_finite_counts(_nested(depth, 1.0), name="out")
+
+    def test_mappings_count_too(self) -> None:
+        value: object = {"x": 1.0}
+        for _ in range(MAX_NESTING):
+            value = {"x": value}
+        with pytest.raises(ValueError, match=r"nested more than 100 deep"):
+            non_finite_counts(value)
+
+    def test_session_check_tensor(self) -> None:
+        model, opt = _setup()
+        with SyncSession(model, opt, **_quiet()) as session:
+            with pytest.raises(ValueError, match=r"nested more than 100 deep \(at deep\[0\]"):
+                session.check_tensor(_nested(5000, torch.zeros(1)), "deep")
+            assert session.check_tensor(_nested(50, torch.zeros(1)), "shallow")
+
+
+# -- one session, two threads ----------------------------------------------------------------------
+
+GUARD_S = 60.0
+"""A bound on every wait below (never reached when the code is right)."""
+
+
+class TestTwoThreads:
+    def test_overlapping_calls_refused(self) -> None:
+        """While one thread is inside training_step, another thread's step calls are refused;
+        once it finished, the other thread may go on."""
+        model, opt = _setup()
+        inside, release = threading.Event(), threading.Event()
+
+        def slow_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            inside.set()
+            assert release.wait(GUARD_S)
+            return nn.functional.mse_loss(out, target)
+
+        errors: list[BaseException] = []
+        sink = RecordingSink()
+        with SyncSession(model, opt, **_quiet(sinks=[sink])) as session:
+
+            def first() -> None:
+                try:
+                    session.training_step(torch.randn(3, 4), torch.randn(3, 1), slow_loss, step=0)
+                except BaseException as exc:  # reported by the assert below
+                    errors.append(exc)
+
+            thread = threading.Thread(target=first, name="first-loop")
+            thread.start()
+            try:
+                assert inside.wait(GUARD_S)
+                x, y = torch.randn(3, 4), torch.randn(3, 1)
+                with pytest.raises(RuntimeError, match=r"training_step was called from thread"):
+                    session.training_step(x, y, nn.functional.mse_loss, step=1)
+                with pytest.raises(RuntimeError, match=r"check_step was called .* same session"):
+                    session.check_step(1, loss=0.5)
+                with pytest.raises(RuntimeError, match=r"step_completed was called"):
+                    session.step_completed(1, loss=0.5)
+            finally:
+                release.set()
+                thread.join(GUARD_S)
+            assert not thread.is_alive() and not errors
+            # the first thread finished: this one may use the session now
+            session.training_step(torch.randn(3, 4), torch.randn(3, 1), nn.functional.mse_loss)
+            session.check_step(2, loss=0.5)
+            session.step_completed(2, loss=0.5)
+            assert session.steps_completed == 3
+        steps = [e.step for e in sink.events if isinstance(e, StepCompleted)]
+        assert steps == [0, 1, 2]
+
+    def test_same_thread_nesting_is_not_concurrency(self) -> None:
+        """A call made inside a step on the same thread (a loss function that records a
+        sub-step) is not refused as another thread's."""
+        model, opt = _setup()
+        with SyncSession(model, opt, **_quiet()) as session:
+
+            def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+                session.step_completed(100, loss=0.25)
+                return nn.functional.mse_loss(out, target)
+
+            session.training_step(torch.randn(3, 4), torch.randn(3, 1), loss_fn, step=0)
+            assert session.steps_completed == 2

@@ -23,7 +23,12 @@ from typing import Final
 import numpy as np
 import torch
 
-__all__ = ("NonFiniteCounts", "non_finite_counts", "stored_values")
+__all__ = ("MAX_NESTING", "NonFiniteCounts", "non_finite_counts", "stored_values")
+
+MAX_NESTING: Final = 100
+"""The deepest nesting of containers :func:`non_finite_counts` walks (``[[[x]]]`` is 3): a
+training loop's outputs nest a few levels; a deeper structure is refused with a ValueError
+rather than exhausting Python's recursion limit."""
 
 _SPARSE_COMPRESSED: Final = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 _RAW_BITS: Final = frozenset(
@@ -162,6 +167,13 @@ class _Walk:
             if id(value) in self.on_path:
                 msg = f"{path} contains itself; a nested structure to check must be a tree"
                 raise ValueError(msg)
+            if len(self.on_path) >= MAX_NESTING:  # on_path holds the containers above value
+                msg = (
+                    f"containers nested more than {MAX_NESTING} deep (at {_head(path)}); "
+                    f"non-finite checks walk at most {MAX_NESTING} levels: check the inner "
+                    "values apart"
+                )
+                raise ValueError(msg)
             self.on_path.add(id(value))
             try:
                 if isinstance(value, Mapping):
@@ -240,7 +252,8 @@ def non_finite_counts(value: object, *, name: str = "value") -> NonFiniteCounts:
     Raises:
         TypeError: if *value*, or a leaf inside it, is of another type (the path names it), or
             a tensor's dtype holds raw bits.
-        ValueError: if a tensor is a meta tensor (no values), or a container contains itself.
+        ValueError: if a tensor is a meta tensor (no values), a container contains itself, or
+            containers are nested more than :data:`MAX_NESTING` (100) deep.
     """
     if not isinstance(name, str):
         msg = f"name must be a str, got {type(name).__qualname__}"
@@ -257,3 +270,8 @@ def non_finite_counts(value: object, *, name: str = "value") -> NonFiniteCounts:
         non_finite=tuple(p for p, _, _ in bad),
         skipped=tuple(walk.skipped),
     )
+
+
+def _head(path: str) -> str:
+    """*path* for a message: a deep one's first 60 characters (``value[0][0][0]...``)."""
+    return path if len(path) <= 60 else path[:57] + "..."

@@ -222,9 +222,9 @@ class Registration:
             if value is not None:
                 try:
                     positive_int(arg, value)
-                except ValueError as exc:
+                except ValueError as exc:  # an ArgumentTypeError keeps its type
                     msg = f"{exc} or None (strategy {self.name!r})"
-                    raise ValueError(msg) from None
+                    raise type(exc)(msg) from None
         self.max_attempts = spec.max_attempts
         self.max_consecutive = spec.max_consecutive
         self.event_types: list[type[Anomaly]] = []

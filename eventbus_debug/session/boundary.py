@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from typing import Any, Final, TypeAlias, TypeVar
+from typing import Any, Final, NoReturn, TypeAlias, TypeVar
 
 import anyio.lowlevel
 import torch
@@ -79,6 +80,18 @@ def run_sync(body: Body[R]) -> R:
     except BaseException:
         body.close()
         raise
+
+
+def _concurrent(entry: str) -> NoReturn:
+    """Refuse a blocking *entry* called while another thread is inside one."""
+    msg = (
+        f"{entry} was called from thread {threading.current_thread().name!r} while another "
+        "thread is inside training_step, check_step or step_completed of the same session: a "
+        "session checks one training loop, whose steps must not overlap (its step numbers, "
+        "baselines and safe point would be garbled); use one session per thread, or a lock "
+        "around the whole step"
+    )
+    raise RuntimeError(msg)
 
 
 def _batch_size(inputs: object) -> int | None:
@@ -164,6 +177,9 @@ class StepBoundary:
         """The step being checked or last completed (None before the first)."""
         self.steps_completed = 0
         self._last_step_t: float | None = None
+        self._busy = threading.RLock()
+        """Held by the thread inside a blocking entry: another thread's call is refused (one
+        session checks one loop; two threads' steps would interleave and garble its state)."""
 
     # -- the entries ------------------------------------------------------------------------------
 
@@ -185,8 +201,18 @@ class StepBoundary:
         return self._check_end(started, self._decided(step, verdict, safe_point, decision))
 
     def check_sync(self, step: int, loss: torch.Tensor | float | None = None) -> Verdict:
-        """:meth:`check`, blocking."""
-        return run_sync(self._check(step, loss))
+        """:meth:`check`, blocking.
+
+        Raises:
+            RuntimeError: if another thread is inside a blocking entry of this boundary.
+        """
+        busy = self._busy
+        if not busy.acquire(False):
+            _concurrent("check_step")
+        try:
+            return run_sync(self._check(step, loss))
+        finally:
+            busy.release()
 
     async def completed(
         self,
@@ -211,8 +237,18 @@ class StepBoundary:
         learning_rate: float | None = None,
         samples: int | None = None,
     ) -> None:
-        """:meth:`completed`, blocking."""
-        run_sync(self._completed(step, loss, learning_rate, samples))
+        """:meth:`completed`, blocking.
+
+        Raises:
+            RuntimeError: if another thread is inside a blocking entry of this boundary.
+        """
+        busy = self._busy
+        if not busy.acquire(False):
+            _concurrent("step_completed")
+        try:
+            run_sync(self._completed(step, loss, learning_rate, samples))
+        finally:
+            busy.release()
 
     async def training_step(
         self,
@@ -235,8 +271,18 @@ class StepBoundary:
         step: int | None = None,
         samples: int | None = None,
     ) -> TrainingStepResult:
-        """:meth:`training_step`, blocking."""
-        return run_sync(self._training_step(inputs, targets, loss_fn, step, samples))
+        """:meth:`training_step`, blocking.
+
+        Raises:
+            RuntimeError: if another thread is inside a blocking entry of this boundary.
+        """
+        busy = self._busy
+        if not busy.acquire(False):
+            _concurrent("training_step")
+        try:
+            return run_sync(self._training_step(inputs, targets, loss_fn, step, samples))
+        finally:
+            busy.release()
 
     def next_step(self, step: int | None) -> int:
         """*step*, or the one after the last (0 at first)."""

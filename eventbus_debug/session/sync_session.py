@@ -172,7 +172,8 @@ class SyncSession(SessionBase[SyncEventBus]):
         Blocks while recovery catches up with this step's incidents.
 
         Raises:
-            RuntimeError: if the session is not running.
+            RuntimeError: if the session is not running, or another thread is inside its
+                ``training_step``, ``check_step`` or ``step_completed`` (one loop per session).
             TrainingStopped: if recovery decided to stop.
         """
         return self._running().check_sync(step, loss)
@@ -188,7 +189,8 @@ class SyncSession(SessionBase[SyncEventBus]):
         """Record that *step* finished, and hand this step's events to the bus's thread.
 
         Raises:
-            RuntimeError: if the session is not running.
+            RuntimeError: if the session is not running, or another thread is inside its
+                ``training_step``, ``check_step`` or ``step_completed`` (one loop per session).
         """
         self._running().completed_sync(
             step, loss=loss, learning_rate=learning_rate, samples=samples
@@ -216,7 +218,9 @@ class SyncSession(SessionBase[SyncEventBus]):
         """One fully checked step; see :meth:`Session.training_step`.
 
         Raises:
-            RuntimeError: if the session has no optimizer or is not running.
+            RuntimeError: if the session has no optimizer or is not running, or another thread
+                is inside its ``training_step``, ``check_step`` or ``step_completed`` (calls
+                from several threads one after another are fine; overlapping ones are not).
         """
         return self._running().training_step_sync(
             inputs, targets, loss_fn, step=step, samples=samples

@@ -24,6 +24,7 @@ from typing import Final, TextIO
 import anyio
 
 from eventbus_debug.events import Event, Severity
+from eventbus_debug.exceptions import ArgumentTypeError
 from eventbus_debug.threads import run_in_daemon_thread
 
 from ._terminal import resolve_stream, write_text
@@ -53,8 +54,10 @@ class ConsoleSink:
         name: the subscription name the bus uses.
 
     Raises:
-        ValueError: if *step_every* is not a positive integer or *min_severity* is not a
-            :class:`~eventbus_debug.Severity`.
+        ArgumentTypeError: if *step_every* is not an int or *min_severity* is not a
+            :class:`~eventbus_debug.Severity` (a ``TypeError``, and the ``ValueError`` earlier
+            releases raised).
+        ValueError: if *step_every* is below 1.
         TypeError: if an entry of *event_types* or *exclude* is not an Event subclass, or
             *telemetry* is not a bool.
     """
@@ -72,9 +75,12 @@ class ConsoleSink:
         name: str = "console",
     ) -> None:
         if not isinstance(min_severity, Severity):
-            msg = f"min_severity must be a Severity, got {min_severity!r}"
-            raise ValueError(msg)
-        if isinstance(step_every, bool) or not isinstance(step_every, int) or step_every < 1:
+            msg = f"min_severity must be a Severity (e.g. Severity.WARNING), got {min_severity!r}"
+            raise ArgumentTypeError(msg)
+        if isinstance(step_every, bool) or not isinstance(step_every, int):
+            msg = f"step_every must be a positive integer, got {step_every!r}"
+            raise ArgumentTypeError(msg)
+        if step_every < 1:
             msg = f"step_every must be a positive integer, got {step_every!r}"
             raise ValueError(msg)
         if not isinstance(telemetry, bool):

@@ -20,6 +20,7 @@ from torch import nn
 from eventbus_debug.diagnostics import get_logger
 
 from ..._tensors import copy_all
+from ..._validate import positive_int
 from ..lr import GROUP_LR_KEYS
 
 __all__ = ("NoGoodStateError", "StateSnapshots")
@@ -188,6 +189,7 @@ class StateSnapshots:
             dict of tensors) loaded as the initial good state, with ``weights_only=True``.
 
     Raises:
+        ArgumentTypeError: if *every* is not an int (a ``TypeError`` and a ``ValueError``).
         ValueError: if *every* < 1.
         FileNotFoundError: if *checkpoint* does not exist.
     """
@@ -195,10 +197,10 @@ class StateSnapshots:
     def __init__(
         self, *, every: int = DEFAULT_EVERY, checkpoint: str | os.PathLike[str] | None = None
     ) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            msg = f"every must be a positive integer (good steps between snapshots), got {every!r}"
-            raise ValueError(msg)
-        self.every = every
+        try:
+            self.every = positive_int("every", every)
+        except ValueError as exc:  # an ArgumentTypeError keeps its type
+            raise type(exc)(f"{exc} (good steps between snapshots)") from None
         self._model: dict[str, torch.Tensor] | None = None
         self._optimizer: dict[str, Any] | None = None
         self._plan: _Plan | None = None

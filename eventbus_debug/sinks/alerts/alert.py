@@ -18,6 +18,7 @@ from eventbus_debug.log.encoding import encode_event
 
 from .._events import AlertHandlerFailed as AlertHandlerFailed
 from ..lines import describe
+from ._checks import count, seconds
 
 __all__ = (
     "DEFAULT_COOLDOWN",
@@ -68,6 +69,8 @@ class AlertRule:
     Raises:
         ValueError: if no event type is given, or a number is out of range (the message names
             the argument).
+        ArgumentTypeError: if *cooldown*, *rate_limit* or *rate_window* is not a number (an int
+            for *rate_limit*; a ``TypeError``, and the ``ValueError`` earlier releases raised).
         TypeError: if an event type is not an :class:`~eventbus_debug.Event` subclass, or
             ``when`` (when given) or ``key`` is not callable (else every event would fail).
     """
@@ -97,19 +100,18 @@ class AlertRule:
             msg = f"min_severity must be a Severity, got {self.min_severity!r}"
             raise TypeError(msg)
         _check_rule_callables(when=self.when, key=self.key)
-        if not (isinstance(self.cooldown, (int, float)) and self.cooldown >= 0):
-            msg = f"cooldown must be a number of seconds >= 0, got {self.cooldown!r}"
-            raise ValueError(msg)
-        if self.rate_limit is not None and (
-            isinstance(self.rate_limit, bool)
-            or not isinstance(self.rate_limit, int)
-            or self.rate_limit < 1
-        ):
-            msg = f"rate_limit must be None or an integer >= 1, got {self.rate_limit!r}"
-            raise ValueError(msg)
-        if not (isinstance(self.rate_window, (int, float)) and self.rate_window > 0):
-            msg = f"rate_window must be a number of seconds > 0, got {self.rate_window!r}"
-            raise ValueError(msg)
+        cooldown = seconds(
+            "cooldown",
+            self.cooldown,
+            rule="a number of seconds >= 0 (math.inf: once per key)",
+            zero=True,
+            infinite=True,
+        )
+        object.__setattr__(self, "cooldown", cooldown)
+        if self.rate_limit is not None:
+            count("rate_limit", self.rate_limit, rule="None or an integer >= 1")
+        window = seconds("rate_window", self.rate_window, rule="a finite number of seconds > 0")
+        object.__setattr__(self, "rate_window", window)
         if not self.name:
             object.__setattr__(self, "name", "|".join(t.__name__ for t in types))
 

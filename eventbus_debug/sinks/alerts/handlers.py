@@ -15,9 +15,11 @@ from eventbus_debug.diagnostics import get_logger
 from eventbus_debug.events import (
     Severity,
 )
+from eventbus_debug.exceptions import ArgumentTypeError
 
 from .._terminal import resolve_stream, write_text
 from ..lines import format_event, use_colors
+from ._checks import brief, seconds
 from .alert import Alert, alert_to_dict
 
 __all__ = ("FileAlert", "LogAlert", "StderrAlert", "WebhookAlert")
@@ -119,7 +121,9 @@ class WebhookAlert:
 
     Raises:
         ImportError: if httpx is not installed.
-        ValueError: if *url* is not an http(s) URL or *timeout* is not positive.
+        ArgumentTypeError: if *url* is not a str or *timeout* not a number (a ``TypeError``,
+            and the ``ValueError`` earlier releases raised).
+        ValueError: if *url* is not an http(s) URL or *timeout* is not a finite number > 0.
     """
 
     def __init__(
@@ -133,14 +137,14 @@ class WebhookAlert:
                 "pip install 'eventbus-debug[http]'"
             )
             raise ImportError(msg) from None
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        if not isinstance(url, str):
+            msg = f"url must be an http:// or https:// URL (a str), got {brief(url)}"
+            raise ArgumentTypeError(msg)
+        if not url.startswith(("http://", "https://")):
             msg = f"url must be an http:// or https:// URL, got {url!r}"
             raise ValueError(msg)
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            msg = f"timeout must be a positive number of seconds, got {timeout!r}"
-            raise ValueError(msg)
+        self.timeout = seconds("timeout", timeout, rule="a finite number of seconds > 0")
         self.url = url
-        self.timeout = float(timeout)
         self.headers = dict(headers or {})
         self._httpx = httpx
 

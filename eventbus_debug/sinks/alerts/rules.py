@@ -14,7 +14,9 @@ from eventbus_debug.events import (
     ResourceThresholdExceeded,
     SystemSampled,
 )
+from eventbus_debug.exceptions import ArgumentTypeError
 
+from ._checks import brief, count
 from .alert import DEFAULT_COOLDOWN, AlertRule
 
 __all__ = ("rules",)
@@ -101,12 +103,13 @@ class _Rules:
 
     @staticmethod
     def _metric(metric: str, threshold: float, sustain: int, cooldown: float) -> AlertRule:
-        if not (isinstance(threshold, (int, float)) and 0 < threshold <= 100):
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float):
+            msg = f"percent must be a number in (0, 100], got {brief(threshold)}"
+            raise ArgumentTypeError(msg)
+        if not 0 < threshold <= 100:
             msg = f"percent must be in (0, 100], got {threshold!r}"
             raise ValueError(msg)
-        if isinstance(sustain, bool) or not isinstance(sustain, int) or sustain < 1:
-            msg = f"sustain must be an integer >= 1 (readings in a row), got {sustain!r}"
-            raise ValueError(msg)
+        count("sustain", sustain, rule="an integer >= 1 (readings in a row)")
         name = f"{metric}>{threshold:g}"
         return AlertRule(
             event_types=(SystemSampled, ResourceThresholdExceeded),

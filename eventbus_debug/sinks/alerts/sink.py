@@ -48,6 +48,7 @@ from eventbus_debug.events import (
 )
 from eventbus_debug.threads import run_in_daemon_thread
 
+from ._checks import seconds
 from .alert import (
     DEFAULT_COOLDOWN,
     Alert,
@@ -135,7 +136,9 @@ class AlertSink:
     Raises:
         TypeError: if *bus* has no callable ``publish_nowait`` (a failing handler would then
             go unreported), *clock* is not callable or *name* is not a string.
-        ValueError: if *timeout* or *flush_interval* is not a positive number.
+        ArgumentTypeError: if *timeout* or *flush_interval* is not a number (a ``TypeError``,
+            and the ``ValueError`` earlier releases raised).
+        ValueError: if *timeout* or *flush_interval* is not a finite number > 0.
     """
 
     def __init__(
@@ -159,16 +162,12 @@ class AlertSink:
         if not isinstance(name, str):
             msg = f"name must be a str, got {type(name).__qualname__}"
             raise TypeError(msg)
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            msg = f"timeout must be a positive number of seconds, got {timeout!r}"
-            raise ValueError(msg)
-        if flush_interval is not None and not (
-            isinstance(flush_interval, (int, float)) and flush_interval > 0
-        ):
-            msg = f"flush_interval must be None or a positive number, got {flush_interval!r}"
-            raise ValueError(msg)
+        self._timeout = seconds("timeout", timeout, rule="a finite number of seconds > 0")
+        if flush_interval is not None:
+            flush_interval = seconds(
+                "flush_interval", flush_interval, rule="None or a finite number of seconds > 0"
+            )
         self._bus = bus
-        self._timeout = float(timeout)
         self._clock = clock
         self._flush_interval = flush_interval
         self.name = name
