@@ -133,7 +133,7 @@ class TestDefaultName:
         assert default_name(RecordingSink(name="mine")) == "mine"
 
     def test_function_uses_its_qualname(self) -> None:
-        """A handler function is named after its qualified name."""
+        """A handler function is named after its sink (function name without <locals>, or class name)."""
 
         async def handler(event: Event) -> None:
             del event
