@@ -453,3 +453,17 @@ class TestTwoThreads:
 
             session.training_step(torch.randn(3, 4), torch.randn(3, 1), loss_fn, step=0)
             assert session.steps_completed == 2
+
+
+@pytest.mark.parametrize("bad", [-5, True, "3", 2**63])
+def test_refused_step_is_not_the_sessions_step(bad: object) -> None:
+    """A check_step refused for its step leaves the session's step as it was: the next
+    auto-numbered training_step goes on from the last good one."""
+    model, opt = _setup()
+    with SyncSession(model, opt, **_quiet()) as session:
+        session.training_step(torch.randn(3, 4), torch.randn(3, 1), nn.functional.mse_loss)
+        with pytest.raises((TypeError, ValueError), match=r"step must"):
+            session.check_step(bad, loss=0.5)  # type: ignore[arg-type]
+        assert session.step == 0
+        result = session.training_step(torch.randn(3, 4), torch.randn(3, 1), nn.functional.mse_loss)
+        assert result.step == 1

@@ -316,6 +316,8 @@ class StepBoundary:
 
     def _check_begin(self, step: int) -> float:
         """The start of a step's checks: its number, and the time they started."""
+        if step.__class__ is not int or not 0 <= step <= INT64_MAX:
+            StepProbe._validate(step, None)  # a refused step never becomes the session's step
         self.step = step
         return self.meter.clock()
 
