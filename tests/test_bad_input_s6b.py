@@ -15,6 +15,7 @@ import io
 import math
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -467,3 +468,16 @@ def test_refused_step_is_not_the_sessions_step(bad: object) -> None:
         assert session.step == 0
         result = session.training_step(torch.randn(3, 4), torch.randn(3, 1), nn.functional.mse_loss)
         assert result.step == 1
+
+
+@pytest.mark.parametrize("name", ["flush_interval", "wake_interval"])
+def test_rotating_file_sink_seconds_too_large_or_wrong_type(tmp_path: Path, name: str) -> None:
+    """A log sink's seconds: an int too large for a float is a ValueError naming the argument
+    (never a bare OverflowError from the writer later), a string an ArgumentTypeError."""
+    from eventbus_debug.exceptions import ArgumentTypeError
+    from eventbus_debug.sinks import RotatingFileSink
+
+    with pytest.raises(ValueError, match=f"{name} must be a finite number of seconds"):
+        RotatingFileSink(tmp_path, **{name: 10**400})
+    with pytest.raises(ArgumentTypeError, match=name):
+        RotatingFileSink(tmp_path, **{name: "1"})

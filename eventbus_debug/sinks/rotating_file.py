@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import errno
 import gzip
+import math
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Final
 
 from eventbus_debug.events import Event, current_rank, has_incident
+from eventbus_debug.exceptions import ArgumentTypeError
 from eventbus_debug.log.files import log_file_name
 from eventbus_debug.threads import DaemonWorker
 
@@ -370,11 +372,13 @@ def _check_int(name: str, value: object, *, minimum: int) -> None:
 
 
 def _check_seconds(name: str, value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not value >= 0
-        or value == float("inf")
-    ):
-        msg = f"{name} must be a finite number of seconds >= 0, got {value!r}"
+    msg = f"{name} must be a finite number of seconds >= 0, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(msg)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int too large for a float (10**400)
+        msg = f"{name} must be a finite number of seconds >= 0, got an int of {len(str(value))} digits"
+        raise ValueError(msg) from None
+    if not (seconds >= 0 and math.isfinite(seconds)):
         raise ValueError(msg)
