@@ -477,7 +477,9 @@ def test_rotating_file_sink_seconds_too_large_or_wrong_type(tmp_path: Path, name
     from eventbus_debug.exceptions import ArgumentTypeError
     from eventbus_debug.sinks import RotatingFileSink
 
+    too_large: dict[str, Any] = {name: 10**400}
+    wrong_type: dict[str, Any] = {name: "1"}
     with pytest.raises(ValueError, match=f"{name} must be a finite number of seconds"):
-        RotatingFileSink(tmp_path, **{name: 10**400})
+        RotatingFileSink(tmp_path, **too_large)
     with pytest.raises(ArgumentTypeError, match=name):
-        RotatingFileSink(tmp_path, **{name: "1"})
+        RotatingFileSink(tmp_path, **wrong_type)
