@@ -11,6 +11,7 @@ of the wrong type (a string, None, a bool, a list where a number goes) is an
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Final, TypeGuard
 
 from .exceptions import ArgumentTypeError
@@ -26,6 +27,7 @@ __all__ = (
     "positive_number",
     "positive_seconds",
     "publisher",
+    "real_number",
 )
 
 
@@ -56,6 +58,25 @@ def brief(value: object) -> str:
         return f"an int of about {int(value.bit_length() * 0.30103) + 1} digits"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def real_number(name: str, value: object, *, expected: str = "a number") -> float:
+    """*value*, a real number that may not be a float (an int, ``numpy.float32(0.5)``, a
+    ``Fraction``), as a float.
+
+    Raises:
+        TypeError: if *value* is not a real number (a bool, a complex, a string, a list...);
+            the message says *name* must be *expected*.
+        ValueError: if *value* is too large for a float (``10**400``).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        msg = f"{name} must be {expected}, got {type(value).__qualname__} {brief(value)}"
+        raise TypeError(msg)
+    try:
+        return float(value)
+    except OverflowError:
+        msg = f"{name} must be a number a float can hold (|{name}| <= 1.8e308), got {brief(value)}"
+        raise ValueError(msg) from None
 
 
 def _is_number(value: object) -> TypeGuard[int | float]:

@@ -13,7 +13,6 @@ waits, in the same order.
 from __future__ import annotations
 
 import math
-import numbers
 import operator
 import threading
 import time
@@ -24,7 +23,7 @@ import anyio.lowlevel
 import torch
 from torch import nn
 
-from .._validate import INT64_MAX, brief, int64_count
+from .._validate import INT64_MAX, int64_count, real_number
 from ..events import Event, StepCompleted, StepSkipped
 from ..extras.validation import InputValidator, OutputChecker, Violation
 from ..probes import AnomalyArming, LeakDetector, StepProbe, StepProfiler, StepVerdict
@@ -206,11 +205,17 @@ class StepBoundary:
         Raises:
             RuntimeError: if another thread is inside a blocking entry of this boundary.
         """
+        return self._alone("check_step", self._check(step, loss))
+
+    def _alone(self, entry: str, body: Body[R]) -> R:
+        """Drive *body* blocking, unless another thread is inside a blocking entry (then
+        :func:`_concurrent` names *entry*)."""
         busy = self._busy
         if not busy.acquire(False):
-            _concurrent("check_step")
+            body.close()
+            _concurrent(entry)
         try:
-            return run_sync(self._check(step, loss))
+            return run_sync(body)
         finally:
             busy.release()
 
@@ -242,13 +247,7 @@ class StepBoundary:
         Raises:
             RuntimeError: if another thread is inside a blocking entry of this boundary.
         """
-        busy = self._busy
-        if not busy.acquire(False):
-            _concurrent("step_completed")
-        try:
-            run_sync(self._completed(step, loss, learning_rate, samples))
-        finally:
-            busy.release()
+        self._alone("step_completed", self._completed(step, loss, learning_rate, samples))
 
     async def training_step(
         self,
@@ -276,13 +275,9 @@ class StepBoundary:
         Raises:
             RuntimeError: if another thread is inside a blocking entry of this boundary.
         """
-        busy = self._busy
-        if not busy.acquire(False):
-            _concurrent("training_step")
-        try:
-            return run_sync(self._training_step(inputs, targets, loss_fn, step, samples))
-        finally:
-            busy.release()
+        return self._alone(
+            "training_step", self._training_step(inputs, targets, loss_fn, step, samples)
+        )
 
     def next_step(self, step: int | None) -> int:
         """*step*, or the one after the last (0 at first)."""
@@ -570,14 +565,7 @@ def _number(name: str, value: object) -> float:
             )
             raise ValueError(msg)
         return float(value.detach())
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        msg = f"{name} must be a number, got {type(value).__qualname__} {value!r}"
-        raise TypeError(msg)
-    try:
-        return float(value)
-    except OverflowError:
-        msg = f"{name} must be a number a float can hold (<= 1.8e308), got {brief(value)}"
-        raise ValueError(msg) from None
+    return real_number(name, value)
 
 
 def _samples(samples: object) -> int:

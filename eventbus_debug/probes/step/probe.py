@@ -13,7 +13,6 @@ This module validates, schedules, offloads and reads (at once or deferred);
 from __future__ import annotations
 
 import math
-import numbers
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -26,7 +25,7 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
-from ..._validate import INT64_MAX, brief, int64_count, positive_int, publisher
+from ..._validate import INT64_MAX, int64_count, positive_int, publisher, real_number
 from ...events import LossSpiked
 from ...typing import Publisher
 from ..levels import Cadence, Checks, DebugLevel, Thresholds, checks_due, level_of
@@ -439,17 +438,7 @@ def loss_value(loss: object) -> float | None:
     """
     if loss is None:
         return None
-    if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
-        msg = (
-            "loss must be a one-element tensor or a number, got "
-            f"{type(loss).__qualname__} {brief(loss)}"
-        )
-        raise TypeError(msg)
-    try:
-        return float(loss)
-    except OverflowError:
-        msg = f"loss must be a number a float can hold (|loss| <= 1.8e308), got {brief(loss)}"
-        raise ValueError(msg) from None
+    return real_number("loss", loss, expected="a one-element tensor or a number")
 
 
 def _refuse_tensor(loss: torch.Tensor) -> None:
