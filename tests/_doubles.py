@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
 
 from eventbus_debug.events import Event
 
@@ -18,3 +22,19 @@ class RecordingPublisher:
 
     def publish_many_nowait(self, events: Iterable[Event], /) -> None:
         self.events.extend(events)
+
+
+def small_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A two-layer MLP (4 -> 8 -> 1) and its SGD optimizer, for tests of one step."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05)
+
+
+def backward_once(model: nn.Module) -> None:
+    """One backward pass of :func:`small_model`'s model on a random batch."""
+    model(torch.randn(6, 4)).pow(2).mean().backward()
+
+
+def quiet(**knobs: Any) -> dict[str, Any]:
+    """Session keywords for a session with no log, report, alerts or system sampler."""
+    return {"log_dir": None, "report": False, "alerts": False, "system_interval": None, **knobs}

@@ -45,20 +45,7 @@ from eventbus_debug.probes.memory.leaks import LeakThresholds
 from eventbus_debug.probes.system import ResourceThresholds
 from eventbus_debug.recovery import scale_learning_rate
 from eventbus_debug.testing import RecordingSink
-
-
-def _setup() -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    return model, torch.optim.SGD(model.parameters(), lr=0.05)
-
-
-def _backward(model: nn.Module) -> None:
-    model(torch.randn(6, 4)).pow(2).mean().backward()
-
-
-def _quiet(**knobs: Any) -> dict[str, Any]:
-    return {"log_dir": None, "report": False, "alerts": False, "system_interval": None, **knobs}
-
+from tests._doubles import backward_once, quiet, small_model
 
 # -- 1. step_completed's learning rate: the fast path refuses what the slow path refuses -----
 
@@ -71,9 +58,9 @@ class TestLearningRate:
     async def test_negative_float_refused(self, rate: float) -> None:
         """A negative float (the fast path's type) is a ValueError naming learning_rate, and
         nothing is recorded."""
-        model, opt = _setup()
+        model, opt = small_model()
         recorder = RecordingSink()
-        async with Session(model, opt, **_quiet(sinks=[recorder])) as session:
+        async with Session(model, opt, **quiet(sinks=[recorder])) as session:
             with pytest.raises(ValueError, match=r"learning_rate must be >= 0, got -"):
                 await session.step_completed(0, loss=1.0, learning_rate=rate)
             assert session.steps_completed == 0
@@ -82,9 +69,9 @@ class TestLearningRate:
     @pytest.mark.parametrize("rate", NEGATIVE_RATES)
     def test_negative_float_refused_sync(self, rate: float) -> None:
         """SyncSession's blocking entry runs the same check."""
-        model, opt = _setup()
+        model, opt = small_model()
         recorder = RecordingSink()
-        with SyncSession(model, opt, **_quiet(sinks=[recorder])) as session:
+        with SyncSession(model, opt, **quiet(sinks=[recorder])) as session:
             with pytest.raises(ValueError, match=r"learning_rate must be >= 0, got -"):
                 session.step_completed(0, loss=1.0, learning_rate=rate)
             with pytest.raises(ValueError, match=r"learning_rate must be >= 0"):
@@ -94,9 +81,9 @@ class TestLearningRate:
 
     async def test_nan_infinity_and_zero_kept(self) -> None:
         """As documented: NaN and Infinity are facts worth logging, and 0 (or -0.0) is a rate."""
-        model, opt = _setup()
+        model, opt = small_model()
         recorder = RecordingSink()
-        async with Session(model, opt, **_quiet(sinks=[recorder])) as session:
+        async with Session(model, opt, **quiet(sinks=[recorder])) as session:
             for step, rate in enumerate((math.nan, math.inf, 0.0, -0.0, 0.1)):
                 await session.step_completed(step, loss=1.0, learning_rate=rate)
         rates = [e.learning_rate for e in recorder.of_type(StepCompleted)]
@@ -113,10 +100,10 @@ class TestNumpyLoss:
     @pytest.mark.parametrize("loss", NUMPY_LOSSES, ids=lambda x: type(x).__name__)
     async def test_check_step_and_step_completed_accept(self, loss: Any) -> None:
         """check_step judges a numpy scalar loss; step_completed records it as a float."""
-        model, opt = _setup()
+        model, opt = small_model()
         recorder = RecordingSink()
-        async with Session(model, opt, **_quiet(sinks=[recorder])) as session:
-            _backward(model)
+        async with Session(model, opt, **quiet(sinks=[recorder])) as session:
+            backward_once(model)
             verdict = await session.check_step(0, loss=loss)
             assert verdict.should_step and verdict.finite
             rate: Any = np.float32(0.25)
@@ -127,10 +114,10 @@ class TestNumpyLoss:
 
     @pytest.mark.parametrize("loss", NUMPY_LOSSES, ids=lambda x: type(x).__name__)
     def test_sync_session_accepts(self, loss: Any) -> None:
-        model, opt = _setup()
+        model, opt = small_model()
         recorder = RecordingSink()
-        with SyncSession(model, opt, **_quiet(sinks=[recorder])) as session:
-            _backward(model)
+        with SyncSession(model, opt, **quiet(sinks=[recorder])) as session:
+            backward_once(model)
             assert session.check_step(0, loss=loss).should_step
             session.step_completed(0, loss=loss)
         (event,) = recorder.of_type(StepCompleted)
@@ -138,9 +125,9 @@ class TestNumpyLoss:
 
     def test_numpy_nan_loss_is_not_finite(self) -> None:
         """A NaN numpy loss is judged like a NaN float: not finite, the step is skipped."""
-        model, opt = _setup()
-        with SyncSession(model, opt, **_quiet(recovery=False)) as session:
-            _backward(model)
+        model, opt = small_model()
+        with SyncSession(model, opt, **quiet(recovery=False)) as session:
+            backward_once(model)
             nan: Any = np.float32("nan")
             verdict = session.check_step(0, loss=nan)
             assert not verdict.finite and not verdict.should_step
@@ -152,9 +139,9 @@ class TestNumpyLoss:
     )
     async def test_non_real_refused(self, loss: Any) -> None:
         """Bools, complex numbers, arrays and strings stay a TypeError naming the loss."""
-        model, opt = _setup()
-        async with Session(model, opt, **_quiet()) as session:
-            _backward(model)
+        model, opt = small_model()
+        async with Session(model, opt, **quiet()) as session:
+            backward_once(model)
             with pytest.raises(TypeError, match=r"loss must be"):
                 await session.check_step(0, loss=loss)
             with pytest.raises(TypeError, match=r"loss must be"):
@@ -204,28 +191,28 @@ class TestSinksOption:
         self, make: Callable[..., object], sinks: list[Any], match: str
     ) -> None:
         """A SubscriptionError (a TypeError) naming sinks[i], before anything starts."""
-        model, opt = _setup()
+        model, opt = small_model()
         args = () if make is SessionOptions else (model, opt)
         with pytest.raises(SubscriptionError, match=match) as info:
-            make(*args, **_quiet(sinks=sinks))
+            make(*args, **quiet(sinks=sinks))
         assert isinstance(info.value, TypeError)
 
     @pytest.mark.parametrize("sinks", [_AsyncHandle(), "ab", None, 3])
     def test_not_a_sequence_refused(self, sinks: Any) -> None:
         """One sink instead of a list (or a string, None, a number): a TypeError naming sinks."""
         with pytest.raises(TypeError, match=r"sinks must be a sequence of sinks"):
-            SessionOptions(**_quiet(sinks=sinks))
+            SessionOptions(**quiet(sinks=sinks))
 
     @pytest.mark.parametrize("knob", ["report", "alerts", "console"])
     def test_bad_sink_object_knobs_refused(self, knob: str) -> None:
         """report=, alerts= and console= given a sink whose handle is blocking: named now."""
         with pytest.raises(SubscriptionError, match=rf"^{knob}: sink '_SyncHandle': handle"):
-            SessionOptions(**{**_quiet(), knob: _SyncHandle()})
+            SessionOptions(**{**quiet(), knob: _SyncHandle()})
 
     def test_good_sinks_accepted(self) -> None:
         """Async functions, sink objects, tuples and generators pass; kept as a tuple."""
         recorder, other = RecordingSink(), _AsyncHandle()
-        options = SessionOptions(**_quiet(sinks=(s for s in (recorder, _handler, other))))
+        options = SessionOptions(**quiet(sinks=(s for s in (recorder, _handler, other))))
         assert options.sinks == (recorder, _handler, other)
 
 
@@ -273,15 +260,15 @@ def test_helpers_wrong_value(
 
 
 def _session(**knobs: Any) -> Session:
-    return Session(nn.Linear(2, 1), **_quiet(**knobs))
+    return Session(nn.Linear(2, 1), **quiet(**knobs))
 
 
 def _sync_session(**knobs: Any) -> SyncSession:
-    return SyncSession(nn.Linear(2, 1), **_quiet(**knobs))
+    return SyncSession(nn.Linear(2, 1), **quiet(**knobs))
 
 
 def _scale(**knobs: Any) -> str:
-    return scale_learning_rate(_setup()[1], **knobs)
+    return scale_learning_rate(small_model()[1], **knobs)
 
 
 # (what is built, with which keywords, the argument the message starts with)
@@ -412,7 +399,7 @@ def test_system_sampler_callables(knob: str) -> None:
 @pytest.mark.parametrize("factor", [0, 0.0, -1.0, math.nan, math.inf, -math.inf])
 def test_scale_learning_rate_refuses_bad_factors(factor: float) -> None:
     """As ScaleLR: a finite factor > 0, else a ValueError naming factor; nothing is written."""
-    _, opt = _setup()
+    _, opt = small_model()
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
     with pytest.raises(ValueError, match=r"factor must be a finite number > 0"):
         scale_learning_rate(opt, factor, [scheduler])
@@ -420,7 +407,7 @@ def test_scale_learning_rate_refuses_bad_factors(factor: float) -> None:
 
 
 def test_scale_learning_rate_still_scales() -> None:
-    _, opt = _setup()
+    _, opt = small_model()
     assert scale_learning_rate(opt, 0.5).startswith("lr x0.5: 0.05 -> 0.025")
     assert opt.param_groups[0]["lr"] == 0.025
 

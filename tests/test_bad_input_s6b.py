@@ -43,22 +43,10 @@ from eventbus_debug.session import options
 from eventbus_debug.sinks import ConsoleSink
 from eventbus_debug.sinks.alerts import AlertRule, AlertSink, WebhookAlert, rules
 from eventbus_debug.testing import RecordingSink
+from tests._doubles import backward_once, quiet, small_model
 
 HUGE = 10**400
 """An int no float can hold: ``float(HUGE)`` is an OverflowError."""
-
-
-def _setup() -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-    return model, torch.optim.SGD(model.parameters(), lr=0.05)
-
-
-def _backward(model: nn.Module) -> None:
-    model(torch.randn(6, 4)).pow(2).mean().backward()
-
-
-def _quiet(**knobs: Any) -> dict[str, Any]:
-    return {"log_dir": None, "report": False, "alerts": False, "system_interval": None, **knobs}
 
 
 # -- constructors with their own checks -----------------------------------------------------------
@@ -183,26 +171,26 @@ class TestHugeNumbers:
 
     @pytest.mark.parametrize("meth", ["check_step", "step_completed"])
     def test_loss(self, meth: str) -> None:
-        model, opt = _setup()
-        with SyncSession(model, opt, **_quiet()) as session:
-            _backward(model)
+        model, opt = small_model()
+        with SyncSession(model, opt, **quiet()) as session:
+            backward_once(model)
             for loss in (HUGE, -HUGE, fractions.Fraction(HUGE)):
                 with pytest.raises(ValueError, match=r"loss must be a number a float can hold"):
                     getattr(session, meth)(0, loss=loss)
             assert session.steps_completed == 0
 
     async def test_loss_async(self) -> None:
-        model, opt = _setup()
-        async with Session(model, opt, **_quiet()) as session:
-            _backward(model)
+        model, opt = small_model()
+        async with Session(model, opt, **quiet()) as session:
+            backward_once(model)
             with pytest.raises(ValueError, match=r"loss must be a number a float can hold"):
                 await session.check_step(0, loss=HUGE)
             with pytest.raises(ValueError, match=r"loss must be a number a float can hold"):
                 await session.step_completed(0, loss=HUGE)
 
     def test_learning_rate(self) -> None:
-        model, opt = _setup()
-        with SyncSession(model, opt, **_quiet()) as session:
+        model, opt = small_model()
+        with SyncSession(model, opt, **quiet()) as session:
             with pytest.raises(ValueError, match=r"learning_rate must be a number a float can"):
                 session.step_completed(0, learning_rate=HUGE)
             session.step_completed(0, loss=2**70, learning_rate=2**70)  # large, but a float
@@ -219,19 +207,19 @@ def _sparse() -> torch.Tensor:
 class TestSparseLoss:
     @pytest.mark.parametrize("meth", ["check_step", "step_completed"])
     def test_sync_session_refuses(self, meth: str) -> None:
-        model, opt = _setup()
+        model, opt = small_model()
         sink = RecordingSink()
-        with SyncSession(model, opt, **_quiet(sinks=[sink])) as session:
-            _backward(model)
+        with SyncSession(model, opt, **quiet(sinks=[sink])) as session:
+            backward_once(model)
             with pytest.raises(TypeError, match=r"loss must be a dense tensor.*sparse_coo"):
                 getattr(session, meth)(0, loss=_sparse())
             assert session.steps_completed == 0
         assert not [e for e in sink.events if isinstance(e, StepCompleted)]
 
     async def test_async_session_refuses(self) -> None:
-        model, opt = _setup()
-        async with Session(model, opt, **_quiet()) as session:
-            _backward(model)
+        model, opt = small_model()
+        async with Session(model, opt, **quiet()) as session:
+            backward_once(model)
             with pytest.raises(TypeError, match=r"loss must be a dense tensor"):
                 await session.check_step(0, loss=_sparse())
             with pytest.raises(TypeError, match=r"loss must be a dense tensor"):
@@ -239,22 +227,22 @@ class TestSparseLoss:
 
     @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
     def test_probe_refuses_csr_too(self) -> None:
-        model, _ = _setup()
+        model, _ = small_model()
         probe = StepProbe(model)
         csr = torch.tensor([[0.5]]).to_sparse_csr()
         with pytest.raises(TypeError, match=r"loss must be a dense tensor.*sparse_csr"):
             probe.check_step_sync(0, loss=csr)
 
     def test_learning_rate_refuses_sparse(self) -> None:
-        model, opt = _setup()
-        with SyncSession(model, opt, **_quiet()) as session:
+        model, opt = small_model()
+        with SyncSession(model, opt, **quiet()) as session:
             with pytest.raises(ValueError, match=r"learning_rate must be a number or a one-elem"):
                 session.step_completed(0, learning_rate=_sparse())  # type: ignore[arg-type]
 
     def test_dense_still_accepted(self) -> None:
-        model, opt = _setup()
-        with SyncSession(model, opt, **_quiet()) as session:
-            _backward(model)
+        model, opt = small_model()
+        with SyncSession(model, opt, **quiet()) as session:
+            backward_once(model)
             losses: tuple[torch.Tensor | float, ...] = (
                 torch.tensor(0.5),
                 torch.tensor([[0.5]]),
@@ -272,27 +260,27 @@ class TestProbeNumbers:
         "loss", [np.float32(0.5), np.float64(0.5), np.int64(3), fractions.Fraction(1, 2), 3]
     )
     def test_real_scalars(self, loss: Any) -> None:
-        model, _ = _setup()
-        _backward(model)
+        model, _ = small_model()
+        backward_once(model)
         verdict = StepProbe(model).check_step_sync(0, loss=loss)
         assert verdict.loss == float(loss)
         assert type(verdict.loss) is float
 
     async def test_real_scalar_async(self) -> None:
-        model, _ = _setup()
-        _backward(model)
+        model, _ = small_model()
+        backward_once(model)
         verdict = await StepProbe(model).check_step(0, loss=np.float32(0.5))  # type: ignore[arg-type]
         assert verdict.loss == 0.5
 
     def test_numpy_nan_not_finite(self) -> None:
-        model, _ = _setup()
-        _backward(model)
+        model, _ = small_model()
+        backward_once(model)
         probe = StepProbe(model)
         assert not probe.check_step_sync(0, loss=np.float32("nan")).finite  # type: ignore[arg-type]
 
     @pytest.mark.parametrize("loss", [True, np.bool_(True), 1 + 2j, "0.5", [0.5], np.array([0.5])])
     def test_not_real_refused(self, loss: Any) -> None:
-        model, _ = _setup()
+        model, _ = small_model()
         with pytest.raises(TypeError, match=r"loss must be a one-element tensor or a number"):
             StepProbe(model).check_step_sync(0, loss=loss)
 
@@ -302,12 +290,12 @@ class TestProbeNumbers:
 
 class TestLevelNames:
     def test_constructor_takes_names(self) -> None:
-        model, _ = _setup()
+        model, _ = small_model()
         assert StepProbe(model, level="advanced").level is DebugLevel.ADVANCED
         assert StepProbe(model, level=" EXTREME ").level is DebugLevel.EXTREME
 
     def test_setter_takes_names(self) -> None:
-        model, _ = _setup()
+        model, _ = small_model()
         probe = StepProbe(model, level=DebugLevel.EXTREME)
         assert probe.activation_hooks_armed
         probe.level = "off"
@@ -316,7 +304,7 @@ class TestLevelNames:
 
     @pytest.mark.parametrize("bad", [1, None, True, 0.5, DebugLevel])
     def test_wrong_type(self, bad: object) -> None:
-        model, _ = _setup()
+        model, _ = small_model()
         with pytest.raises(ArgumentTypeError, match=r"level must be a DebugLevel or one of"):
             StepProbe(model, level=bad)  # type: ignore[arg-type]
         probe = StepProbe(model)
@@ -326,7 +314,7 @@ class TestLevelNames:
 
     @pytest.mark.parametrize("bad", ["loud", "", "basic2"])
     def test_unknown_name(self, bad: str) -> None:
-        model, _ = _setup()
+        model, _ = small_model()
         with pytest.raises(ValueError, match=r"level must be one of 'off', 'basic'") as err:
             StepProbe(model, level=bad)
         assert not isinstance(err.value, TypeError)
@@ -345,8 +333,8 @@ class TestLevelNames:
             SessionOptions(level=bad)  # type: ignore[arg-type]
 
     def test_session_set_level(self) -> None:
-        model, opt = _setup()
-        with SyncSession(model, opt, **_quiet(level="advanced")) as session:
+        model, opt = small_model()
+        with SyncSession(model, opt, **quiet(level="advanced")) as session:
             assert session.level is DebugLevel.ADVANCED
             session.set_level("Off")
             levels = [session.level]
@@ -384,8 +372,8 @@ class TestDeepNesting:
             non_finite_counts(value)
 
     def test_session_check_tensor(self) -> None:
-        model, opt = _setup()
-        with SyncSession(model, opt, **_quiet()) as session:
+        model, opt = small_model()
+        with SyncSession(model, opt, **quiet()) as session:
             with pytest.raises(ValueError, match=r"nested more than 100 deep \(at deep\[0\]"):
                 session.check_tensor(_nested(5000, torch.zeros(1)), "deep")
             assert session.check_tensor(_nested(50, torch.zeros(1)), "shallow")
@@ -401,7 +389,7 @@ class TestTwoThreads:
     def test_overlapping_calls_refused(self) -> None:
         """While one thread is inside training_step, another thread's step calls are refused;
         once it finished, the other thread may go on."""
-        model, opt = _setup()
+        model, opt = small_model()
         inside, release = threading.Event(), threading.Event()
 
         def slow_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -411,7 +399,7 @@ class TestTwoThreads:
 
         errors: list[BaseException] = []
         sink = RecordingSink()
-        with SyncSession(model, opt, **_quiet(sinks=[sink])) as session:
+        with SyncSession(model, opt, **quiet(sinks=[sink])) as session:
 
             def first() -> None:
                 try:
@@ -445,8 +433,8 @@ class TestTwoThreads:
     def test_same_thread_nesting_is_not_concurrency(self) -> None:
         """A call made inside a step on the same thread (a loss function that records a
         sub-step) is not refused as another thread's."""
-        model, opt = _setup()
-        with SyncSession(model, opt, **_quiet()) as session:
+        model, opt = small_model()
+        with SyncSession(model, opt, **quiet()) as session:
 
             def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
                 session.step_completed(100, loss=0.25)
@@ -460,8 +448,8 @@ class TestTwoThreads:
 def test_refused_step_is_not_the_sessions_step(bad: object) -> None:
     """A check_step refused for its step leaves the session's step as it was: the next
     auto-numbered training_step goes on from the last good one."""
-    model, opt = _setup()
-    with SyncSession(model, opt, **_quiet()) as session:
+    model, opt = small_model()
+    with SyncSession(model, opt, **quiet()) as session:
         session.training_step(torch.randn(3, 4), torch.randn(3, 1), nn.functional.mse_loss)
         with pytest.raises((TypeError, ValueError), match=r"step must"):
             session.check_step(bad, loss=0.5)  # type: ignore[arg-type]
