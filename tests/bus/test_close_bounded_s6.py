@@ -2,14 +2,14 @@
 
 The sinks here hang in ways a cancellation cannot end: a handler that swallows it, one waiting
 on a worker thread that hangs, a close that shields itself, a synchronous ``close()``. Each
-hang lasts until a watchdog (``RELEASE_S``) releases it, so that a bus that waited for it
+hang lasts until a watchdog (``RELEASE_S``, the ``release`` fixture of conftest.py) releases it, so that a bus that waited for it
 fails the test instead of hanging it; the bus must be closed before the release.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import anyio
 import pytest
@@ -25,23 +25,7 @@ from eventbus_debug.events import (
 )
 from eventbus_debug.testing import RecordingSink
 
-RELEASE_S = 30.0
-"""When the watchdog releases the hung sinks (far beyond any bound the bus may take). Each
-test releases them itself once the bus is closed: the event loop's own shutdown (the end of
-``anyio.run``) waits for the tasks still running, the abandoned ones included."""
 GUARD_S = 60.0
-
-
-@pytest.fixture(name="release")
-def _release() -> Iterator[threading.Event]:
-    """Set by a watchdog after RELEASE_S, and at the end of the test."""
-    released = threading.Event()
-    watchdog = threading.Timer(RELEASE_S, released.set)
-    watchdog.daemon = True
-    watchdog.start()
-    yield released
-    released.set()
-    watchdog.cancel()
 
 
 @pytest.fixture(autouse=True)

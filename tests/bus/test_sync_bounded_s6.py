@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,19 +20,7 @@ from eventbus_debug import SyncEventBus, SyncSession
 from eventbus_debug._bus import subscription as _subscription, sync as _sync
 from eventbus_debug.events import Event, StepCompleted
 
-RELEASE_S = 30.0
 GUARD_S = 60.0
-
-
-@pytest.fixture(name="release")
-def _release() -> Iterator[threading.Event]:
-    released = threading.Event()
-    watchdog = threading.Timer(RELEASE_S, released.set)
-    watchdog.daemon = True
-    watchdog.start()
-    yield released
-    released.set()
-    watchdog.cancel()
 
 
 @pytest.fixture(autouse=True)
