@@ -471,3 +471,24 @@ def test_rotating_file_sink_seconds_too_large_or_wrong_type(tmp_path: Path, name
         RotatingFileSink(tmp_path, **too_large)
     with pytest.raises(ArgumentTypeError, match=name):
         RotatingFileSink(tmp_path, **wrong_type)
+
+
+def test_rotating_file_sink_directory_and_flags(tmp_path: Path) -> None:
+    """An empty directory is a ValueError (not the current directory by accident, as
+    ``Session(log_dir="")`` refuses it too), a non-path an ArgumentTypeError naming
+    ``directory``, and ``compress``/``fsync`` take bools only."""
+    from eventbus_debug.exceptions import ArgumentTypeError
+    from eventbus_debug.sinks import RotatingFileSink
+
+    with pytest.raises(ValueError, match="directory must not be empty"):
+        RotatingFileSink("")
+    not_a_path: Any = 5
+    with pytest.raises(ArgumentTypeError, match="directory must be a str or a path"):
+        RotatingFileSink(not_a_path)
+    for flag in ("compress", "fsync"):
+        knobs: dict[str, Any] = {flag: "yes"}
+        with pytest.raises(ArgumentTypeError, match=f"{flag} must be a bool"):
+            RotatingFileSink(tmp_path, **knobs)
+    assert not list(tmp_path.iterdir())  # refused before anything was created
+    sink = RotatingFileSink(tmp_path, compress=True, fsync=False)  # bools are fine
+    assert sink.name == "rotating_file"

@@ -27,6 +27,7 @@ from eventbus_debug.events import Event, Severity
 from eventbus_debug.exceptions import ArgumentTypeError
 from eventbus_debug.threads import run_in_daemon_thread
 
+from ._checks import count
 from ._terminal import resolve_stream, write_text
 from .lines import format_event, use_colors
 
@@ -77,12 +78,7 @@ class ConsoleSink:
         if not isinstance(min_severity, Severity):
             msg = f"min_severity must be a Severity (e.g. Severity.WARNING), got {min_severity!r}"
             raise ArgumentTypeError(msg)
-        if isinstance(step_every, bool) or not isinstance(step_every, int):
-            msg = f"step_every must be a positive integer, got {step_every!r}"
-            raise ArgumentTypeError(msg)
-        if step_every < 1:
-            msg = f"step_every must be a positive integer, got {step_every!r}"
-            raise ValueError(msg)
+        count("step_every", step_every, rule="a positive integer")
         if not isinstance(telemetry, bool):
             msg = f"telemetry must be a bool, got {telemetry!r}"
             raise TypeError(msg)

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import errno
 import gzip
-import math
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -56,6 +55,7 @@ from eventbus_debug.exceptions import ArgumentTypeError
 from eventbus_debug.log.files import log_file_name
 from eventbus_debug.threads import DaemonWorker
 
+from ._checks import count, seconds
 from ._jsonl_writer import (
     FILE_MODE,
     FileSinkStatistics as FileSinkStatistics,
@@ -170,7 +170,8 @@ class RotatingFileSink:
             before a batch waits for it (flow control, nothing dropped).
 
     Raises:
-        ValueError: if an option is out of range (the message names it).
+        ValueError: if an option is out of range, or *directory* is empty (the message names
+            it; a wrong type is an :class:`~eventbus_debug.exceptions.ArgumentTypeError`).
         LogDirectoryError: if *directory* cannot be created or its log file cannot be opened
             for writing (the message names the path and the OS error).
     """
@@ -194,6 +195,19 @@ class RotatingFileSink:
         wake_interval: float = DEFAULT_WAKE_INTERVAL,
         high_water: int = DEFAULT_HIGH_WATER,
     ) -> None:
+        if not isinstance(directory, str | os.PathLike):
+            msg = f"directory must be a str or a path, got {type(directory).__qualname__} {directory!r}"
+            raise ArgumentTypeError(msg)
+        if os.fspath(directory) == "":
+            msg = (
+                "directory must not be empty (an unset variable, most likely): pass '.' for "
+                "the current directory"
+            )
+            raise ValueError(msg)
+        for flag, value in (("compress", compress), ("fsync", fsync)):
+            if not isinstance(value, bool):
+                msg = f"{flag} must be a bool, got {value!r}"
+                raise ArgumentTypeError(msg)
         _check_int("max_bytes", max_bytes, minimum=0)
         _check_int("backup_count", backup_count, minimum=0)
         _check_int("buffer_size", buffer_size, minimum=1)
@@ -366,19 +380,8 @@ class RotatingFileSink:
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        msg = f"{name} must be an integer >= {minimum}, got {value!r}"
-        raise ValueError(msg)
+    count(name, value, rule=f"an integer >= {minimum}", minimum=minimum)
 
 
 def _check_seconds(name: str, value: object) -> None:
-    msg = f"{name} must be a finite number of seconds >= 0, got {value!r}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentTypeError(msg)
-    try:
-        seconds = float(value)
-    except OverflowError:  # an int too large for a float (10**400)
-        msg = f"{name} must be a finite number of seconds >= 0, got an int of {len(str(value))} digits"
-        raise ValueError(msg) from None
-    if not (seconds >= 0 and math.isfinite(seconds)):
-        raise ValueError(msg)
+    seconds(name, value, rule="a finite number of seconds >= 0", zero=True)

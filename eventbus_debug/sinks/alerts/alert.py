@@ -16,9 +16,9 @@ from eventbus_debug.events import (
 )
 from eventbus_debug.log.encoding import encode_event
 
+from .._checks import count, seconds
 from .._events import AlertHandlerFailed as AlertHandlerFailed
 from ..lines import describe
-from ._checks import count, seconds
 
 __all__ = (
     "DEFAULT_COOLDOWN",

@@ -17,9 +17,9 @@ from eventbus_debug.events import (
 )
 from eventbus_debug.exceptions import ArgumentTypeError
 
+from .._checks import brief, seconds
 from .._terminal import resolve_stream, write_text
 from ..lines import format_event, use_colors
-from ._checks import brief, seconds
 from .alert import Alert, alert_to_dict
 
 __all__ = ("FileAlert", "LogAlert", "StderrAlert", "WebhookAlert")

@@ -16,7 +16,7 @@ from eventbus_debug.events import (
 )
 from eventbus_debug.exceptions import ArgumentTypeError
 
-from ._checks import brief, count
+from .._checks import brief, count
 from .alert import DEFAULT_COOLDOWN, AlertRule
 
 __all__ = ("rules",)

@@ -48,7 +48,7 @@ from eventbus_debug.events import (
 )
 from eventbus_debug.threads import run_in_daemon_thread
 
-from ._checks import seconds
+from .._checks import seconds
 from .alert import (
     DEFAULT_COOLDOWN,
     Alert,

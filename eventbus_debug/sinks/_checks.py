@@ -1,4 +1,4 @@
-"""The argument checks of the alert sink, its rules and its handlers.
+"""The argument checks of the sinks (the alert sink, its rules and handlers, the console, the log).
 
 Sinks use only the library's public API, so these mirror its rules here: a value of the wrong
 type (a string, a bool, None where a number goes) is an
@@ -49,17 +49,17 @@ def seconds(
     return number
 
 
-def count(name: str, value: object, *, rule: str) -> int:
-    """*value* as an int >= 1.
+def count(name: str, value: object, *, rule: str, minimum: int = 1) -> int:
+    """*value* as an int >= *minimum*.
 
     Raises:
         ArgumentTypeError: if *value* is not an int (bools and floats refused).
-        ValueError: if it is below 1.
+        ValueError: if it is below *minimum*.
     """
     if isinstance(value, bool) or not isinstance(value, int):
         msg = f"{name} must be {rule}, got {brief(value)}"
         raise ArgumentTypeError(msg)
-    if value < 1:
+    if value < minimum:
         msg = f"{name} must be {rule}, got {value!r}"
         raise ValueError(msg)
     return value
