@@ -611,10 +611,14 @@ class JsonlWriter:
     def _write_error(self, exc: OSError, what: str) -> LogWriteError:
         pending = self._buffer_lines
         detail = exc.strerror or str(exc)
-        msg = (
-            f"{what} {str(self._path)!r}: {detail}; {pending} line(s) kept "
-            "to retry with the next batch (free disk space or restore the directory)"
-        )
+        if self._closed:  # the close's last attempt: nothing comes after it
+            fate = f"{pending} line(s) not written at close, lost (counted in lines_lost)"
+        else:
+            fate = (
+                f"{pending} line(s) kept to retry with the next batch (free disk space or "
+                "restore the directory)"
+            )
+        msg = f"{what} {str(self._path)!r}: {detail}; {fate}"
         return os_error(LogWriteError, exc.errno, msg)
 
     def close(self) -> None:

@@ -506,12 +506,14 @@ class TestFailures:
     async def test_failure_at_close_counts_lost_lines(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """If the last write at close fails, aclose raises and the lines are counted lost."""
+        """If the last write at close fails, aclose raises and the lines are counted lost; the
+        message says they are lost (not "kept to retry": nothing comes after the close)."""
         sink = RotatingFileSink(tmp_path, flush_interval=3600.0, wake_interval=0)
         await sink.handle_batch(_steps(0, 4))
         monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
-        with pytest.raises(LogWriteError):
+        with pytest.raises(LogWriteError, match=r"4 line\(s\) not written at close, lost") as info:
             await sink.aclose()
+        assert "retry" not in str(info.value)
         assert sink.statistics().lines_lost == 4
         await sink.aclose()
 
