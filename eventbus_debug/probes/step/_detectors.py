@@ -194,13 +194,12 @@ class _RecentMax:
     value of each of the last ``ceil(memory / block)`` complete blocks is kept, and the current
     block's. A value is so remembered for at least *memory* observations and for less than
     *memory* plus two blocks (1,000 to 1,049 observations with the default 1,000), in O(1)
-    amortized: the detectors feed a value inline (two comparisons a step, see
-    :attr:`current`), and :meth:`roll` runs once a block, over at most forty numbers.
+    amortized: :meth:`feed` is two comparisons, and :meth:`roll` runs once a block, over at
+    most forty numbers.
 
     Attributes:
         largest: the largest value remembered (*empty* when none is).
-        current: the largest value fed in the current block (*empty* when none was); a value
-            fed must raise it and *largest* to its own.
+        current: the largest value fed in the current block (*empty* when none was).
         end: the observation that starts the next block (:meth:`roll` is due).
     """
 
@@ -214,6 +213,13 @@ class _RecentMax:
         self.empty = empty
         self.current = self.largest = empty
         self.end = 1 + size  # observations are numbered from 1
+
+    def feed(self, value: float) -> None:
+        """Remember *value* in the current block (call :meth:`roll` first when it is due)."""
+        if value > self.current:
+            self.current = value
+            if value > self.largest:
+                self.largest = value
 
     def roll(self, now: int) -> None:
         """Close the blocks that ended before observation *now* (``now >= end``)."""
@@ -461,10 +467,8 @@ class LossSpikeDetector:
         held = self._peak_held
         if held and (judged - held > self.memory or median <= peaks.largest):
             held = self._peak_held = 0  # back within the range, or the run's level by now
-        if not held and median > peaks.current and len(window) >= _SCALE_VALUES:
-            peaks.current = median
-            if median > peaks.largest:
-                peaks.largest = median
+        if not held and len(window) >= _SCALE_VALUES:
+            peaks.feed(median)
         excess = loss - median
         if excess <= 0.0:
             if self._run_length:
@@ -722,10 +726,8 @@ class ExplosionDetector:
         window = self._window
         if window:
             baseline = window.median()
-            if baseline > peaks.current and len(window) >= _SCALE_VALUES:
-                peaks.current = baseline
-                if baseline > peaks.largest:
-                    peaks.largest = baseline
+            if len(window) >= _SCALE_VALUES:
+                peaks.feed(baseline)
             # A converged model's norms shrink by orders of magnitude while a hard batch, or
             # harder data, still has the norms of early training: 10x that tiny median is the
             # data, not an explosion, as long as it stays within what the run has already
