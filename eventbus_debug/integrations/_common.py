@@ -279,16 +279,13 @@ def batch_size(batch: Any) -> int | None:
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() > 0 else None
     if isinstance(batch, Mapping):
-        for value in batch.values():
-            size = batch_size(value)
-            if size is not None:
-                return size
+        batch = batch.values()
+    elif not isinstance(batch, list | tuple):
         return None
-    if isinstance(batch, list | tuple):
-        for value in batch:
-            size = batch_size(value)
-            if size is not None:
-                return size
+    for value in batch:
+        size = batch_size(value)
+        if size is not None:
+            return size
     return None
 
 
