@@ -33,102 +33,81 @@ def _short_grace(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_subscription, "CLOSE_GRACE", 0.05)
 
 
-class _IgnoresCancellation:
+async def _swallow_cancellation_until(release: threading.Event) -> None:
+    """Wait for *release*, swallowing every cancellation meanwhile."""
+    while not release.is_set():
+        try:
+            await anyio.sleep(0.02)
+        except anyio.get_cancelled_exc_class():
+            pass
+
+
+async def _shielded_until(release: threading.Event) -> None:
+    """Wait for *release*, shielded from cancellation."""
+    with anyio.CancelScope(shield=True):
+        while not release.is_set():
+            await anyio.sleep(0.02)
+
+
+class _Hangs:
+    """A sink that hangs somewhere until *release* is set (the ``release`` fixture); this base
+    only handles events (``entered`` is set at the first)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+        self.entered = anyio.Event()
+
+    async def handle(self, event: Event, /) -> None:
+        self.entered.set()
+
+
+class _IgnoresCancellation(_Hangs):
     """A handler that swallows every cancellation until released."""
 
     name = "ignores-cancel"
 
-    def __init__(self, release: threading.Event) -> None:
-        self.release = release
-        self.entered = anyio.Event()
-
     async def handle(self, event: Event, /) -> None:
         self.entered.set()
-        while not self.release.is_set():
-            try:
-                await anyio.sleep(0.02)
-            except anyio.get_cancelled_exc_class():
-                pass
+        await _swallow_cancellation_until(self.release)
 
 
-class _ShieldedHandle:
+class _ShieldedHandle(_Hangs):
     name = "shielded-handle"
 
-    def __init__(self, release: threading.Event) -> None:
-        self.release = release
-        self.entered = anyio.Event()
-
     async def handle(self, event: Event, /) -> None:
         self.entered.set()
-        with anyio.CancelScope(shield=True):
-            while not self.release.is_set():
-                await anyio.sleep(0.02)
+        await _shielded_until(self.release)
 
 
-class _ThreadHangs:
+class _ThreadHangs(_Hangs):
     """Follows the advice "blocking work in a worker thread", without abandon_on_cancel."""
 
     name = "webhook"
-
-    def __init__(self, release: threading.Event) -> None:
-        self.release = release
-        self.entered = anyio.Event()
 
     async def handle(self, event: Event, /) -> None:
         self.entered.set()
         await anyio.to_thread.run_sync(self.release.wait)
 
 
-class _SyncCloseHangs:
+class _SyncCloseHangs(_Hangs):
     name = "sync-close"
-
-    def __init__(self, release: threading.Event) -> None:
-        self.release = release
-        self.seen = 0
-        self.entered = anyio.Event()
-
-    async def handle(self, event: Event, /) -> None:
-        self.seen += 1
-        self.entered.set()
 
     def close(self) -> None:
         self.release.wait()
 
 
-class _ShieldedAcloseHangs:
+class _ShieldedAcloseHangs(_Hangs):
     name = "shielded-aclose"
 
-    def __init__(self, release: threading.Event) -> None:
-        self.release = release
-        self.seen = 0
-        self.entered = anyio.Event()
-
-    async def handle(self, event: Event, /) -> None:
-        self.seen += 1
-        self.entered.set()
-
     async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True):
-            while not self.release.is_set():
-                await anyio.sleep(0.02)
+        await _shielded_until(self.release)
 
 
-class _IgnoresCancellationInClose:
+class _IgnoresCancellationInClose(_Hangs):
     name = "close-ignores-cancel"
 
-    def __init__(self, release: threading.Event) -> None:
-        self.release = release
-        self.entered = anyio.Event()
-
-    async def handle(self, event: Event, /) -> None:
-        self.entered.set()
-
     async def aclose(self) -> None:
-        while not self.release.is_set():
-            try:
-                await anyio.sleep(0.02)
-            except anyio.get_cancelled_exc_class():
-                pass
+        await _swallow_cancellation_until(self.release)
 
 
 _HUNG_IN_HANDLE = [_IgnoresCancellation, _ShieldedHandle, _ThreadHangs]
