@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: all venv browser demo test lint typecheck bench clean
+.PHONY: all venv browser demo test test-trio lint typecheck bench clean
 
 all: test
 
@@ -37,6 +37,11 @@ browser:
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest
+
+# The whole suite on trio, anyio's other backend (the tests that drive asyncio itself or need
+# uvicorn are marked asyncio_only and skip, saying why). `make test` runs the docs on both.
+test-trio: $(STAMP)
+	EVENTBUS_DEBUG_TEST_BACKEND=trio $(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check eventbus_debug tests examples benchmarks

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 
 import pytest
@@ -8,11 +9,27 @@ import torch
 from eventbus_debug import EventBus
 from eventbus_debug.testing import RecordingSink
 
+BACKEND = os.environ.get("EVENTBUS_DEBUG_TEST_BACKEND", "asyncio")
+"""The event loop the async tests run on: asyncio, or trio with
+``EVENTBUS_DEBUG_TEST_BACKEND=trio`` (``make test-trio``). ``tests/test_backends.py`` runs the
+user-facing paths on both in every run."""
+
 
 @pytest.fixture
 def anyio_backend() -> str:
-    # aiofiles and the torch-facing code are asyncio-only.
-    return "asyncio"
+    return BACKEND
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """On trio, skip the tests marked ``asyncio_only`` (they drive asyncio's own loop, tasks
+    or scheduling order, or need uvicorn), saying so."""
+    if BACKEND == "asyncio":
+        return
+    for item in items:
+        marker = item.get_closest_marker("asyncio_only")
+        if marker is not None:
+            reason = marker.args[0] if marker.args else "asyncio only"
+            item.add_marker(pytest.mark.skip(reason=f"asyncio only: {reason}"))
 
 
 @pytest.fixture(autouse=True)

@@ -83,6 +83,7 @@ class TestDaemonThreads:
 
 
 class TestWorkerWakeUps:
+    @pytest.mark.asyncio_only("reads asyncio's loop exception handler")
     async def test_a_cancelled_call_finishing_later_raises_nothing_in_the_loop(self) -> None:
         """A call abandoned by its caller completes later without an error in the event loop."""
         errors: list[dict[str, object]] = []

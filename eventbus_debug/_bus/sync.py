@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from types import TracebackType
@@ -258,7 +259,11 @@ class SyncEventBus:
             coro.close()
             msg = "the SyncEventBus is not running; use `with SyncEventBus() as bus:`"
             raise BusClosedError(msg)
-        return asyncio.run_coroutine_threadsafe(coro, loop)
+        # In a copy of the loop thread's own context: run_coroutine_threadsafe would copy this
+        # thread's, and a caller inside a trio program would hand the bus's task trio's marker
+        # (sniffio's context variable), so anyio in that task would take asyncio for trio.
+        assert self._host is not None
+        return self._host.context.copy().run(asyncio.run_coroutine_threadsafe, coro, loop)
 
 
 @final
@@ -270,12 +275,13 @@ class _LoopThread:
     never keeps the process alive; the training thread waits for it with bounds only.
     """
 
-    __slots__ = ("_bus", "_stop", "closed", "loop", "ready", "thread")
+    __slots__ = ("_bus", "_stop", "closed", "context", "loop", "ready", "thread")
 
     def __init__(self, bus: EventBus) -> None:
         self._bus = bus
         self._stop: anyio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.context = contextvars.Context()  # the loop's own, once it runs (see _submit)
         self.ready: concurrent.futures.Future[BlockingPortal] = concurrent.futures.Future()
         self.closed: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.thread = threading.Thread(target=self._main, name="eventbus-sync-bus", daemon=True)
@@ -299,6 +305,7 @@ class _LoopThread:
     async def _serve(self) -> None:
         async with BlockingPortal() as portal:
             self.loop = asyncio.get_running_loop()
+            self.context = contextvars.copy_context()
             self._stop = stop = anyio.Event()
             try:
                 async with self._bus:

@@ -43,6 +43,7 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import time
@@ -178,7 +179,9 @@ class DebugServer:
 
     A server serves once: ``async with server:`` starts it and waits for it to stop;
     entering it again after that is a ``RuntimeError`` (create a new one). A start that
-    failed (the port in use) leaves nothing open and may be retried.
+    failed (the port in use) leaves nothing open and may be retried. It serves on asyncio
+    only (uvicorn); entering it on trio is a ``RuntimeError`` that says so, before any socket
+    is opened.
 
     Raises:
         ValueError: if *host* is not loopback and no *token* is given, a token or host name
@@ -330,6 +333,15 @@ class DebugServer:
         if self._server is not None:
             msg = f"this DebugServer is already running on {self.url}; create a new one"
             raise RuntimeError(msg)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            msg = (
+                "DebugServer serves with uvicorn, which runs only on asyncio; this event loop is "
+                "another anyio backend (trio). Run the loop on asyncio to serve, or leave the "
+                "server out: the log and the report files work on every backend"
+            )
+            raise RuntimeError(msg) from None
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:

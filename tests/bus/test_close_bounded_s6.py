@@ -110,8 +110,20 @@ class _IgnoresCancellationInClose(_Hangs):
         await _swallow_cancellation_until(self.release)
 
 
-_HUNG_IN_HANDLE = [_IgnoresCancellation, _ShieldedHandle, _ThreadHangs]
-_HUNG_IN_CLOSE = [_SyncCloseHangs, _ShieldedAcloseHangs, _IgnoresCancellationInClose]
+_ON_TRIO_IT_HOLDS = pytest.mark.asyncio_only(
+    "trio cannot abandon a task: a sink that cannot be cancelled holds the close (docs/bus.md)"
+)
+_HUNG_IN_HANDLE = [
+    pytest.param(t, marks=_ON_TRIO_IT_HOLDS, id=t.__name__)
+    for t in (_IgnoresCancellation, _ShieldedHandle, _ThreadHangs)
+]
+_HUNG_IN_CLOSE = [
+    pytest.param(_SyncCloseHangs, id="_SyncCloseHangs"),  # a thread: bounded on every backend
+    *(
+        pytest.param(t, marks=_ON_TRIO_IT_HOLDS, id=t.__name__)
+        for t in (_ShieldedAcloseHangs, _IgnoresCancellationInClose)
+    ),
+]
 
 
 class TestCloseIsBounded:
@@ -175,6 +187,7 @@ class TestCloseIsBounded:
                 bus.subscribe(SyncClose())
         assert len(threads) == 1 and threads[0] != loop_thread
 
+    @_ON_TRIO_IT_HOLDS
     async def test_a_hung_sink_unsubscribed_does_not_hold_the_close(
         self, release: threading.Event
     ) -> None:

@@ -252,6 +252,9 @@ class TestOwnTaskFailures:
         assert any(m.startswith("bus_task_failed") for m in messages)
         assert not any(m.startswith("close_timed_out") for m in messages)
 
+    @pytest.mark.asyncio_only(
+        "asyncio's scheduling order: the block raises before the crash cancels it"
+    )
     async def test_blocks_exception_comes_first(self) -> None:
         with pytest.raises(ExceptionGroup) as info:
             async with EventBus(close_timeout=1.0) as bus:
@@ -262,6 +265,9 @@ class TestOwnTaskFailures:
                 raise ValueError(msg)
         assert [type(e) for e in info.value.exceptions] == [ValueError, RuntimeError]
 
+    @pytest.mark.asyncio_only(
+        "asyncio's scheduling order: the block raises before the crash cancels it"
+    )
     async def test_system_exit_wins_over_a_crash(self) -> None:
         with pytest.raises(SystemExit) as info:
             async with EventBus(close_timeout=1.0) as bus:

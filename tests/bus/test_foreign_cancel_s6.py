@@ -30,9 +30,12 @@ from eventbus_debug.events import (
 )
 from eventbus_debug.testing import RecordingSink
 
-pytestmark = pytest.mark.skipif(
-    sys.version_info < (3, 11), reason="Python 3.10 cannot tell a foreign cancellation apart"
-)
+pytestmark = [
+    pytest.mark.asyncio_only("cancels asyncio tasks by hand (Task.cancel)"),
+    pytest.mark.skipif(
+        sys.version_info < (3, 11), reason="Python 3.10 cannot tell a foreign cancellation apart"
+    ),
+]
 
 GUARD_S = 20.0
 

@@ -132,6 +132,7 @@ def test_non_finite_caught_every_step_under_the_budget() -> None:
     assert probe.cadence.grad_every == 1
 
 
+@pytest.mark.asyncio_only("watches asyncio's current task")
 async def test_one_yield_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A healthy async step yields to the event loop once (in step_completed), not twice."""
     model, opt = setup()

@@ -19,6 +19,8 @@ from eventbus_debug import DebugLevel, Session
 
 from ._helpers import setup
 
+pytestmark = pytest.mark.asyncio_only("counts the turns of asyncio's event loop")
+
 STEPS = 300
 
 

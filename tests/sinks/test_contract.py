@@ -163,6 +163,9 @@ async def test_survives_second_aclose(case: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("kind", ["telemetry", "incidents"])
+@pytest.mark.asyncio_only(
+    "asserts asyncio's scheduling order (one checkpoint dispatches, the sinks wait)"
+)
 async def test_loses_nothing_when_closing_with_a_full_queue(
     case: str, kind: str, tmp_path: Path
 ) -> None:

@@ -12,6 +12,8 @@ from eventbus_debug.sinks import ReportWriter
 from eventbus_debug.sinks.http import DebugServer
 from tests.sinks.report.test_writer import scripted_events
 
+pytestmark = pytest.mark.asyncio_only("uvicorn (DebugServer) runs only on asyncio")
+
 
 class LevelHolder:
     """Like the probes' level-carrying objects: a settable ``level`` attribute."""

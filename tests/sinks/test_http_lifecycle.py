@@ -16,6 +16,8 @@ import pytest
 from eventbus_debug.sinks import http as http_module
 from eventbus_debug.sinks.http import DebugServer
 
+pytestmark = pytest.mark.asyncio_only("uvicorn (DebugServer) runs only on asyncio")
+
 
 @contextlib.contextmanager
 def _no_resource_warning() -> Iterator[None]:

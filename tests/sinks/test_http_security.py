@@ -23,6 +23,8 @@ from tests.sinks._chromium import dump_dom, needs_chromium
 from tests.sinks.report.test_writer import scripted_events
 from tests.sinks.test_http import LevelHolder
 
+pytestmark = pytest.mark.asyncio_only("uvicorn (DebugServer) runs only on asyncio")
+
 JSON = {"content-type": "application/json"}
 
 

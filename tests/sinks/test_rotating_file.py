@@ -486,6 +486,7 @@ class TestFailures:
             await _publish_all(bus, _steps(0, 3))
             sink.path.unlink()
             await _publish_all(bus, _steps(3, 2))
+            await bus.drain()  # the SinkFailed published while the first drain waited
             (failure,) = recorder.of_type(SinkFailed)
             assert "removed while open" in failure.message
             await _publish_all(bus, _steps(5, 2))

@@ -206,7 +206,10 @@ class ReportWriter:
         self._last_write = clock()
         self._writes = 0
         self._closed = False
-        self._lock = anyio.Lock()
+        # Made at the first write, in the event loop that writes: an anyio lock belongs to the
+        # backend running where it is made (a SyncSession built inside a trio program writes
+        # from its own asyncio thread).
+        self._lock: anyio.Lock | None = None
 
     @property
     def writes(self) -> int:
@@ -242,6 +245,8 @@ class ReportWriter:
         Raises:
             OSError: if the files cannot be written.
         """
+        if self._lock is None:
+            self._lock = anyio.Lock()
         async with self._lock:
             summary = self._aggregator.summary()
             self._last_write = self._clock()

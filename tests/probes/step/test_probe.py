@@ -333,6 +333,7 @@ class TestBadInput:
 
 
 class TestEntries:
+    @pytest.mark.asyncio_only("asyncio's FIFO scheduling (trio shuffles a batch of ready tasks)")
     async def test_checkpoint_false_never_yields(self, mlp: nn.Sequential) -> None:
         """check_step(checkpoint=False) lets no other task run; the default yields once."""
         probe = StepProbe(mlp)

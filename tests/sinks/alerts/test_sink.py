@@ -436,6 +436,7 @@ class TestBuiltinHandlers:
         assert record.getMessage().startswith("alert ")
         assert "rule=non_finite" in record.getMessage() and "step=2" in record.getMessage()
 
+    @pytest.mark.asyncio_only("the receiving server is uvicorn")
     async def test_webhook_posts_json(self) -> None:
         """WebhookAlert POSTs the alert as JSON to a real local server; a 500 is a failure."""
         received: list[dict[str, object]] = []
