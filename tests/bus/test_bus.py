@@ -24,6 +24,7 @@ from eventbus_debug._bus import bus as _bus_module
 from eventbus_debug.events import (
     EventsDropped,
     EventsUndelivered,
+    GradientExploded,
     SessionStarted,
     SinkDisabled,
     SinkFailed,
@@ -117,6 +118,26 @@ class TestDelivery:
         await bus.drain()
         seqs = [e.seq for e in rec.events]
         assert seqs == sorted(seqs) and len(set(seqs)) == 5 and seqs[0] >= 1
+
+    async def test_every_event_class_gets_its_sequence_number(self, bus: EventBus) -> None:
+        """Built-in telemetry and incidents (Anomaly subclasses) and a user's own event type,
+        read back through their own classes (on Python 3.10 every slotted subclass re-declares
+        the base's slots: a stamp through Event's slot was invisible, seq stayed -1)."""
+        rec = RecordingSink()
+        bus.subscribe(rec)
+        for event in (
+            StepCompleted(step=0),
+            GradientExploded(step=0, total_norm=1e4, threshold=10.0),
+            _Alarm(n=1),
+        ):
+            bus.publish_nowait(event)
+        await bus.drain()
+        assert [type(e).__name__ for e in rec.events] == [
+            "StepCompleted",
+            "GradientExploded",
+            "_Alarm",
+        ]
+        assert [e.seq for e in rec.events] == [1, 2, 3]
 
     async def test_type_filter_matches_subclasses(self, bus: EventBus) -> None:
         """A subscription to a base class receives subclasses; others are filtered out."""
