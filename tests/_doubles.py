@@ -5,10 +5,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from eventbus_debug.events import Event
+
+FSDP2_ON_CPU = hasattr(torch.cpu.current_stream(), "record_event")
+"""Whether this torch runs FSDP2 (``fully_shard``) on CPU/gloo: torch 2.6 lacks the CPU
+stream's ``record_event`` that FSDP2's all-gather calls (the library's DTensor path is then
+tested wherever a newer torch runs the suite)."""
+
+needs_fsdp2_on_cpu = pytest.mark.skipif(
+    not FSDP2_ON_CPU, reason=f"torch {torch.__version__} cannot run FSDP2 on CPU"
+)
 
 
 class RecordingPublisher:

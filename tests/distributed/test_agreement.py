@@ -28,6 +28,7 @@ from eventbus_debug.recovery.actions import (
 )
 from eventbus_debug.recovery.agreement import AgreedStep, RankAgreement
 from eventbus_debug.recovery.agreement_overlap import OutputGradLaunch, finite, split_late
+from tests._doubles import FSDP2_ON_CPU, needs_fsdp2_on_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 120.0  # seconds for a whole group; a regression fails instead of hanging
@@ -39,7 +40,7 @@ TWO_RANKS = (
     "spike_one_rank",
     "spike_one_rank:aggressive",
     "nan_param_one_rank",
-    "fsdp2",
+    *(("fsdp2",) if FSDP2_ON_CPU else ()),
     "oom_one_rank",
     "nan_loss_only_one_rank",
     "nan_three_one_rank_every5",
@@ -180,6 +181,7 @@ def test_stop_on_one_rank_stops_every_rank_at_the_same_step(two: dict[str, list[
     assert [r["stopped_at"] for r in results] == [0, 0]
 
 
+@needs_fsdp2_on_cpu
 def test_fsdp2_norms_are_global_and_nan_is_skipped_everywhere(two: dict[str, list[Any]]) -> None:
     """FSDP2 (fully_shard, DTensor gradient shards): the probe's norm is the global one that
     get_total_norm computes, on every rank; a NaN on rank 1 is skipped by both."""
@@ -239,7 +241,10 @@ def test_sustained_spike_agreed_at_the_safe_point(three: dict[str, list[Any]]) -
         assert [r["overlapped"] for r in ranks(three, scenario)] == [0] * 3
 
 
-@pytest.mark.parametrize("scenario", ["fsdp2", "blocking_nan_one_rank_every5"])
+@pytest.mark.parametrize(
+    "scenario",
+    [pytest.param("fsdp2", marks=needs_fsdp2_on_cpu), "blocking_nan_one_rank_every5"],
+)
 def test_fsdp_and_overlap_off_fall_back_to_the_blocking_agreement(
     two: dict[str, list[Any]], scenario: str
 ) -> None:

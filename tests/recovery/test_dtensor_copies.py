@@ -22,7 +22,7 @@ from torch import nn
 from eventbus_debug import DebugLevel, StepProbe
 from eventbus_debug.events import StepChecked
 from eventbus_debug.recovery import StateSnapshots
-from tests._doubles import RecordingPublisher
+from tests._doubles import RecordingPublisher, needs_fsdp2_on_cpu
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 
@@ -68,6 +68,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) ->
 
 
 @pytest.mark.usefixtures("one_rank_group")
+@needs_fsdp2_on_cpu
 def test_fully_shard_model_captures_twice_and_restores_bit_for_bit() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -110,6 +111,7 @@ def _update_ratios(shard: bool) -> list[Mapping[str, float]]:
 
 
 @pytest.mark.usefixtures("one_rank_group")
+@needs_fsdp2_on_cpu
 def test_advanced_probe_measures_weight_updates_of_a_fully_shard_model() -> None:
     """The second measurement refreshes the update buffer (raised NotImplementedError before);
     the ratios are those of the same model unsharded."""
