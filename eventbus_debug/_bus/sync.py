@@ -248,6 +248,23 @@ class SyncEventBus:
         """A snapshot of the bus's counters."""
         return self._bus.statistics()
 
+    def cancel_soon(self, task: concurrent.futures.Future[Any]) -> None:
+        """Cancel *task* (a future of :attr:`portal`'s ``start_task_soon``) without waiting.
+
+        The cancellation runs on the bus's loop when it next turns: cancelling a portal's
+        future from this thread makes anyio before 4.16 wait for the loop, which a sink that
+        holds it (a blocking call in an async handler) would turn into a hang of the caller.
+        """
+        host = self._host
+        loop = host.loop if host is not None else None
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+                return
+            except RuntimeError:  # the loop is closed: nothing waits on it any more
+                pass
+        task.cancel()
+
     def _call(self, fn: Callable[[], T]) -> T:
         return self.portal.call(fn)
 

@@ -91,7 +91,7 @@ class SyncSession(SessionBase[SyncEventBus]):
             self._start(bus)
         except BaseException:
             try:
-                self._stop_tasks()
+                self._stop_tasks(bus)
                 self._close_extras()
                 bus.close()
             finally:
@@ -137,7 +137,7 @@ class SyncSession(SessionBase[SyncEventBus]):
             return
         self._live = False
         try:
-            self._stop_tasks()  # SessionEnded stays the session's last event
+            self._stop_tasks(bus)  # SessionEnded stays the session's last event
             if self.probe is not None:
                 self.probe.flush_sync()
                 self.probe.close()
@@ -145,24 +145,24 @@ class SyncSession(SessionBase[SyncEventBus]):
             bus.publish(self._ended_event(exc))
         finally:
             try:
-                self._stop_tasks()
+                self._stop_tasks(bus)
                 self._subscriptions = []
                 bus.close()  # closing the alert sink delivers its pending summaries
             finally:
                 self._entered = False
             _log.info("session_ended", session=self.name, steps=self.steps_completed)
 
-    def _stop_tasks(self) -> None:
+    def _stop_tasks(self, bus: SyncEventBus) -> None:
         """Cancel the tasks the session runs on the bus's loop: the system sampler, the alert
-        flusher (idempotent)."""
+        flusher (idempotent; never waits for the loop)."""
         task, self._system_task = self._system_task, None
         if task is not None:
             if self.system is not None:
                 self.system.stop()
-            task.cancel()
+            bus.cancel_soon(task)
         flusher, self._flusher_task = self._flusher_task, None
         if flusher is not None:
-            flusher.cancel()
+            bus.cancel_soon(flusher)
 
     # -- the per-step API -------------------------------------------------------------------------
 

@@ -8,10 +8,12 @@ watchdog releases it, so that a bus that waited for it fails the test instead of
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from torch import nn
@@ -56,6 +58,25 @@ class TestSyncEventBus:
             assert not release.is_set()  # the training thread did not wait for the sink
             release.set()
             bus.drain(timeout=GUARD_S)  # the loop answers again
+
+    def test_cancelling_a_portal_task_never_waits_for_a_held_loop(
+        self, release: threading.Event
+    ) -> None:
+        """cancel_soon returns while a sink holds the loop (anyio < 4.16's own cancel of a
+        portal future waited for it: a SyncSession's exit hung until the sink let go); the
+        task is cancelled once the loop turns again."""
+        sink = _HoldsTheLoop(release)
+        with SyncEventBus(close_timeout=5) as bus:
+            task = bus.portal.start_task_soon(anyio.sleep_forever)
+            bus.subscribe(sink)
+            bus.publish(StepCompleted(step=0))
+            bus.flush()
+            assert sink.entered.wait(GUARD_S)
+            bus.cancel_soon(task)
+            assert not release.is_set() and not task.done()  # returned; the loop is still held
+            release.set()
+            with pytest.raises(concurrent.futures.CancelledError):
+                task.result(GUARD_S)
 
     def test_the_drains_own_timeout_names_what_it_waited_for(self) -> None:
         """A loop that answers: the drain's own TimeoutError says which sink is behind."""
