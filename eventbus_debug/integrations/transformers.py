@@ -231,6 +231,12 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         self._pending = None
         if trainer is not None:
             self._wrap_training_step(trainer)
+            if self._handover is not None and not hasattr(trainer, "_get_grad_norm"):
+                _log.warning(
+                    "this transformers version (before 5.3) logs no grad_norm while the "
+                    "callback does the clipping: the checked norm is in StepChecked events; "
+                    "pip install 'transformers>=5.3' for both"
+                )
         else:
             _log.warning(
                 "EventBusDebugCallback was not called by a transformers Trainer's train(): the "

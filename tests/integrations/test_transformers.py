@@ -281,3 +281,45 @@ def test_a_token_normalized_loss_is_the_step_loss_trainer_logs(
         assert event.loss is not None
         assert event.loss == pytest.approx(loss, rel=1e-3, abs=1e-3)
         assert 3.0 < event.loss < 6.0  # about log(100): an untrained 100-token vocabulary
+
+
+def test_a_transformers_before_5_3_is_told_it_logs_no_grad_norm(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trainer before 5.3 measures no grad_norm when it does not clip (it has no
+    ``_get_grad_norm``): the callback says so once, and training runs on."""
+
+    class Unhide(TrainerCallback):
+        def __init__(self) -> None:
+            self.trainer: Any = None
+
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            self.trainer.hide = False  # after the debug callback's look
+
+    class Before53(Trainer):
+        hide = True
+
+        def __getattribute__(self, name: str) -> Any:
+            if name == "_get_grad_norm" and object.__getattribute__(self, "hide"):
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    debug = EventBusDebugCallback(log_dir=None, alerts=False, system_interval=None)
+    unhide = Unhide()
+    args = _trainer(tmp_path, _model(), []).args
+    trainer = Before53(model=_model(), args=args, train_dataset=_data(), callbacks=[debug, unhide])
+    unhide.trainer = trainer
+    with caplog.at_level("WARNING", logger="eventbus_debug"):
+        trainer.train()
+    warned = [r.getMessage() for r in caplog.records if "logs no grad_norm" in r.getMessage()]
+    assert len(warned) == 1 and "transformers>=5.3" in warned[0]
+    assert debug.steps_checked == STEPS
+
+
+def test_a_current_transformers_is_not_warned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    debug = EventBusDebugCallback(log_dir=None, alerts=False, system_interval=None)
+    with caplog.at_level("WARNING", logger="eventbus_debug"):
+        _trainer(tmp_path, _model(), [debug]).train()
+    assert not [r for r in caplog.records if "logs no grad_norm" in r.getMessage()]
