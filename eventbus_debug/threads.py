@@ -20,7 +20,7 @@ from typing import Any, Final, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 
-__all__ = ("DaemonWorker", "run_in_daemon_thread", "threadsafe_scheduler")
+__all__ = ("DaemonWorker", "run_in_daemon_thread", "running_loop", "threadsafe_scheduler")
 
 T = TypeVar("T")
 
@@ -83,7 +83,8 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def _running_loop() -> asyncio.AbstractEventLoop | None:
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The running asyncio event loop; None on another backend (trio) or outside a loop."""
     try:
         return asyncio.get_running_loop()
     except RuntimeError:  # another backend (trio)
@@ -124,7 +125,7 @@ class DaemonWorker:
         cancel-scope semantics); on other backends an :class:`anyio.Event`.
         """
         done: Awaitable[Any]
-        loop = _running_loop()
+        loop = running_loop()
         if loop is not None:
             call_soon = self._call_soon
             if loop is not self._loop or call_soon is None:

@@ -11,8 +11,8 @@ from eventbus_debug.testing import RecordingSink
 
 BACKEND = os.environ.get("EVENTBUS_DEBUG_TEST_BACKEND", "asyncio")
 """The event loop the async tests run on: asyncio, or trio with
-``EVENTBUS_DEBUG_TEST_BACKEND=trio`` (``make test-trio``). ``tests/test_backends.py`` runs the
-user-facing paths on both in every run."""
+``EVENTBUS_DEBUG_TEST_BACKEND=trio`` (``make test-trio``). In every run, ``tests/test_trio.py``
+and ``tests/test_docs.py`` (every README and docs example) run on trio as well."""
 
 
 @pytest.fixture

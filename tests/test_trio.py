@@ -71,7 +71,8 @@ async def test_session_with_a_nan_batch(tmp_path: Path) -> None:
 
 
 async def test_a_sync_session_built_inside_a_trio_program(tmp_path: Path) -> None:
-    """Its thread runs asyncio: the report writer's lock is made there, not on trio."""
+    """Its thread runs asyncio: the bus's tasks run in that thread's context, not in the
+    trio caller's (which made anyio take the bus's asyncio loop for trio)."""
     model, optimizer = _model()
     with SyncSession(model, optimizer, log_dir=tmp_path) as session:
         for step in range(20):

@@ -20,13 +20,13 @@ from typing import Any, Final, TypeVar
 import anyio
 
 from ..diagnostics import get_logger
+from ..threads import running_loop
 
 __all__ = (
     "FOREIGN_CANCELLATION_DETECTED",
     "abandon",
     "foreign_cancellation",
     "retrieved",
-    "running_loop",
     "run_abandonable",
 )
 
@@ -41,14 +41,6 @@ cancellation of the task."""
 
 _LEFT_BEHIND: set[asyncio.Task[Any]] = set()
 """Abandoned tasks, kept alive until they end (the event loop holds its tasks weakly)."""
-
-
-def running_loop() -> asyncio.AbstractEventLoop | None:
-    """The running asyncio event loop; None on another backend (trio)."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 def foreign_cancellation() -> bool:

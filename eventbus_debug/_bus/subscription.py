@@ -31,9 +31,9 @@ from ..events import (
     SinkFailed,
     SinkUnresponsive,
 )
-from ..threads import run_in_daemon_thread
+from ..threads import run_in_daemon_thread, running_loop
 from ._adapter import SinkAdapter, is_async_callable
-from ._cancel import abandon, foreign_cancellation, retrieved, run_abandonable, running_loop
+from ._cancel import abandon, foreign_cancellation, retrieved, run_abandonable
 from ._stalls import StallMeter, Timed
 from ._waiters import Waiter
 from .statistics import SubscriptionStatistics

@@ -271,16 +271,16 @@ class SyncEventBus:
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run *coro* on the bus's event loop; the training thread waits on the future (never
         blocks to submit it, even while the loop is held)."""
-        loop = self._host.loop if self._host is not None else None
-        if loop is None or self._portal is None:
+        host = self._host
+        loop = host.loop if host is not None else None
+        if host is None or loop is None or self._portal is None:
             coro.close()
             msg = "the SyncEventBus is not running; use `with SyncEventBus() as bus:`"
             raise BusClosedError(msg)
         # In a copy of the loop thread's own context: run_coroutine_threadsafe would copy this
         # thread's, and a caller inside a trio program would hand the bus's task trio's marker
         # (sniffio's context variable), so anyio in that task would take asyncio for trio.
-        assert self._host is not None
-        return self._host.context.copy().run(asyncio.run_coroutine_threadsafe, coro, loop)
+        return host.context.copy().run(asyncio.run_coroutine_threadsafe, coro, loop)
 
 
 @final

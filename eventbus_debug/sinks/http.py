@@ -43,7 +43,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
 import time
@@ -61,6 +60,7 @@ from eventbus_debug import DebugLevel
 from eventbus_debug.diagnostics import get_logger
 from eventbus_debug.events import Event
 from eventbus_debug.log.encoding import encode_event
+from eventbus_debug.threads import running_loop
 
 from .report import RunAggregator, RunSummary, render_html, summary_to_dict
 from .report.html import CONTENT_SECURITY_POLICY
@@ -333,15 +333,13 @@ class DebugServer:
         if self._server is not None:
             msg = f"this DebugServer is already running on {self.url}; create a new one"
             raise RuntimeError(msg)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
+        if running_loop() is None:
             msg = (
                 "DebugServer serves with uvicorn, which runs only on asyncio; this event loop is "
                 "another anyio backend (trio). Run the loop on asyncio to serve, or leave the "
                 "server out: the log and the report files work on every backend"
             )
-            raise RuntimeError(msg) from None
+            raise RuntimeError(msg)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
