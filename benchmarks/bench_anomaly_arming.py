@@ -5,11 +5,12 @@ capture of the CPU random state. Armed steps (after an incident, bounded) pay th
 hooks. Each figure is a ratio against the same forward+backward without any of it, measured
 in this run (median of repeated blocks).
 
-    .venv/bin/python benchmarks/bench_anomaly_arming.py
+    .venv/bin/python benchmarks/bench_anomaly_arming.py [--steps 200] [--repeats 7]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -32,27 +33,29 @@ def _model(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 1))
 
 
-def _block(step: Callable[[], None]) -> float:
+def _block(step: Callable[[], None], steps: int) -> float:
     t0 = time.perf_counter()
-    for _ in range(STEPS):
+    for _ in range(steps):
         step()
-    return (time.perf_counter() - t0) / STEPS
+    return (time.perf_counter() - t0) / steps
 
 
-def _ratio(base: Callable[[], None], other: Callable[[], None]) -> tuple[float, float]:
+def _ratio(
+    base: Callable[[], None], other: Callable[[], None], steps: int, repeats: int
+) -> tuple[float, float]:
     """Median base step time and median ratio other/base, blocks interleaved (noise cancels)."""
-    for _ in range(20):
+    for _ in range(min(20, steps)):
         base()
         other()
     bases, ratios = [], []
-    for _ in range(REPEATS):
-        b = _block(base)
-        ratios.append(_block(other) / b)
+    for _ in range(repeats):
+        b = _block(base, steps)
+        ratios.append(_block(other, steps) / b)
         bases.append(b)
     return statistics.median(bases), statistics.median(ratios)
 
 
-def main() -> None:
+def main(steps: int = STEPS, repeats: int = REPEATS) -> None:
     torch.set_num_threads(1)
     for width, depth in ((64, 4), (512, 8)):
         model = _model(width, depth)
@@ -73,7 +76,7 @@ def main() -> None:
             arming.close()  # removes the root pre-hook (nothing armed: nothing judged)
             step()
 
-        base, idle = _ratio(plain, healthy)
+        base, idle = _ratio(plain, healthy, steps, repeats)
         arming.close()
         locator = FirstNonFiniteLocator(model)
 
@@ -86,7 +89,7 @@ def main() -> None:
             locator.disarm()
             step()
 
-        _, armed = _ratio(unwatched, watched)
+        _, armed = _ratio(unwatched, watched, steps, repeats)
         locator.disarm()
         print(
             f"MLP width {width} depth {depth}: step {base * 1e3:.3f} ms; "
@@ -95,4 +98,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=STEPS, help="steps per timed block")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="interleaved blocks")
+    args = parser.parse_args()
+    main(args.steps, args.repeats)
