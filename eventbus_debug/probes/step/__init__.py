@@ -2,8 +2,8 @@
 
 :class:`StepProbe` (``probe.py``) validates, schedules, offloads and reads; ``_launch.py`` puts
 every number of a step in one device vector; ``_judge.py`` turns that vector into a
-:class:`StepVerdict` and its events; ``_detectors.py`` holds the loss-spike and explosion
-windows; ``activations.py`` the EXTREME-level forward hooks.
+:class:`StepVerdict` and its events; ``_spikes.py`` and ``_explosions.py`` hold the loss-spike
+and explosion detectors, ``_windows.py`` the robust windows they share; ``activations.py`` the EXTREME-level forward hooks.
 """
 
 from __future__ import annotations

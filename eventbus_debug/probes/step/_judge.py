@@ -35,8 +35,9 @@ from ...events import (
 )
 from ..levels import Thresholds
 from ._dead_layers import DeadLayers
-from ._detectors import ExplosionDetector, LossSpikeDetector
+from ._explosions import ExplosionDetector
 from ._launch import Layout, Pending
+from ._spikes import LossSpikeDetector
 from .verdict import StepVerdict
 
 __all__ = ("Judge", "Judgement")

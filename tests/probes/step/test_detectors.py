@@ -8,12 +8,9 @@ import random
 import pytest
 
 from eventbus_debug.probes.levels import Thresholds
-from eventbus_debug.probes.step._detectors import (
-    ExplosionDetector,
-    LossSpikeDetector,
-    SpikeRule,
-    _RunningMedian,
-)
+from eventbus_debug.probes.step._explosions import ExplosionDetector
+from eventbus_debug.probes.step._spikes import LossSpikeDetector, SpikeRule
+from eventbus_debug.probes.step._windows import RunningMedian
 
 
 def spikes() -> LossSpikeDetector:
@@ -387,7 +384,7 @@ class TestRunningMedian:
         """The O(log n) MAD equals sorting the deviations, odd and even windows, with ties."""
         rng = random.Random(0)
         for _ in range(3000):
-            window = _RunningMedian(rng.randint(1, 60))
+            window = RunningMedian(rng.randint(1, 60))
             for _ in range(rng.randint(1, 120)):
                 if rng.random() < 0.3:
                     window.add(rng.choice([0.0, 1.0, 2.5, -1.0]))  # ties and exact medians
@@ -399,7 +396,7 @@ class TestRunningMedian:
     def test_mad_of_small_windows(self) -> None:
         """One value: 0; two: half their distance; a constant window: 0."""
         for values, expected in (([3.0], 0.0), ([1.0, 4.0], 1.5), ([2.0] * 7, 0.0)):
-            window = _RunningMedian(10)
+            window = RunningMedian(10)
             for v in values:
                 window.add(v)
             assert window.mad(window.median()) == expected

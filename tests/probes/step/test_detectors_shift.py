@@ -21,7 +21,8 @@ import random
 import pytest
 
 from eventbus_debug.probes.levels import Thresholds
-from eventbus_debug.probes.step._detectors import ExplosionDetector, LossSpikeDetector
+from eventbus_debug.probes.step._explosions import ExplosionDetector
+from eventbus_debug.probes.step._spikes import LossSpikeDetector
 
 SEEDS = range(6)
 
