@@ -19,8 +19,9 @@ from .._validate import non_negative, positive_int
 from ..diagnostics import get_logger
 from ..events import Delivery, Event
 from ..exceptions import BusClosedError
-from . import subscription as _subscription
-from .bus import EventBus, check_subscriptions
+from . import _pump, _queue, subscription as _subscription
+from ._drain import check_subscriptions
+from .bus import EventBus
 from .statistics import BusStatistics
 from .subscription import Subscription
 
@@ -206,7 +207,7 @@ class SyncEventBus:
             # for beyond it (nor again, until that wait ended).
             self._room = self._submit(self._bus._wait_for_room())
             with contextlib.suppress(concurrent.futures.TimeoutError):
-                self._room.result(_subscription.FLOW_STALL_TIMEOUT + THREAD_GRACE)
+                self._room.result(_queue.FLOW_STALL_TIMEOUT + THREAD_GRACE)
 
     def drain(self, *subscriptions: Subscription, timeout: float | None = None) -> None:
         """Block until everything published so far was handled (see :meth:`EventBus.drain`).
@@ -348,7 +349,7 @@ def _holder(loop: asyncio.AbstractEventLoop | None) -> str:
     if task is None:
         return "no task of the bus holds it (its thread is busy elsewhere)"
     name = task.get_name()
-    prefix = _subscription.TASK_PREFIX
+    prefix = _pump.TASK_PREFIX
     if name.startswith(prefix):
         return f"sink {name[len(prefix) :]!r} holds its event loop"
     return f"task {name!r} holds its event loop"

@@ -20,7 +20,7 @@ from eventbus_debug import (
     SubscriptionError,
     event_type,
 )
-from eventbus_debug._bus import bus as _bus_module
+from eventbus_debug._bus import _dispatch
 from eventbus_debug.events import (
     EventsDropped,
     EventsUndelivered,
@@ -700,7 +700,7 @@ class TestUndispatchedIncidents:
         self, bus: EventBus, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """After one dispatch round of a long burst, the incidents left in the buffer count."""
-        monkeypatch.setattr(_bus_module, "DISPATCH_ROUND", 4)
+        monkeypatch.setattr(_dispatch, "DISPATCH_ROUND", 4)
         bus.subscribe(RecordingSink())
         bus.publish_many_nowait([StepCompleted(step=i) for i in range(6)] + [_Alarm(n=1)])
         bus._dispatch()  # one round, synchronously: the incident is in what is left

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from eventbus_debug import EventBus, Session, read_events
-from eventbus_debug._bus import bus as _bus, subscription as _subscription
+from eventbus_debug._bus import _dispatch, _queue, subscription as _subscription
 from eventbus_debug.events import (
     Event,
     EventsDropped,
@@ -112,7 +112,7 @@ class TestLosslessLog:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """A flow-controlled sink that makes no progress is released; shedding is the last resort."""
-        monkeypatch.setattr(_subscription, "FLOW_STALL_TIMEOUT", 0.05)
+        monkeypatch.setattr(_queue, "FLOW_STALL_TIMEOUT", 0.05)
         gate = _Gate()
         gate_sub: _subscription.Subscription | None = None
         async with EventBus(capacity=8) as bus:
@@ -158,7 +158,7 @@ class TestBursts:
     async def test_dispatcher_yields_between_rounds_of_a_huge_burst(self) -> None:
         """A burst larger than a dispatch round is fanned out in rounds; other tasks run between."""
         seen: list[int] = []
-        total = 3 * _bus.DISPATCH_ROUND
+        total = 3 * _dispatch.DISPATCH_ROUND
         async with EventBus() as bus:
             bus.subscribe(RecordingSink())
 

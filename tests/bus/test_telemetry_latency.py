@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from eventbus_debug import Delivery, Event, EventBus, event_type
-from eventbus_debug._bus.bus import HOLD_MAX
+from eventbus_debug._bus._dispatch import HOLD_MAX
 from eventbus_debug.events import StepCompleted
 
 LONG = 30.0

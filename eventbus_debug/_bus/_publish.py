@@ -1,0 +1,260 @@
+"""The publish paths: what publishers call, on the event loop or from other threads.
+
+``publish_nowait`` is the hot path (one flag, one list, one ``isinstance``); ``publish`` adds
+flow control; ``publish_threadsafe`` goes through a thread-safe queue; ``has_undispatched``
+looks at what is still buffered. A publish the bus cannot take is refused here; in a child
+process forked from the bus's (a ``DataLoader`` worker) it is counted instead. The layer of
+:class:`~.bus.EventBus` above :mod:`._dispatch` (see :mod:`.bus`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sized
+from typing import Final
+
+import anyio
+import anyio.lowlevel
+
+from ..diagnostics import get_logger
+from ..events import Delivery, Event, has_incident
+from ..exceptions import BusClosedError
+from ._dispatch import HOLD_MAX, BusDispatcher, _State
+
+__all__ = ("BusPublishing",)
+
+# The bus's records keep the logger name they always had (docs/logging.md).
+_log = get_logger("eventbus_debug._bus.bus")
+
+_INCIDENT: Final = Delivery.INCIDENT
+
+
+class BusPublishing(BusDispatcher):
+    """The publishers' part of :class:`~.bus.EventBus`: the ``publish*`` methods."""
+
+    # Set by EventBus.__init__ (see there).
+    _accepting: bool
+    _incident_only: dict[tuple[type[Event], ...], bool]
+    _call_soon_threadsafe: Callable[[Callable[[], object]], object] | None
+    _forked_from: int | None  # in a forked child: the pid of the bus's process
+    lost_in_fork: int
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    def publish_nowait(self, event: Event, /) -> None:
+        """Accept *event* for delivery; never blocks, never awaits, O(1) whatever the fan-out.
+
+        Delivery happens when the event loop next runs the dispatcher (at your next ``await``).
+
+        Raises:
+            BusClosedError: if the bus is not running (not entered yet, closing or closed).
+            TypeError: if *event* is not an :class:`Event`.
+        """
+        # The hot path: two attribute reads, one isinstance, one append. The dispatcher is
+        # woken once per burst (the first publish after it went idle). The wake is
+        # _wake_dispatcher inlined: the call costs ~50 ns of an isolated publish's 1 µs budget
+        # (benchmarks/bench_publish.py).
+        if self._accepting and isinstance(event, Event):
+            self._buffer.append(event)
+            if not self._wake_pending:
+                self._wake_pending = True
+                wake = self._wake
+                if wake is not None:
+                    self._wake = None
+                    try:
+                        wake()
+                    except asyncio.InvalidStateError:  # the dispatcher's wait was cancelled
+                        pass
+            elif self._holding and (event.delivery is _INCIDENT or len(self._buffer) >= HOLD_MAX):
+                self._end_hold()
+            return
+        if not self._accepting:
+            self._refuse(1)
+            return
+        raise TypeError(_not_event_message(event))
+
+    def publish_many_nowait(self, events: Iterable[Event], /) -> None:
+        """Accept a batch of events, in order, with one wake-up of the dispatcher.
+
+        Raises:
+            BusClosedError: if the bus is not running.
+            TypeError: if an item is not an :class:`Event` (nothing of the batch is accepted).
+        """
+        if self._state is not _State.RUNNING:
+            self._refuse(len(events) if isinstance(events, Sized) else 1)
+            return
+        batch = list(events)
+        for event in batch:
+            if not isinstance(event, Event):
+                raise TypeError(_not_event_message(event))
+        self._buffer.extend(batch)
+        if not self._holding:
+            self._wake_dispatcher()
+        elif len(self._buffer) >= HOLD_MAX or has_incident(batch):
+            self._end_hold()
+
+    async def publish(self, event: Event, /) -> None:
+        """Like :meth:`publish_nowait`, plus a checkpoint so that subscribers get to run.
+
+        If a flow-controlled sink (the canonical log) is behind, waits until it caught up:
+        the publisher is slowed to the sink's pace rather than the log losing events (see
+        :meth:`subscribe`); a sink that stops making progress never holds it for long.
+
+        Raises:
+            BusClosedError: if the bus is not running (not entered yet, closing or closed).
+            TypeError: if *event* is not an :class:`Event`.
+        """
+        self.publish_nowait(event)
+        if self._pressing:
+            await self._wait_for_room()
+        await anyio.lowlevel.checkpoint()
+
+    async def _wait_for_room(self) -> None:
+        """Wait while a flow-controlled sink is over its high-water mark and making progress."""
+        while self._pressing and self._state is _State.RUNNING:
+            now = time.monotonic()
+            deadlines = [d for s in self._subs if (d := s._flow_deadline(now)) is not None]
+            if not self._pressing or not deadlines:
+                return
+            with anyio.move_on_after(min(deadlines) - now):
+                await self._await_progress()
+
+    def publish_threadsafe(self, event: Event, /, *, wake: bool = True) -> None:
+        """Accept *event* from any thread (autograd engine threads, a sync training loop).
+
+        Never blocks and never waits for the event loop: the event goes into a thread-safe
+        queue that the dispatcher empties in batches; a burst of publishes costs one
+        cross-thread wake-up. With ``wake=False`` the event waits for the next wake-up (the next
+        publish with ``wake=True``, :meth:`wake_threadsafe`, or any dispatch).
+
+        Raises:
+            BusClosedError: if the bus is not running.
+            TypeError: if *event* is not an :class:`Event`.
+        """
+        if self._state is not _State.RUNNING:
+            self._refuse(1)
+            return
+        if not isinstance(event, Event):
+            raise TypeError(_not_event_message(event))
+        self._thread_queue.append(event)
+        if wake and not self._thread_wake_pending:
+            self.wake_threadsafe()
+
+    def wake_threadsafe(self) -> None:
+        """From any thread: have the dispatcher pick up the events published from threads."""
+        self._thread_wake_pending = True
+        schedule = self._call_soon_threadsafe
+        if schedule is None:
+            return
+        try:
+            schedule(self._wake_for_threads)
+        except RuntimeError:  # the event loop is gone: the bus is closing or closed
+            self._thread_wake_pending = False
+            raise BusClosedError(self._closed_message()) from None
+
+    def has_undispatched(self, *event_types: type[Event]) -> bool:
+        """Whether an event of *event_types* (any, when none) was published but not dispatched.
+
+        Cheap (no await): it looks at the publisher-side buffers only. Events published from
+        other threads count as undispatched until the dispatcher picks them up. A safe point
+        uses it to skip a drain when nothing it cares about is in flight.
+
+        When every type asked for is an incident class (``delivery`` is
+        ``Delivery.INCIDENT``, for the class and its subclasses, as for ``Anomaly``) and no
+        incident is in flight, the answer comes from a tally of the buffer's incidents, which
+        looks at each published event once (a few hundred ns per call at one call and a few
+        events per training step). Otherwise it scans the buffer.
+        """
+        if self._thread_queue:
+            if not event_types:
+                return True
+            if any(isinstance(e, event_types) for e in tuple(self._thread_queue)):
+                return True
+        buffer = self._buffer
+        if not buffer:
+            return False
+        if not event_types:
+            return True
+        if not self._buffered_incident_count():
+            incident_only = self._incident_only.get(event_types)
+            if incident_only is None:
+                incident_only = self._incident_only[event_types] = _all_incidents(event_types)
+            if incident_only:
+                return False
+        return any(isinstance(e, event_types) for e in buffer)
+
+    # -- what the bus cannot take --------------------------------------------------------------
+
+    def _mark_forked(self, parent: int) -> None:
+        """This is a copy of the bus in a forked child process: no event loop delivers its
+        events here. The publishers' paths check nothing more: they see a closed bus, and
+        :meth:`_refuse` counts what they publish and says so once (never raises: a data
+        loader worker that reports something must not stop the training)."""
+        self._forked_from = parent
+        self._accepting = False
+        self._state = _State.CLOSED
+        self._call_soon_threadsafe = None
+
+    def _refuse(self, count: int) -> None:
+        """A publish the bus cannot take: a :class:`BusClosedError`, except in a forked child.
+
+        In a child process forked from the bus's (a ``DataLoader`` worker) the events cannot
+        reach the bus: they are counted in :attr:`lost_in_fork` and the first is logged once
+        (a warning of the library's logger naming the cause and the way out) instead of
+        raising inside the user's dataset, which would stop the training.
+        """
+        if self._forked_from is None:
+            raise BusClosedError(self._closed_message())
+        self.lost_in_fork += count
+        if self.lost_in_fork == count:
+            _log.warning("events_lost_in_forked_child", detail=self._closed_message())
+
+    def _closed_message(self) -> str:
+        if self._forked_from is not None:
+            return (
+                f"this EventBus runs in process {self._forked_from}; this is a child process "
+                f"({os.getpid()}) forked from it (a DataLoader worker?), where nothing delivers "
+                "its events: they are lost (counted in lost_in_fork). Publish from the training "
+                "process (return "
+                "what the worker found with its sample, as "
+                "eventbus_debug.recovery.SkipCorruptSamples does), or use num_workers=0"
+            )
+        if self._state is _State.NEW:
+            return "the bus is not running yet; publish inside `async with EventBus() as bus:`"
+        return "the bus is closed; events can no longer be published to it"
+
+
+_RUNNING_BUSES: weakref.WeakSet[BusPublishing] = weakref.WeakSet()
+"""The buses running in this process (entered, not closed): the ones a fork copies alive."""
+
+
+def _after_fork_in_child() -> None:
+    parent = os.getppid()
+    for bus in list(_RUNNING_BUSES):
+        bus._mark_forked(parent)
+    _RUNNING_BUSES.clear()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which cannot fork
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _not_event_message(obj: object) -> str:
+    return (
+        f"only Event instances can be published, got {type(obj).__name__}; "
+        "build a typed event (e.g. StepCompleted(step=..., loss=...))"
+    )
+
+
+def _all_incidents(event_types: tuple[type[Event], ...]) -> bool:
+    """Whether every event of *event_types* is an incident: each class and its subclasses."""
+    stack = list(event_types)
+    while stack:
+        cls = stack.pop()
+        if cls.delivery is not _INCIDENT:
+            return False
+        stack.extend(cls.__subclasses__())
+    return True
