@@ -13,7 +13,6 @@ waits, in the same order.
 from __future__ import annotations
 
 import math
-import operator
 import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -23,15 +22,15 @@ import anyio.lowlevel
 import torch
 from torch import nn
 
-from .._validate import INT64_MAX, int64_count, real_number
+from .._validate import INT64_MAX
 from ..events import Event, StepCompleted, StepSkipped
 from ..extras.validation import InputValidator, OutputChecker, Violation
 from ..probes import AnomalyArming, LeakDetector, StepProbe, StepProfiler, StepVerdict
 from ..probes.anomaly_arming import RngState
-from ..probes.step.probe import loss_value
 from ..recovery import SafePoint, ScalerMonitor, StepDecision
 from ..recovery.device_skip import DeviceSkip
 from ..typing import Publisher
+from ._arguments import checked_loss, completed_values, loss_argument, sample_count
 from .budget import OverheadMeter
 from .verdict import TrainingStepResult, Verdict
 
@@ -188,7 +187,7 @@ class StepBoundary:
         # around the same two waits.
         started = self._check_begin(step)
         if loss is not None and loss.__class__ is not _TENSOR and loss.__class__ is not float:
-            loss = _loss_value(loss)  # a numpy scalar as a float; the probe checks the rest
+            loss = loss_argument(loss)  # a numpy scalar as a float; the probe checks the rest
         # The probe does not yield (checkpoint=False): the step's one turn of the event loop
         # is step_completed's hand-over.
         verdict = await self.probe.check_step(step, loss=loss, checkpoint=False)
@@ -292,7 +291,7 @@ class StepBoundary:
         :meth:`check` runs the same parts around the same waits directly."""
         started = self._check_begin(step)
         if loss is not None and loss.__class__ is not _TENSOR and loss.__class__ is not float:
-            loss = _loss_value(loss)  # a numpy scalar as a float; the probe checks the rest
+            loss = loss_argument(loss)  # a numpy scalar as a float; the probe checks the rest
         probe = self.probe
         verdict: StepVerdict = yield (
             lambda: probe.check_step(step, loss=loss, checkpoint=False),
@@ -390,7 +389,7 @@ class StepBoundary:
             )
             and (samples is None or (samples.__class__ is int and 0 <= samples <= INT64_MAX))
         ):  # the common case costs these tests; anything else (a NaN rate too) is checked first
-            loss, learning_rate, samples = _completed_values(step, loss, learning_rate, samples)
+            loss, learning_rate, samples = completed_values(step, loss, learning_rate, samples)
         started = self.meter.clock()
         if self.profiler is not None:
             self.profiler.step(step)
@@ -461,7 +460,7 @@ class StepBoundary:
             )
             raise TypeError(msg)
         if samples is not None:
-            samples = _samples(samples)
+            samples = sample_count(samples)
         step = self.next_step(step)
         t0 = time.perf_counter()
         validator = self.validator
@@ -477,7 +476,7 @@ class StepBoundary:
         outputs = self.model(inputs)
         if self.output_checker is not None:
             self.output_checker.check(outputs, publish=self.publisher.publish_nowait, step=step)
-        loss = _checked_loss(loss_fn(outputs, targets), loss_fn)
+        loss = checked_loss(loss_fn(outputs, targets), loss_fn)
         torch.autograd.backward(loss)
         verdict = yield from self._check(step, loss)
         if verdict.should_step:
@@ -504,108 +503,6 @@ class StepBoundary:
             verdict=verdict,
             duration_s=time.perf_counter() - t0,
         )
-
-
-def _completed_values(
-    step: object, loss: object, learning_rate: object, samples: object
-) -> tuple[float | None, float | None, int | None]:
-    """``step_completed``'s values, checked: the loss and the learning rate as floats (or None),
-    *samples* as an int (or None). NaN and Infinity are facts worth logging: kept (the log
-    writes them as ``"NaN"``/``"Infinity"``).
-
-    Raises:
-        TypeError: if *step* is not an int, *loss* not a dense one-element real tensor or a
-            real number (``check_step``'s rule; a numpy real scalar is one), *learning_rate*
-            not a real number or a one-element tensor, or *samples* not an int.
-        ValueError: if *step* or *samples* is negative, *loss* a tensor of several elements or
-            a meta tensor, *learning_rate* negative, or *loss* / *learning_rate* a number too
-            large for a float (``10**400``).
-    """
-    loss = StepProbe._validate(step, loss)  # check_step's rules for the step and the loss
-    if isinstance(loss, torch.Tensor):
-        loss = float(loss.detach())
-    lr: float | None = None
-    if learning_rate is not None:
-        lr = _number("learning_rate", learning_rate)
-        if lr < 0:
-            msg = f"learning_rate must be >= 0, got {learning_rate!r}"
-            raise ValueError(msg)
-    return (
-        None if loss is None else float(loss),
-        lr,
-        None if samples is None else _samples(samples),
-    )
-
-
-def _loss_value(loss: object) -> Any:
-    """*loss* (not a float, not None) for the probe: a tensor as it is (the probe checks it),
-    another real number (``numpy.float32(0.5)``, an int) as a float.
-
-    Raises:
-        TypeError: if *loss* is neither a tensor nor a real number (a bool, a complex, a str).
-        ValueError: if *loss* is a number too large for a float (``10**400``).
-    """
-    if isinstance(loss, torch.Tensor):
-        return loss
-    return loss_value(loss)
-
-
-def _number(name: str, value: object) -> float:
-    """*value* (a real number or a dense one-element real tensor) as a float."""
-    if isinstance(value, torch.Tensor):
-        if (
-            value.numel() != 1
-            or value.layout is not torch.strided
-            or value.is_meta
-            or value.is_complex()
-        ):
-            msg = (
-                f"{name} must be a number or a one-element real tensor (dense), got shape "
-                f"{tuple(value.shape)} {value.dtype} {value.layout}"
-            )
-            raise ValueError(msg)
-        return float(value.detach())
-    return real_number(name, value)
-
-
-def _samples(samples: object) -> int:
-    """*samples* (how many samples a step took) as an int >= 0."""
-    if isinstance(samples, bool | float) or not hasattr(samples, "__index__"):
-        msg = f"samples must be an int (the step's number of samples), got {type(samples).__qualname__} {samples!r}"
-        raise TypeError(msg)
-    return int64_count("samples", operator.index(samples))
-
-
-def _checked_loss(loss: object, loss_fn: object) -> torch.Tensor:
-    """What *loss_fn* returned, if it is a loss ``backward`` can start from.
-
-    Raises:
-        TypeError: if it is not a tensor.
-        ValueError: if it has several elements or does not require grad.
-    """
-    if loss.__class__ is not torch.Tensor and not isinstance(loss, torch.Tensor):
-        msg = (
-            f"loss_fn {_name(loss_fn)} must return the loss as a tensor, got "
-            f"{type(loss).__qualname__} {loss!r}"
-        )
-        raise TypeError(msg)
-    if loss.numel() != 1:
-        msg = (
-            f"loss_fn {_name(loss_fn)} must return a scalar loss (one element), got shape "
-            f"{tuple(loss.shape)}; reduce it, e.g. with reduction='mean' or .mean()"
-        )
-        raise ValueError(msg)
-    if not loss.requires_grad:
-        msg = (
-            f"loss_fn {_name(loss_fn)} returned a loss that does not require grad (computed "
-            "under torch.no_grad(), detached, or not from the model's outputs?)"
-        )
-        raise ValueError(msg)
-    return loss
-
-
-def _name(fn: object) -> str:
-    return repr(getattr(fn, "__qualname__", None) or type(fn).__qualname__)
 
 
 def _rejection(step: int, violations: Sequence[Violation], *, source: str) -> StepSkipped:
