@@ -193,7 +193,8 @@ class AnomalyArming:
         The replay leaves no trace on the model: its buffers (BatchNorm running statistics)
         are restored after it, and with *rng* (captured before the original forward pass) it
         draws the same random numbers (dropout masks) without changing the generators' state.
-        Gradients it accumulates are the caller's to clear.
+        Gradients it accumulates are the caller's to clear. It runs eagerly (``torch.compile``
+        directives are ignored during it), so a compiled model's layers are localized too.
         """
         found = self.replay_sync(run, step=step, rng=rng)
         await anyio.lowlevel.checkpoint()  # after the random state is back
@@ -204,7 +205,8 @@ class AnomalyArming:
     ) -> AnomalyLocalized | None:
         """:meth:`replay` for synchronous loops."""
         self.answered(step)
-        with _isolated(self.model, rng):
+        # eager: a compiled forward does not run hooks added after compiling (the localizer's)
+        with _isolated(self.model, rng), torch.compiler.set_stance("force_eager"):
             found = self.locator.localize_sync(run, step=step)
         if found is not None:
             self.found.append(found)

@@ -22,6 +22,7 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
+from .._modules import named_root
 from .._validate import publisher
 from ..events import AnomalyLocalized, TensorRole
 from ..typing import Publisher
@@ -187,7 +188,13 @@ class FirstNonFiniteLocator:
             return
         self._records.clear()
         self._open.clear()
-        for name, module in self._model.named_modules():
+        root = named_root(self._model)
+        modules = list(root.named_modules())
+        if root is not self._model:
+            # torch.compile's wrapper: a compiled forward runs the hooks of this module only
+            # (hooks added after compiling are not traced), an eager replay those of the model
+            modules.insert(0, ("", self._model))
+        for name, module in modules:
             self._handles.append(
                 module.register_forward_pre_hook(self._pre_hook(), with_kwargs=True)
             )
@@ -195,7 +202,7 @@ class FirstNonFiniteLocator:
                 module.register_forward_hook(self._forward_hook(name), with_kwargs=True)
             )
         if self.backward:
-            for name, p in self._model.named_parameters():
+            for name, p in root.named_parameters():
                 if p.requires_grad:
                     owner = name.rpartition(".")[0]
                     self._handles.append(p.register_hook(self._param_hook(owner, name, p)))  # type: ignore[no-untyped-call]
@@ -486,9 +493,11 @@ class ForwardReport:
 def debug_forward_pass(
     model: nn.Module, inputs: object, *, layer_hooks: bool = True
 ) -> tuple[Any, ForwardReport]:
-    """Run ``model(inputs)`` once and report per-layer shapes, statistics and timing.
+    r"""Run ``model(inputs)`` once and report per-layer shapes, statistics and timing.
 
-    Every statistic stays on the device until the end; one transfer moves them all.
+    Every statistic stays on the device until the end; one transfer moves them all. A
+    ``torch.compile``\ d model runs eager here (the model it wraps), so that every layer's hooks
+    run and the layers are named as in the model.
 
     Args:
         model: the module to run.
@@ -546,6 +555,7 @@ def debug_forward_pass(
 
         return hook
 
+    model = named_root(model)  # a compiled model runs eager here: every layer's hooks fire
     modules = list(model.named_modules()) if layer_hooks else [("", model)]
     handles = []
     for name, module in modules:
@@ -554,7 +564,8 @@ def debug_forward_pass(
     args = inputs if isinstance(inputs, tuple | list) else (inputs,)
     start = time.perf_counter()
     try:
-        output = model(*args)
+        with torch.compiler.set_stance("force_eager"):  # a model compiled in place too
+            output = model(*args)
     finally:
         for h in handles:
             h.remove()
@@ -627,7 +638,7 @@ def debug_backward_pass(
     duration = time.perf_counter() - start
     if model is None:
         return BackwardReport(duration_s=duration, grad_norms={}, non_finite=(), total_norm=None)
-    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    named = [(n, p.grad) for n, p in named_root(model).named_parameters() if p.grad is not None]
     if not named:
         return BackwardReport(duration_s=duration, grad_norms={}, non_finite=(), total_norm=0.0)
     grads = [g.coalesce().values() if g.is_sparse else g for _, g in named]

@@ -12,6 +12,7 @@ from torch import nn
 
 from .._bus import Subscription
 from .._bus.bus import DEFAULT_CLOSE_TIMEOUT
+from .._modules import named_root
 from ..events import Event, NonFiniteDetected, SessionEnded, SessionStarted, TensorRole
 from ..exceptions import TrainingStopped
 from ..extras.debug_context import DebugContext, debug_context
@@ -358,7 +359,7 @@ class SessionBase(Generic[BusT]):
         self._started = time.perf_counter()
         config = {
             "level": self.plan.level.value,
-            "model": type(self.model).__name__,
+            "model": _model_name(self.model),
             "parameters": str(sum(p.numel() for p in self.model.parameters())),
             "anomaly_localization": str(self.plan.anomaly_localization).lower(),
             "memory_tracking": str(self.plan.memory_tracking).lower(),
@@ -393,3 +394,10 @@ class SessionBase(Generic[BusT]):
             steps=self.steps_completed,
             duration_s=time.perf_counter() - self._started,
         )
+
+
+def _model_name(model: nn.Module) -> str:
+    """The model's class name (``Sequential (compiled)`` for a ``torch.compile`` wrapper)."""
+    root = named_root(model)
+    name = type(root).__name__
+    return name if root is model else f"{name} (compiled)"

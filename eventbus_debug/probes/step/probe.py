@@ -25,6 +25,7 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
+from ..._modules import named_root
 from ..._validate import INT64_MAX, int64_count, positive_int, publisher, real_number
 from ...events import LossSpiked
 from ...typing import Publisher
@@ -121,7 +122,8 @@ class StepProbe:
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             msg = f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__qualname__}"
             raise TypeError(msg)
-        meta = [n for n, p in model.named_parameters() if p.is_meta]
+        named_model = named_root(model)  # a compiled model's names are the model's
+        meta = [n for n, p in named_model.named_parameters() if p.is_meta]
         if meta:
             msg = (
                 f"the model has {len(meta)} parameter(s) on the meta device (e.g. {meta[0]!r}), "
@@ -137,7 +139,7 @@ class StepProbe:
         self.offload_numel = positive_int("offload_numel", offload_numel)
         named = [
             (n, p)
-            for n, p in model.named_parameters()  # remove_duplicate=True: tied weights once
+            for n, p in named_model.named_parameters()  # remove_duplicate: tied weights once
             if p.is_floating_point() or p.is_complex()
         ]
         self._names: tuple[str, ...] = tuple(n for n, _ in named)
@@ -145,9 +147,9 @@ class StepProbe:
         self._numel = sum(p.numel() for p in self._params)
         # Floating buffers (BatchNorm running statistics) are checked with the parameters:
         # a NaN batch poisons them without touching a parameter.
-        buffers = [(n, b) for n, b in model.named_buffers() if b.is_floating_point()]
+        buffers = [(n, b) for n, b in named_model.named_buffers() if b.is_floating_point()]
         state = self._params + tuple(b for _, b in buffers)
-        self._activations = ActivationHooks(model)
+        self._activations = ActivationHooks(named_model)
         self._launcher = Launcher(self._params, state, self._activations)
         self._judge = Judge(
             self._names,
