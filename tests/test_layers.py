@@ -21,6 +21,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "_validate",
         "_records",
         "_tensors",
+        "_modules",
         "diagnostics",
         "threads",
         "step_context",
