@@ -22,8 +22,9 @@ from eventbus_debug import Session
 
 MARKS = (1025, 2050)
 LEAK_BOUND = 200
-"""Objects the count may move by between the marks (a thread of the suite finishing, a cache);
-a leak of one object a step adds 1,025."""
+"""Objects the count may grow by between the marks (a cache filled late); a leak of one object
+a step adds 1,025. It may fall by more: what earlier tests of the same worker left behind (a
+thread finishing, a cycle collected) is freed in between."""
 
 
 async def test_a_long_healthy_run_keeps_its_memory_flat(tmp_path: Path) -> None:
@@ -34,7 +35,8 @@ async def test_a_long_healthy_run_keeps_its_memory_flat(tmp_path: Path) -> None:
     finally:
         torch.set_num_threads(threads)
     first, last = (counts[m] for m in MARKS)
-    assert abs(last - first) <= LEAK_BOUND, counts
+    # one-sided: what earlier tests of the same worker left behind may be freed in between
+    assert last - first <= LEAK_BOUND, counts
 
 
 async def _train(log_dir: Path, steps: int) -> dict[int, int]:
