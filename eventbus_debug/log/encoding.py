@@ -32,7 +32,7 @@ import orjson
 from ..events import Event, event_types
 from ..events._checks import invalid_field
 from ..exceptions import EventDecodeError
-from ._codegen import make_encoder
+from ._codegen import RunEncoder, make_encoder, make_run_encoder
 
 __all__ = ("decode_event", "encode_event", "encode_events", "unwritable_field")
 
@@ -222,9 +222,12 @@ class _Codec:
     encode: Callable[[Event], bytes]  # generated per class: see _codegen.make_encoder
     converters: Mapping[str, _Convert]
     required: frozenset[str]
+    run: RunEncoder  # the batch encoder: see _codegen.make_run_encoder
 
 
 _CODECS: dict[type[Event], _Codec] = {}
+_RUNS: dict[type, RunEncoder] = {}  # _CODECS' run encoders, for the batch loop's one lookup
+_END: Final = object()  # what a run encoder returns at the end of its batch
 
 
 def _codec(cls: type[Event]) -> _Codec:
@@ -240,9 +243,12 @@ def _codec(cls: type[Event]) -> _Codec:
             and f.default is dataclasses.MISSING
             and f.default_factory is dataclasses.MISSING
         )
-        encode = make_encoder(cls.kind, [(f.name, hints[f.name]) for f in fields], _encode_careful)
-        codec = _Codec(encode, converters, required)
+        pairs = [(f.name, hints[f.name]) for f in fields]
+        encode = make_encoder(cls.kind, pairs, _encode_careful)
+        run = make_run_encoder(cls, pairs, _encode_careful, _END)
+        codec = _Codec(encode, converters, required, run)
         _CODECS[cls] = codec
+        _RUNS[cls] = run
     return codec
 
 
@@ -302,41 +308,41 @@ _JOIN_EVERY: Final = 256
 def encode_events(events: Iterable[Event], /) -> bytes:
     """Encode several events as consecutive JSON lines: ``b"".join(map(encode_event, events))``.
 
-    A file sink writes a whole batch with one call. Lines are joined every 256 events: holding
-    thousands of small encoded lines alive before one final join made a 4,096-event batch
-    about 3x slower per event than a 100-event one (measured with
-    ``benchmarks/bench_publish.py``-sized events on this project's machines).
+    A file sink writes a whole batch with one call. Each run of consecutive events of one
+    class is encoded by that class's generated run encoder (one call per run, not per event;
+    :func:`~eventbus_debug.log._codegen.make_run_encoder`), and the bytes are those of
+    :func:`encode_event`. Lines are joined every 256 events: holding thousands of small
+    encoded lines alive before one final join made a 4,096-event batch about 3x slower per
+    event than a 100-event one (measured with ``benchmarks/bench_publish.py``-sized events on
+    this project's machines).
 
     Raises:
         TypeError: as :func:`encode_event`, for the first event that cannot be encoded.
     """
+    seq = events if isinstance(events, list | tuple) else list(events)
     chunks: list[bytes] = []
-    out: list[bytes] = []
-    append = out.append
-    last_cls: type | None = None
-    encode: Callable[[Event], bytes] = encode_event
-    event: object = None
+    runs = _RUNS
+    end: Any = _END
     try:
-        for event in events:
-            cls = event.__class__
-            if cls is not last_cls:  # batches are runs of a few classes: look up once per run
-                codec = _CODECS.get(cls)
-                if codec is None and isinstance(cls, type) and issubclass(cls, Event):
-                    codec = _codec(cls)
-                encode = codec.encode if codec is not None else encode_event
-                last_cls = cls
-            append(encode(event))
-            if len(out) >= _JOIN_EVERY:
-                chunks.append(b"".join(out))
-                out.clear()
-    except TypeError as exc:
-        if not isinstance(event, Event) or str(exc).startswith("cannot encode"):
-            raise
-        raise _unencodable(event, exc) from None
-    if not chunks:
-        return b"".join(out)
-    chunks.append(b"".join(out))
-    return b"".join(chunks)
+        for start in range(0, len(seq), _JOIN_EVERY):
+            out: list[bytes] = []
+            append = out.append
+            rest = iter(seq[start : start + _JOIN_EVERY])
+            event: Event = next(rest, end)
+            while event is not end:
+                run = runs.get(event.__class__)
+                if run is None:
+                    if not isinstance(event, Event):
+                        encode_event(event)  # raises: not an Event
+                    run = _codec(event.__class__).run
+                event = run(event, rest, append)  # the next run's first event, or the end
+            chunks.append(b"".join(out))
+    except TypeError:
+        # Name the first event that cannot be encoded, with encode_event's message.
+        for item in seq:
+            encode_event(item)
+        raise
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _encode_one(encode: Callable[[Event], bytes], event: Event) -> bytes:

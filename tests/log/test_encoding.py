@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import threading
 from collections.abc import Mapping
 from dataclasses import field
 from enum import Enum
@@ -146,6 +147,91 @@ class TestRoundTrip:
         obj = orjson.loads(encode_event(StepCompleted(step=1)))
         obj["from_the_future"] = 1
         assert decode_event(obj).step == 1
+
+
+def _mixed_batch(n: int, seed: int) -> list[Event]:
+    """Runs of a few classes, of random lengths, with careful-path events inside the runs."""
+    rng = random.Random(seed)
+    floats = [0.5, math.nan, math.inf, -math.inf, None, 1e300, -0.0, 3]
+    out: list[Event] = []
+    while len(out) < n:
+        pick = rng.random()
+        for _ in range(rng.choice([1, 2, 7, 300])):
+            if pick < 0.5:
+                out.append(
+                    StepCompleted(
+                        step=len(out),
+                        loss=rng.choice(floats),
+                        severity=rng.choice(list(Severity)),
+                        source=rng.choice(["", 'a"b\nc', "ü"]),
+                    )
+                )
+            elif pick < 0.8:
+                out.append(
+                    _Floats(
+                        plain=rng.choice([1.5, math.nan]),
+                        series=(1.0, rng.choice([2.0, math.inf])),
+                        table={"a": rng.choice([1.0, -math.inf])},
+                        points=(_Point(x=0.25, y=math.nan),),
+                    )
+                )
+            else:
+                out.append(SinkFailed(sink="s", error_type="E", message=f"m{len(out)}"))
+    return out[:n]
+
+
+class TestBatchEncoding:
+    """encode_events encodes runs of one class in generated loops: the bytes never change."""
+
+    @pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 1000, 5000])
+    def test_mixed_runs_match_per_event(self, n: int) -> None:
+        """Runs of every length, across the 256-event joins, are the per-event lines."""
+        evs = _mixed_batch(n, seed=n)
+        expected = b"".join(encode_event(e) for e in evs)
+        assert encode_events(evs) == expected
+        assert encode_events(iter(evs)) == expected
+        assert encode_events(tuple(evs)) == expected
+
+    def test_every_registered_kind_in_one_batch(self) -> None:
+        """Every registered class, alone and repeated, in one batch."""
+        from eventbus_debug.events import event_types
+
+        samples = [make_sample_event(cls) for cls in event_types().values()]
+        evs = [e for e in samples for _ in range(3)] + samples[::-1] + samples
+        assert encode_events(evs) == b"".join(encode_event(e) for e in evs)
+
+    @pytest.mark.parametrize("at", [0, 255, 256, 599])
+    def test_first_unencodable_event_is_named(self, at: int) -> None:
+        """A wrong-typed event anywhere in a batch: the error names its field, as encode_event."""
+        evs: list[Event] = [StepCompleted(step=i, loss=0.5) for i in range(600)]
+        evs[at] = StepCompleted(step=at, loss="x")  # type: ignore[arg-type]
+        evs.append(StepCompleted(step="late"))  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"cannot encode StepCompleted: field 'loss'"):
+            encode_events(evs)
+
+    def test_not_an_event_in_a_batch(self) -> None:
+        """Something that is not an Event is refused as encode_event refuses it."""
+        evs: list[Any] = [StepCompleted(step=0), {"kind": "step_completed"}, StepCompleted(step=1)]
+        with pytest.raises(TypeError, match="encode_event needs an Event, got dict"):
+            encode_events(evs)
+
+    def test_threads_encode_at_once(self) -> None:
+        """Two threads encoding batches of the same classes never mix their lines."""
+        batches = [_mixed_batch(700, seed=s) for s in range(2)]
+        expected = [b"".join(encode_event(e) for e in b) for b in batches]
+        wrong: list[int] = []
+
+        def work(k: int) -> None:
+            for _ in range(30):
+                if encode_events(batches[k]) != expected[k]:
+                    wrong.append(k)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not wrong
 
 
 class TestErrors:

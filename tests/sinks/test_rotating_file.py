@@ -225,6 +225,55 @@ class TestRotation:
         assert (tmp_path / "events.jsonl.1").stat().st_size == size
         await sink.aclose()
 
+    @pytest.mark.parametrize("wake_interval", [0.0, 3600.0])
+    async def test_one_batch_across_many_boundaries(
+        self, tmp_path: Path, wake_interval: float
+    ) -> None:
+        """One batch cut into many files: every line counted once, every file under max_bytes."""
+        line = _line_size()
+        sink = RotatingFileSink(
+            tmp_path, max_bytes=line * 30, backup_count=100, wake_interval=wake_interval
+        )
+        await sink.handle_batch(_steps(0, 10))
+        await sink.handle_batch(_steps(10, 1000))
+        await sink.aclose()
+        stats = sink.statistics()
+        assert (stats.lines_written, stats.lines_pending, stats.lines_lost) == (1010, 0, 0)
+        lines = 0
+        for path in tmp_path.iterdir():
+            data = path.read_bytes()
+            assert 0 < len(data) <= line * 30 and data.endswith(b"\n"), path.name
+            lines += data.count(b"\n")
+        assert lines == 1010 and stats.rotations == len(list(tmp_path.iterdir())) - 1
+        assert stats.bytes_written == sum(p.stat().st_size for p in tmp_path.iterdir())
+        assert _step_numbers(tmp_path) == list(range(1010))
+
+    async def test_rotation_failing_mid_batch_keeps_every_line(self, tmp_path: Path) -> None:
+        """A rotation that fails inside a batch: the rest of the batch is kept, counted, written."""
+        line = _line_size()
+        calls = [0]
+
+        def rotator(source: str, dest: str) -> None:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            os.replace(source, dest)
+
+        sink = RotatingFileSink(
+            tmp_path, max_bytes=line * 10, backup_count=100, rotator=rotator, wake_interval=0
+        )
+        with pytest.raises(LogWriteError, match="cannot rotate"):
+            await sink.handle_batch(_steps(0, 35))
+        writer = sink._writer
+        stats = sink.statistics()
+        assert stats.lines_pending == writer._buffer.count(b"\n") == 35 - stats.lines_written
+        assert stats.lines_written == 20  # the first file, and the second before its rotation
+        await sink.aclose()
+        stats = sink.statistics()
+        assert (stats.lines_written, stats.lines_pending, stats.lines_lost) == (36, 0, 0)
+        assert _step_numbers(tmp_path) == list(range(35))
+        assert len(_resumed(tmp_path)) == 1  # the 36th line
+
 
 class TestContent:
     async def test_million_events_make_million_lines(self, tmp_path: Path) -> None:
