@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from .anomaly_arming import AnomalyArming
 from .autograd import AnomalyCapture, capture_autograd_anomaly, replay_with_anomaly_detection
-from .finite import NonFiniteCounts, non_finite_counts
-from .levels import Cadence, Checks, DebugLevel, Thresholds
-from .localize import (
+from .debug_passes import (
     BackwardReport,
-    FirstNonFiniteLocator,
     ForwardReport,
     LayerRecord,
     debug_backward_pass,
     debug_forward_pass,
 )
+from .finite import NonFiniteCounts, non_finite_counts
+from .levels import Cadence, Checks, DebugLevel, Thresholds
+from .localize import FirstNonFiniteLocator
 from .memory import (
     LeakDetector,
     LeakThresholds,
