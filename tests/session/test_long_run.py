@@ -12,6 +12,9 @@ per step would add over a thousand between them.
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import anyio
@@ -23,19 +26,24 @@ from eventbus_debug import Session
 MARKS = (1025, 2050)
 LEAK_BOUND = 200
 """Objects the count may grow by between the marks (a cache filled late); a leak of one object
-a step adds 1,025. It may fall by more: what earlier tests of the same worker left behind (a
-thread finishing, a cycle collected) is freed in between."""
+a step adds 1,025."""
+ROOT = Path(__file__).resolve().parents[2]
 
 
-async def test_a_long_healthy_run_keeps_its_memory_flat(tmp_path: Path) -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: two OpenMP threads only wait for each other
-    try:
-        counts = await _train(tmp_path, MARKS[-1] + 1)
-    finally:
-        torch.set_num_threads(threads)
+def test_a_long_healthy_run_keeps_its_memory_flat(tmp_path: Path) -> None:
+    """Run in a fresh interpreter: in a test worker, what earlier tests left behind (threads,
+    caches, cycles) moves the count by hundreds either way."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.session.test_long_run", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = {int(k): v for k, v in json.loads(done.stdout.splitlines()[-1]).items()}
     first, last = (counts[m] for m in MARKS)
-    # one-sided: what earlier tests of the same worker left behind may be freed in between
     assert last - first <= LEAK_BOUND, counts
 
 
@@ -64,3 +72,15 @@ async def _train(log_dir: Path, steps: int) -> dict[int, int]:
                 counts[step] = len(gc.get_objects())
         assert session.steps_completed == steps
     return counts
+
+
+def _main(log_dir: str) -> None:
+    """Train with one torch thread (a tiny model: two OpenMP threads only wait for each other)
+    and print the counts at the marks as JSON."""
+    torch.set_num_threads(1)
+    counts = anyio.run(_train, Path(log_dir), MARKS[-1] + 1)
+    print(json.dumps(counts))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
