@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ("named_root",)
+__all__ = ("float_parameters", "named_root")
 
 
 def named_root(model: nn.Module) -> nn.Module:
@@ -28,3 +28,13 @@ def named_root(model: nn.Module) -> nn.Module:
             break
         model = inner
     return model
+
+
+def float_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """*model*'s floating-point and complex parameters (the ones that hold values to check),
+    named after :func:`named_root`; a tied weight once."""
+    return [
+        (n, p)
+        for n, p in named_root(model).named_parameters()  # remove_duplicate: tied weights once
+        if p.is_floating_point() or p.is_complex()
+    ]

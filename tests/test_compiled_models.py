@@ -28,6 +28,7 @@ from eventbus_debug.events import (
     TensorRole,
 )
 from eventbus_debug.probes import debug_backward_pass, debug_forward_pass
+from tests._doubles import quiet
 
 NAMES = ("0.weight", "0.bias", "2.weight", "2.bias")
 
@@ -123,16 +124,7 @@ async def test_a_nan_is_localized_to_its_layer(how: str) -> None:
     optimizer = torch.optim.SGD(run.parameters(), lr=1e-3)
     sink = _Collect()
     torch.manual_seed(1)
-    async with Session(
-        run,
-        optimizer,
-        log_dir=None,
-        mode="anomaly_detection",
-        sinks=[sink],
-        system_interval=None,
-        report=False,
-        alerts=False,
-    ) as session:
+    async with Session(run, optimizer, **quiet(mode="anomaly_detection", sinks=[sink])) as session:
         for step in range(3):
             result = await session.training_step(
                 torch.rand(4, 8), torch.zeros(4), lambda out, _: out.exp().mean(), step=step

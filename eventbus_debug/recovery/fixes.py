@@ -20,7 +20,7 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._modules import named_root
+from .._modules import float_parameters
 from .._validate import fraction, positive_number
 from ..events import RecoveryAction, RecoveryApplied
 from ..typing import Publisher
@@ -163,11 +163,7 @@ def apply_common_fixes(
         model.zero_grad(set_to_none=True)
 
     # 1. parameters
-    params = [
-        (n, p)
-        for n, p in named_root(model).named_parameters()
-        if p.is_floating_point() or p.is_complex()
-    ]
+    params = float_parameters(model)
     bad_flags: list[bool] = (
         torch.stack([(~torch.isfinite(p.detach()).all()).cpu() for _, p in params]).tolist()
         if params

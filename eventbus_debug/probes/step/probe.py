@@ -25,7 +25,7 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
-from ..._modules import named_root
+from ..._modules import float_parameters, named_root
 from ..._validate import INT64_MAX, int64_count, positive_int, publisher, real_number
 from ...events import LossSpiked
 from ...typing import Publisher
@@ -137,11 +137,7 @@ class StepProbe:
         self.cadence = cadence or Cadence()
         self.deferred = bool(deferred)
         self.offload_numel = positive_int("offload_numel", offload_numel)
-        named = [
-            (n, p)
-            for n, p in named_model.named_parameters()  # remove_duplicate: tied weights once
-            if p.is_floating_point() or p.is_complex()
-        ]
+        named = float_parameters(named_model)
         self._names: tuple[str, ...] = tuple(n for n, _ in named)
         self._params: tuple[nn.Parameter, ...] = tuple(p for _, p in named)
         self._numel = sum(p.numel() for p in self._params)
