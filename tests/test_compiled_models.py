@@ -150,3 +150,23 @@ def test_debug_passes_name_and_hook_the_models_layers() -> None:
     loss = out.sum()
     backward = debug_backward_pass(loss, compiled)
     assert set(backward.grad_norms) == set(NAMES)
+
+
+def test_one_shot_checks_name_the_models_parameters() -> None:
+    """The seed-named one-shot checks (``check_gradients`` & co.) report a compiled model's
+    parameters under the model's own names, as the session does, with the same figures."""
+    from eventbus_debug.compat import (
+        analyze_gradients,
+        analyze_model_parameters,
+        check_gradient_explosion,
+        check_gradients,
+    )
+
+    model = _model()
+    compiled = _compiled(model)
+    compiled(torch.randn(4, 8)).pow(2).sum().backward()
+    assert tuple(s.name for s in analyze_model_parameters(compiled)) == NAMES
+    assert analyze_gradients(compiled) == analyze_gradients(model)
+    report = check_gradients(compiled, gradient_threshold=1e-9)
+    assert report.above == NAMES and report.finite
+    assert check_gradient_explosion(compiled, threshold=1e-9) == NAMES

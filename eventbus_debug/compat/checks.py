@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .._modules import named_root
 from ..probes.finite import stored_values
 from ..probes.levels import Cadence, Thresholds
 from ..probes.step import StepProbe, StepVerdict
@@ -84,14 +85,16 @@ def _named(model: nn.Module, *, grads: bool) -> list[tuple[str, torch.Tensor]]:
     """*model*'s floating-point parameters (or their gradients, when they have one), by name.
 
     A model on the meta device is refused whether or not its parameters have gradients: a
-    meta model has none, and an empty report would read as "nothing wrong".
+    meta model has none, and an empty report would read as "nothing wrong". A
+    ``torch.compile``\\ d model's tensors are named as the model's own (``0.weight``, not
+    ``_orig_mod.0.weight``), like everything the session reports.
 
     Raises:
         TypeError: if *model* is not an ``nn.Module``.
         ValueError: if a parameter or a gradient is on the meta device (it has no values).
     """
     named: list[tuple[str, torch.Tensor]] = []
-    for n, p in _check_model(model).named_parameters():
+    for n, p in named_root(_check_model(model)).named_parameters():
         if not (p.is_floating_point() or p.is_complex()):
             continue
         t = p.grad if grads else p.detach()
