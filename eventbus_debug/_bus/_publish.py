@@ -23,6 +23,7 @@ from ..diagnostics import get_logger
 from ..events import Delivery, Event, has_incident
 from ..exceptions import BusClosedError
 from ._dispatch import HOLD_MAX, BusDispatcher, _State
+from ._queue import FLOW_STALL_TIMEOUT
 
 __all__ = ("BusPublishing",)
 
@@ -121,6 +122,33 @@ class BusPublishing(BusDispatcher):
                 return
             with anyio.move_on_after(min(deadlines) - now):
                 await self._await_progress()
+
+    def _flow_room(self) -> int | None:
+        """Events a flow-controlled sink (the canonical log) takes in one dispatch without
+        shedding when it is under its high-water mark, for the one with the least room;
+        ``None`` when no flow-controlled sink holds publishers back now."""
+        rooms = [
+            s.capacity - s._high_water for s in self._subs if s.backpressure and not s._stalled
+        ]
+        return min(rooms) if rooms else None
+
+    def _undispatched(self) -> int:
+        """Events published (on the loop or from threads) and not dispatched yet."""
+        return len(self._buffer) + len(self._thread_queue)
+
+    async def _wait_for_dispatch(self) -> None:
+        """Wait until the events handed over so far were dispatched, then while a
+        flow-controlled sink is over its high-water mark (``SyncEventBus.flush``'s wait when
+        the training thread publishes faster than the bus's thread dispatches).
+
+        Bounded: a dispatcher that makes no progress for ``FLOW_STALL_TIMEOUT`` stops the wait.
+        """
+        with anyio.move_on_after(FLOW_STALL_TIMEOUT):
+            while self._undispatched() and self._state is _State.RUNNING:
+                self._pull_thread_events()
+                await self._await_progress()  # wakes the dispatcher (ending a telemetry hold)
+        if self._pressing:
+            await self._wait_for_room()
 
     def publish_threadsafe(self, event: Event, /, *, wake: bool = True) -> None:
         """Accept *event* from any thread (autograd engine threads, a sync training loop).

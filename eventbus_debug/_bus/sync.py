@@ -194,20 +194,33 @@ class SyncEventBus:
         """Hand everything published so far to the bus's thread: one cross-thread wake-up.
 
         If a flow-controlled sink (the canonical log) is behind, also waits until it caught
-        up, as ``await bus.publish(...)`` does (see :meth:`EventBus.subscribe`).
+        up, as ``await bus.publish(...)`` does (see :meth:`EventBus.subscribe`); and when the
+        events handed over but not dispatched yet would overfill it (this thread publishes
+        faster than the bus's thread dispatches), waits until they were dispatched first.
         """
         self._pending = 0
         if self._portal is None:
             msg = "the SyncEventBus is not running; use `with SyncEventBus() as bus:`"
             raise BusClosedError(msg)
-        self._bus.wake_threadsafe()
-        if self._bus._pressing and (self._room is None or self._room.done()):
-            # Bounded: a flow-controlled sink that makes no progress stops holding the
-            # publisher after FLOW_STALL_TIMEOUT; a bus thread held by a sink is not waited
-            # for beyond it (nor again, until that wait ended).
-            self._room = self._submit(self._bus._wait_for_room())
-            with contextlib.suppress(concurrent.futures.TimeoutError):
-                self._room.result(_queue.FLOW_STALL_TIMEOUT + THREAD_GRACE)
+        bus = self._bus
+        bus.wake_threadsafe()
+        if self._room is not None and not self._room.done():
+            return  # a wait that outlived its bound: the bus's thread is held, not waited for again
+        if bus._pressing:
+            wait = bus._wait_for_room()
+        else:
+            room = bus._flow_room()
+            # Half the room: the events published between two flushes (up to max_pending)
+            # still fit when the dispatcher takes them in one round.
+            if room is None or bus._undispatched() < max(1, room // 2):
+                return
+            wait = bus._wait_for_dispatch()
+        # Bounded: a flow-controlled sink that makes no progress stops holding the publisher
+        # after FLOW_STALL_TIMEOUT; a bus thread held by a sink is not waited for beyond it
+        # (nor again, until that wait ended).
+        self._room = self._submit(wait)
+        with contextlib.suppress(concurrent.futures.TimeoutError):
+            self._room.result(_queue.FLOW_STALL_TIMEOUT + THREAD_GRACE)
 
     def drain(self, *subscriptions: Subscription, timeout: float | None = None) -> None:
         """Block until everything published so far was handled (see :meth:`EventBus.drain`).

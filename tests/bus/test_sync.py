@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import ClassVar
 
+import anyio
 import pytest
 
 from eventbus_debug import BusClosedError, Event, EventBus, SyncEventBus, event_type
@@ -45,6 +46,35 @@ def test_lossless_publish_flush_close() -> None:
     assert [e.step for e in rec.of_type(StepCompleted)] == list(range(2000))
     assert rec.closed == 1
     assert bus.statistics().published == 2000
+
+
+class _SlowLog:
+    """A flow-controlled sink slower than the publisher: a short sleep per batch."""
+
+    def __init__(self) -> None:
+        self.steps: list[int | None] = []
+
+    async def handle_batch(self, events: list[Event], /) -> None:
+        await anyio.sleep(0.0005)
+        self.steps += [e.step for e in events]
+
+
+@pytest.mark.parametrize("flush_every", [100, 0])
+def test_flush_keeps_a_flow_controlled_sink_lossless_when_publishing_outruns_it(
+    flush_every: int,
+) -> None:
+    """A training thread that publishes faster than the bus's thread dispatches: ``flush()``
+    (explicit, or the one every ``max_pending`` events) waits for the handed-over events to be
+    dispatched before they would overfill a flow-controlled sink, which then sheds nothing."""
+    sink = _SlowLog()
+    with SyncEventBus(max_pending=64) as bus:
+        sub = bus.subscribe(sink, backpressure=True, capacity=256)
+        for step in range(20_000):
+            bus.publish(StepCompleted(step=step, loss=1.0))
+            if flush_every and step % flush_every == flush_every - 1:
+                bus.flush()
+    assert sub.statistics().shed == 0
+    assert sink.steps == list(range(20_000))
 
 
 def test_sinks_run_on_the_bus_thread() -> None:
