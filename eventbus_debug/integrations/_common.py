@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, final
+from typing import Any, ClassVar, Final, final
 
 import torch
 from torch import nn
@@ -114,10 +114,28 @@ class SampleCounter:
 class FitViews:
     """What a user (or a test) can look at on an integration: its session and its counts.
 
-    Mixed into each framework's callback or handler, which sets ``self._fit``.
+    Mixed into each framework's callback or handler, which sets ``self._fit``. A copy
+    (``copy.deepcopy``, ``pickle``) taken while a run goes on is the object idle: its options
+    and counts, no session, and none of the run's references (:attr:`_RUN_SCOPED`) — a
+    session's threads, files and event loop cannot be copied, and a copy must not drag the
+    framework's trainer or model along.
     """
 
     _fit: FitSession
+    #: Attributes that belong to the run going on: ``None`` in a copy.
+    _RUN_SCOPED: ClassVar[tuple[str, ...]] = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The state a copy gets: this object's, idle (see the class docstring)."""
+        state = dict(vars(self))
+        for name in self._RUN_SCOPED:
+            if name in state:
+                state[name] = None
+        if isinstance(state.get("_loss"), LossAccumulator):
+            state["_loss"] = LossAccumulator()
+        if isinstance(state.get("_samples"), SampleCounter):
+            state["_samples"] = SampleCounter()
+        return state
 
     @property
     def session(self) -> SyncSession | None:
@@ -181,6 +199,14 @@ class FitSession:
     def running(self) -> bool:
         """Whether the session is open."""
         return self.session is not None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, ``pickle``) keeps the options and counts, not the open
+        session (its threads, files and event loop cannot be copied) nor the optimizer."""
+        state = dict(vars(self))
+        state["session"] = None
+        state["optimizer"] = None
+        return state
 
     def open(
         self,

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, final
@@ -108,6 +109,8 @@ class EventBusDebugHandler(FitViews):
         ValueError: if *max_grad_norm* is not a positive finite number.
     """
 
+    _RUN_SCOPED = ("_engine", "_started_at", "_hook", "_pending", "_bad_output", "_window")
+
     def __init__(
         self,
         model: nn.Module,
@@ -141,6 +144,8 @@ class EventBusDebugHandler(FitViews):
         self._hook: RemovableHandle | None = None
         self._pending: tuple[int, Verdict, float | None] | None = None
         self._bad_output: int | None = None  # the first non-finite output since the last step
+        # a parameter and its gradient at the end of an iteration without a checked step
+        self._window: tuple[torch.Tensor, weakref.ref[torch.Tensor]] | None = None
 
     # -- wiring -----------------------------------------------------------------------------------
 
@@ -184,6 +189,8 @@ class EventBusDebugHandler(FitViews):
                 and loss.requires_grad
                 and torch.is_grad_enabled()
             ):
+                if self._window_ended():  # before this micro-batch's backward
+                    self._drop_window()
                 self._loss.add(loss)
             return loss
 
@@ -221,6 +228,7 @@ class EventBusDebugHandler(FitViews):
         self._loss.take()
         self._samples.take()
         self._pending = None
+        self._window = None
         self._fit.open(self.model, self.optimizer)
         self._hook = self.optimizer.register_step_pre_hook(self._before_step)
         # Registered once per engine and left in place (inert between runs): removing a
@@ -255,13 +263,19 @@ class EventBusDebugHandler(FitViews):
         if engine is not self._engine:
             return
         self._started_at = None
+        if self._window_ended():  # without track_loss: seen after this iteration's backward
+            self._drop_window()
         self._samples.add(batch_size(engine.state.batch))
         pending, self._pending = self._pending, None
         output = self._output_transform(engine.state.output)
         if not _finite(output) and self._bad_output is None:
             self._bad_output = max(engine.state.iteration - 1, 0)
         if pending is None:
-            return  # no optimizer step this iteration (accumulation, an AMP overflow): wait
+            # No optimizer step this iteration: accumulation (wait for the step), or a step
+            # that never reached the hook (a GradScaler overflow: scaler.step skips
+            # optimizer.step). Which one shows when the gradients are next looked at.
+            self._keep_window()
+            return
         bad, self._bad_output = self._bad_output, None
         if bad is not None and pending[1].finite:  # not reported by the step's own check
             self._report_output(bad)
@@ -272,6 +286,47 @@ class EventBusDebugHandler(FitViews):
         elif loss is None and isinstance(output, torch.Tensor) and output.numel() == 1:
             loss = float(output.detach())
         self._fit.completed(step, loss=loss, learning_rate=lr, samples=self._samples.take())
+
+    # -- windows that end without a checked step ---------------------------------------------------
+    #
+    # An iteration without a step that reached the hook leaves its losses (track_loss), samples
+    # and non-finite output for the step that closes its window. When the update function ends
+    # the window anyway (a GradScaler overflow: scaler.step skips optimizer.step, and the next
+    # window starts with zero_grad), they belong to no checked step and must not leak into the
+    # next one: a NaN loss of the overflow step would make that healthy step a
+    # NonFiniteDetected, and skip it. Within a window backward accumulates into the same
+    # gradient tensors; zero_grad (set_to_none, torch's default) drops them. So the gradient
+    # object of one parameter, kept at the end of such an iteration (a weak reference, no
+    # device sync), tells at the next look whether the window went on.
+
+    def _keep_window(self) -> None:
+        """The end of an iteration without a checked step: keep one gradient to compare."""
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is not None:
+                    self._window = (param, weakref.ref(grad))
+                    return
+        self._window = None
+        self._drop_window()  # the update function already set every gradient to None
+
+    def _window_ended(self) -> bool:
+        """Whether the gradients were reset since the last :meth:`_keep_window` (once)."""
+        window, self._window = self._window, None
+        if window is None:
+            return False
+        param, kept = window
+        grad = kept()
+        return grad is None or param.grad is not grad
+
+    def _drop_window(self) -> None:
+        """Forget the losses and samples of a window that ended without a checked step; its
+        non-finite output is reported now."""
+        self._loss.take()
+        self._samples.take()
+        bad, self._bad_output = self._bad_output, None
+        if bad is not None:
+            self._report_output(bad)
 
     def _report_output(self, step: int) -> None:
         session = self._fit.session
@@ -308,6 +363,7 @@ class EventBusDebugHandler(FitViews):
             self._hook.remove()
             self._hook = None
         self._pending = None
+        self._window = None
         self._fit.close(exc)
 
 

@@ -81,6 +81,8 @@ class EventBusDebugCallback(Callback, FitViews):
         TypeError: if a session option names ``model``, ``optimizer`` or ``log_dir``.
     """
 
+    _RUN_SCOPED = ("_scaler", "_pending", "_early", "_plugin", "_clip_wrapper")
+
     def __init__(
         self, log_dir: str | Path | None = DEFAULT_LOG_DIR, **session_options: Any
     ) -> None:

@@ -155,6 +155,16 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         TypeError: if a session option names ``model``, ``optimizer`` or ``log_dir``.
     """
 
+    _RUN_SCOPED = (
+        "_args",
+        "_handover",
+        "_model",
+        "_trainer",
+        "_training_step",
+        "_finalizer",
+        "_pending",
+    )
+
     def __init__(
         self, log_dir: str | Path | None = DEFAULT_LOG_DIR, **session_options: Any
     ) -> None:
