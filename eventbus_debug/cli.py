@@ -39,7 +39,7 @@ import orjson
 from .diagnostics import LOGGER_NAME
 from .events import Event, SessionEnded, Severity, event_types
 from .events.describe import describe_line
-from .exceptions import EventBusError, EventDecodeError, LogReadError
+from .exceptions import EventBusError, EventDecodeError, LogReadError, UnknownEventKindError
 from .log.encoding import encode_event
 from .log.files import log_files, read_events
 from .log.follow import LogFollower as LogFollower, _Cursor as _Cursor
@@ -111,9 +111,7 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", type=Path, default=None, help="where to write (default: LOGDIR)")
     report.add_argument("--no-html", action="store_true", help="write report.json only")
     report.add_argument("--title", default="eventbus-debug report", help="the page title")
-    report.add_argument(
-        "--skip-bad-lines", action="store_true", help="skip undecodable lines instead of failing"
-    )
+    _add_read_options(report)
     _add_run_option(report, "report")
 
     tail = sub.add_parser(
@@ -173,6 +171,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tail.add_argument(
         "--exit-on-end", action="store_true", help="stop following after a session_ended event"
     )
+    _add_read_options(tail)
 
     summary = sub.add_parser(
         "summary",
@@ -187,11 +186,47 @@ def _build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="colour the table (default: on a terminal, unless NO_COLOR is set)",
     )
-    summary.add_argument(
-        "--skip-bad-lines", action="store_true", help="skip undecodable lines instead of failing"
-    )
+    _add_read_options(summary)
     _add_run_option(summary, "summary")
     return parser
+
+
+def _add_read_options(parser: argparse.ArgumentParser) -> None:
+    """The options of every command that reads a log: bad lines, and your own event types."""
+    parser.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="skip undecodable lines (each one logged on standard error) instead of failing",
+    )
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE first, so that the @event_type classes it defines decode (your own "
+        "event types; repeatable; the current directory is on the import path)",
+    )
+
+
+def _import_modules(names: Sequence[str]) -> None:
+    """Import each of *names* (``--import``), the current directory first on the import path
+    as for ``python -m``: the modules that register a log's own event types.
+
+    Raises:
+        UsageError: if a module cannot be imported (the message names it and says why).
+    """
+    if not names:
+        return
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # an ImportError, or the module's own code failing
+            msg = f"--import {name}: {type(exc).__name__}: {exc}"
+            raise UsageError(msg) from None
 
 
 def _add_run_option(parser: argparse.ArgumentParser, what: str) -> None:
@@ -293,7 +328,10 @@ def _known_kinds(kinds: Sequence[str]) -> frozenset[str]:
     known = set(event_types())
     unknown = sorted(set(kinds) - known)
     if unknown:
-        msg = f"unknown --kind {', '.join(unknown)}; valid kinds: {', '.join(sorted(known))}"
+        msg = (
+            f"unknown --kind {', '.join(unknown)} (your own event types: --import the module "
+            f"that defines them); valid kinds: {', '.join(sorted(known))}"
+        )
         raise UsageError(msg)
     return frozenset(kinds)
 
@@ -399,7 +437,7 @@ def _cmd_tail(args: argparse.Namespace, out: IO[str]) -> int:
             return encode_event(event).decode().rstrip("\n")
         return format_event(event, colors=colors)
 
-    follower = LogFollower(args.logdir, from_end=False)
+    follower = LogFollower(args.logdir, from_end=False, strict=not args.skip_bad_lines)
     past = follower.poll()
     shown = [e for e in past if wanted(e)]
     if not args.all:
@@ -566,6 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = _COMMANDS[args.command]
     try:
         with _diagnostics_to(sys.stderr):
+            _import_modules(getattr(args, "imports", ()))
             return command(args, sys.stdout)
     except UsageError as exc:
         _error(args.command, str(exc), limit=None)
@@ -577,6 +616,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         where = f" {exc.filename!r}" if exc.filename else ""
         _error(args.command, f"{where.strip()} {exc.strerror or exc}".strip())
+        return 1
+    except UnknownEventKindError as exc:
+        # Your own event types: the module that defines them was not imported.
+        _error(args.command, f"{exc} — pass --import MODULE (the module that defines it)")
         return 1
     except (CommandError, LogReadError, EventDecodeError) as exc:
         _error(args.command, str(exc))

@@ -10,6 +10,7 @@ __all__ = (
     "LogReadError",
     "SubscriptionError",
     "TrainingStopped",
+    "UnknownEventKindError",
 )
 
 
@@ -37,6 +38,14 @@ class SubscriptionError(EventBusError, TypeError):
 
 class EventDecodeError(EventBusError, ValueError):
     """Raised when a log line cannot be decoded into a typed event (unknown kind, bad fields)."""
+
+
+class UnknownEventKindError(EventDecodeError):
+    """Raised when a log line's ``kind`` names no registered event type.
+
+    Your own ``@event_type`` classes are registered when the module that defines them is
+    imported: import it before reading the log (the command line: ``--import MODULE``).
+    """
 
 
 class LogReadError(EventBusError, OSError):

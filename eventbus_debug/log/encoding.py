@@ -31,7 +31,7 @@ import orjson
 
 from ..events import Event, event_types
 from ..events._checks import invalid_field
-from ..exceptions import EventDecodeError
+from ..exceptions import EventDecodeError, UnknownEventKindError
 from ._codegen import RunEncoder, make_encoder, make_run_encoder
 
 __all__ = ("decode_event", "encode_event", "encode_events", "unwritable_field")
@@ -372,7 +372,8 @@ def decode_event(data: bytes | str | Mapping[str, Any], /) -> Event:
     Raises:
         EventDecodeError: if the line is not valid JSON, names an unknown ``kind``, lacks a
             required field or holds a value of the wrong type for its field (the message
-            names the field): a decoded event can always be encoded again.
+            names the field): a decoded event can always be encoded again. An unknown
+            ``kind`` is an :class:`~eventbus_debug.exceptions.UnknownEventKindError`.
     """
     if isinstance(data, Mapping):
         obj = dict(data)
@@ -393,7 +394,7 @@ def decode_event(data: bytes | str | Mapping[str, Any], /) -> Event:
             f"unknown event kind {kind!r}; import the module that defines it before decoding "
             f"(known kinds: {len(registry)})"
         )
-        raise EventDecodeError(msg)
+        raise UnknownEventKindError(msg)
     codec = _codec(cls)
     missing = codec.required - obj.keys()
     if missing:

@@ -235,7 +235,7 @@ def _read_file(path: Path, strict: bool, stats: ReadStatistics) -> Iterator[Even
                 except EventDecodeError as exc:
                     if strict:
                         msg = f"{path}:{lineno}: {exc}"
-                        raise EventDecodeError(msg) from None
+                        raise type(exc)(msg) from None  # an UnknownEventKindError stays one
                     invalid += 1
                     stats.invalid_lines += 1
                     _log.warning(

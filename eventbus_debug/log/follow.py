@@ -10,10 +10,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
+from ..diagnostics import get_logger
 from ..events import Event
 from ..exceptions import EventDecodeError, LogReadError
 from .encoding import decode_event
-from .files import _open, log_files
+from .files import _open, _torn, log_files
+
+_log = get_logger("eventbus_debug.log.files")  # the records read_events writes, by the same name
 
 __all__ = ("LogFollower",)
 
@@ -26,6 +31,8 @@ class _Cursor:
     inode: int
     offset: int
     partial: bytes = b""
+    lines: int | None = 0
+    """Complete lines read before *offset* (``None``: started at the end of a file)."""
 
 
 class LogFollower:
@@ -38,18 +45,24 @@ class LogFollower:
     Args:
         directory: the log directory.
         from_end: start at the end of the current files (only new events are returned).
-        strict: raise on an undecodable complete line instead of skipping it.
+        strict: raise on an undecodable complete line (not JSON, an unknown kind, a field of
+            the wrong type) instead of skipping it; skipped lines are logged
+            (``undecodable_log_line``, as :func:`~eventbus_debug.log.read_events` does) and
+            counted in :attr:`skipped`. A torn line (cut by a crash) is skipped in both modes,
+            and an event glued after it recovered.
     """
 
     def __init__(self, directory: Path, *, from_end: bool, strict: bool = False) -> None:
         self._dir = directory
         self._strict = strict
         self._cursors: dict[int, _Cursor] = {}
+        self.skipped = 0
+        """Complete lines that could not be decoded and were skipped (``strict=False``)."""
         if from_end:
             for rank, files in log_files(directory).items():
                 live = files[-1]
                 st = live.stat()
-                self._cursors[rank] = _Cursor(st.st_ino, st.st_size)
+                self._cursors[rank] = _Cursor(st.st_ino, st.st_size, lines=None)
 
     def poll(self) -> list[Event]:
         """The events written since the last poll, merged over ranks by time."""
@@ -76,7 +89,7 @@ class LogFollower:
         else:
             # Our file was compressed into a new backup: continue in the newest backup.
             start = max(len(files) - 2, 0)
-            cursor = _Cursor(inodes[start], cursor.offset, cursor.partial)
+            cursor = _Cursor(inodes[start], cursor.offset, cursor.partial, cursor.lines)
         for i in range(start, len(files)):
             if i > start:
                 cursor = _Cursor(inodes[i], 0)
@@ -97,12 +110,38 @@ class LogFollower:
         data = cursor.partial + data
         lines = data.split(b"\n")
         cursor.partial = lines.pop()  # an incomplete last line waits for the next poll
-        for line in lines:
+        before = cursor.lines
+        if before is not None:
+            cursor.lines = before + len(lines)
+        for i, line in enumerate(lines):
             if not line.strip():
                 continue
-            try:
-                yield decode_event(line)
-            except EventDecodeError as exc:
-                if self._strict:
-                    msg = f"{path}: {exc}"
-                    raise EventDecodeError(msg) from None
+            lineno = None if before is None else before + i + 1
+            event = self._decode(path, lineno, line)
+            if event is not None:
+                yield event
+
+    def _decode(self, path: Path, lineno: int | None, line: bytes) -> Event | None:
+        """*line* as an event; ``None`` when it is skipped (torn, or undecodable and not
+        strict)."""
+        where = f"{path}:{lineno}" if lineno is not None else str(path)
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            torn, found = _torn(line)
+            if torn:
+                _log.warning("torn_log_line_skipped", file=str(path), line=lineno)
+                return found
+            obj = None
+        try:
+            if obj is None:
+                msg = "not a JSON event line"
+                raise EventDecodeError(msg)
+            return decode_event(obj)
+        except EventDecodeError as exc:
+            if self._strict:
+                msg = f"{where}: {exc}"
+                raise type(exc)(msg) from None  # an UnknownEventKindError stays one
+            self.skipped += 1
+            _log.warning("undecodable_log_line", file=str(path), line=lineno, error=str(exc))
+            return None
