@@ -32,6 +32,8 @@ BAD_VALUES: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"samples": -5}, ValueError, r"samples must be >= 0, got -5"),
     ({"samples": 2**64}, ValueError, r"samples must fit in 64 bits"),
     ({"step": "1"}, TypeError, r"step must be an int, got str"),
+    ({"step": np.int64(1)}, TypeError, r"step must be an int, got int64 .*pass int\(step\)"),
+    ({"loss": np.array([1.0, 2.0])}, TypeError, r"loss must be a one-element tensor or a number"),
     ({"step": -1}, ValueError, r"step must be >= 0"),
     ({"step": 2**70}, ValueError, r"step must fit in 64 bits"),
     ({"loss": torch.tensor(1j)}, TypeError, r"loss must be real"),
@@ -44,6 +46,8 @@ GOOD_VALUES: list[tuple[dict[str, Any], dict[str, float | None]]] = [
     ({"learning_rate": torch.tensor(0.25)}, {"learning_rate": 0.25}),
     ({"learning_rate": 1}, {"learning_rate": 1.0}),
     ({"samples": np.int64(0)}, {"samples_per_s": None}),
+    ({"loss": np.array(0.75)}, {"loss": 0.75}),  # a 0-d array: np.mean of the batch's losses
+    ({"loss": np.float32(0.5)}, {"loss": 0.5}),
     ({"samples": torch.tensor(3)}, {}),
 ]
 

@@ -13,6 +13,7 @@ This module validates, schedules, offloads and reads (at once or deferred);
 from __future__ import annotations
 
 import math
+import numbers
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -20,6 +21,7 @@ from typing import Final
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 import torch
 from torch import nn
 
@@ -342,6 +344,8 @@ class StepProbe:
         rules): a tensor, a float or None; another real number as a float."""
         if not isinstance(step, int) or isinstance(step, bool):
             msg = f"step must be an int, got {type(step).__qualname__} {step!r}"
+            if isinstance(step, numbers.Integral) and not isinstance(step, bool | np.bool_):
+                msg += " (a NumPy integer, from np.arange? pass int(step))"
             raise TypeError(msg)
         if not 0 <= step <= INT64_MAX:
             int64_count("step", step)  # raises
@@ -427,8 +431,8 @@ class StepProbe:
 
 
 def loss_value(loss: object) -> float | None:
-    """*loss*, a number that is not a float (an int, ``numpy.float32(0.5)``, a ``Fraction``),
-    as a float; None as None.
+    """*loss*, a number that is not a float (an int, ``numpy.float32(0.5)``, a 0-d NumPy
+    array, a ``Fraction``), as a float; None as None.
 
     Raises:
         TypeError: if *loss* is not a real number (a bool, a complex, a string, a list...).
@@ -436,6 +440,8 @@ def loss_value(loss: object) -> float | None:
     """
     if loss is None:
         return None
+    if isinstance(loss, np.ndarray) and loss.shape == ():
+        loss = loss[()]  # a 0-d array (np.mean of a batch's losses) as its NumPy scalar
     return real_number("loss", loss, expected="a one-element tensor or a number")
 
 
