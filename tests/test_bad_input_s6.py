@@ -93,7 +93,14 @@ class TestLearningRate:
 
 # -- 2. numpy real scalars are real numbers ------------------------------------------------------
 
-NUMPY_LOSSES = [np.float32(0.5), np.float16(0.5), np.int64(1), np.int32(2), np.float64(0.5)]
+NUMPY_LOSSES = [
+    np.float32(0.5),
+    np.float16(0.5),
+    np.int64(1),
+    np.int32(2),
+    np.float64(0.5),
+    np.array(0.5),  # a 0-d array: its one value, as for a one-element tensor
+]
 
 
 class TestNumpyLoss:
@@ -134,11 +141,12 @@ class TestNumpyLoss:
 
     @pytest.mark.parametrize(
         "loss",
-        [np.bool_(True), np.complex64(1 + 1j), np.array(0.5), "0.5", True],
+        [np.bool_(True), np.complex64(1 + 1j), np.array([0.5, 1.0]), "0.5", True],
         ids=["np.bool_", "np.complex64", "ndarray", "str", "bool"],
     )
     async def test_non_real_refused(self, loss: Any) -> None:
-        """Bools, complex numbers, arrays and strings stay a TypeError naming the loss."""
+        """Bools, complex numbers, arrays of several values and strings stay a TypeError
+        naming the loss."""
         model, opt = small_model()
         async with Session(model, opt, **quiet()) as session:
             backward_once(model)

@@ -42,6 +42,9 @@ class BusPublishing(BusDispatcher):
     _call_soon_threadsafe: Callable[[Callable[[], object]], object] | None
     _forked_from: int | None  # in a forked child: the pid of the bus's process
     lost_in_fork: int
+    _not_running_hint: str = "publish inside `async with EventBus() as bus:`"
+    """How to start the bus, in the refusal of a publish before it runs; a
+    :class:`~.sync.SyncEventBus` names its own ``with`` block (read on the error path only)."""
 
     # -- publishing ----------------------------------------------------------------------------
 
@@ -251,7 +254,7 @@ class BusPublishing(BusDispatcher):
                 "eventbus_debug.recovery.SkipCorruptSamples does), or use num_workers=0"
             )
         if self._state is _State.NEW:
-            return "the bus is not running yet; publish inside `async with EventBus() as bus:`"
+            return f"the bus is not running yet; {self._not_running_hint}"
         return "the bus is closed; events can no longer be published to it"
 
 

@@ -36,6 +36,9 @@ THREAD_GRACE: Final = 1.0
 (a drain's timeout, the close's bound) before it stops waiting: the bus's event loop is then
 held by a sink (a blocking call in an async handler)."""
 
+_NOT_RUNNING_HINT: Final = "publish inside `with SyncEventBus() as bus:`"
+"""What a publish before ``with`` is told (the inner bus would name ``async with EventBus()``)."""
+
 
 @final
 class SyncEventBus:
@@ -63,6 +66,7 @@ class SyncEventBus:
     def __init__(self, *, max_pending: int = 1024, **bus_options: Any) -> None:
         self._max_pending = positive_int("max_pending", max_pending)
         self._bus = EventBus(**bus_options)
+        self._bus._not_running_hint = _NOT_RUNNING_HINT  # its refusals name this bus's block
         self._pending = 0
         self._host: _LoopThread | None = None
         self._portal: BlockingPortal | None = None

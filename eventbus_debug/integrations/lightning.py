@@ -24,7 +24,9 @@ the micro-batches actually accumulated. Manual optimization (``automatic_optimiz
 False``): ``self.clip_gradients(...)`` in ``training_step`` clips before ``opt.step()`` reaches
 ``on_before_optimizer_step``, so the callback checks the step when that call starts, before it
 clips (the precision plugin's ``clip_gradients`` is wrapped for the fit, on that plugin
-object); the loss is the sum of the ``manual_backward`` losses since the last step. Not
+object); the loss is the sum of the ``manual_backward`` losses since the last check. A batch
+that clips but never calls ``opt.step()`` has its check dropped at its end: the next batch is
+checked on its own gradients. Not
 covered: under ``precision="16-mixed"`` a step skipped there would leave the ``GradScaler`` no
 gradient to unscale at ``opt.step()`` (``scaler.step`` then fails), so the check stays at
 ``opt.step()``, after your clip; and a clip by ``torch.nn.utils.clip_grad_norm_`` in your own
@@ -168,9 +170,15 @@ class EventBusDebugCallback(Callback, FitViews):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        """Record the step that just finished (once per optimizer step)."""
+        """Record the step that just finished (once per optimizer step).
+
+        Manual optimization: a batch that called ``self.clip_gradients`` but never
+        ``opt.step()`` leaves its early verdict behind; it is dropped here, so the next batch
+        is checked on its own gradients rather than judged by this batch's.
+        """
         if not self._fit.running:
             return
+        self._early = None
         self._samples.add(batch_size(batch))
         pending, self._pending = self._pending, None
         if pending is None:

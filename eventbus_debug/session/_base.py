@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from difflib import get_close_matches
 from typing import ClassVar, Final, Generic
 
 import torch
@@ -53,12 +54,23 @@ one dispatch and one turn of each sink per batch instead of per step
 __all__ = ("SessionBase", "options_from")
 
 
-def options_from(options: SessionOptions | None, knobs: SessionKnobs) -> SessionOptions:
+def options_from(
+    options: SessionOptions | None, knobs: SessionKnobs, *, caller: str
+) -> SessionOptions:
     """*options*, or the :class:`SessionOptions` built from *knobs* (not both).
 
+    Args:
+        options: the options given, or None.
+        knobs: the other keywords given to the session.
+        caller: the class the user called (``"Session"``), named by the errors.
+
     Raises:
-        TypeError: if *options* is not a SessionOptions, or is given with keywords.
+        TypeError: if a keyword is not an option (the message names it and *caller*), if
+            *options* is not a SessionOptions, or is given with keywords.
     """
+    unknown = sorted(set(knobs) - SessionOptions.knobs())
+    if unknown:
+        raise TypeError(_unknown_keyword_message(caller, unknown))
     if options is None:
         return SessionOptions(**knobs)
     if not isinstance(options, SessionOptions):
@@ -68,6 +80,19 @@ def options_from(options: SessionOptions | None, knobs: SessionKnobs) -> Session
         msg = f"pass either options= or keywords ({', '.join(sorted(knobs))}), not both"
         raise TypeError(msg)
     return options
+
+
+def _unknown_keyword_message(caller: str, unknown: list[str]) -> str:
+    """``Session() got an unexpected keyword argument 'x' (did you mean 'y'?); ...``."""
+    plural = "s" if len(unknown) > 1 else ""
+    names = ", ".join(repr(name) for name in unknown)
+    known = SessionOptions.knobs()
+    close = get_close_matches(unknown[0], known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (
+        f"{caller}() got unexpected keyword argument{plural} {names}{hint}; its options are "
+        f"the fields of SessionOptions: {', '.join(sorted(known))}"
+    )
 
 
 class SessionBase(Generic[BusT]):

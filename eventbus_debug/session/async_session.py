@@ -88,7 +88,7 @@ class Session(SessionBase[EventBus]):
         bus: EventBus | None = None,
         **knobs: Unpack[SessionKnobs],
     ) -> None:
-        super().__init__(model, optimizer, options_from(options, knobs))
+        super().__init__(model, optimizer, options_from(options, knobs, caller="Session"))
         if bus is not None and not isinstance(bus, EventBus):
             msg = f"bus must be an EventBus or None, got {bus!r}; for plain loops use SyncSession"
             raise TypeError(msg)

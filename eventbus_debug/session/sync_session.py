@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from types import TracebackType
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -24,6 +24,14 @@ from .verdict import TrainingStepResult, Verdict
 __all__ = ("SyncSession",)
 
 _log = get_logger(__name__)
+
+_BUS_MESSAGE: Final = (
+    "bus= is an option of the async Session only (it joins a running EventBus); a SyncSession "
+    "runs its own SyncEventBus on a background thread. Leave bus= out: give your sinks with "
+    "sinks=[...], or subscribe them to session.bus inside `with SyncSession(...) as session:`; "
+    "to share one running EventBus, use `async with Session(model, optimizer, bus=bus)`"
+)
+"""Why ``SyncSession(..., bus=...)`` is refused, and what a sync loop does instead."""
 
 
 class SyncSession(SessionBase[SyncEventBus]):
@@ -47,7 +55,8 @@ class SyncSession(SessionBase[SyncEventBus]):
             :class:`~eventbus_debug.Session` (the profiling mode needs the async Session).
 
     Raises:
-        TypeError: as :class:`~eventbus_debug.Session`.
+        TypeError: as :class:`~eventbus_debug.Session`; also for ``bus=``, an option of the
+            async :class:`~eventbus_debug.Session` only (use ``sinks=`` or :attr:`bus`).
         ValueError: as :class:`~eventbus_debug.Session`.
     """
 
@@ -61,7 +70,9 @@ class SyncSession(SessionBase[SyncEventBus]):
         options: SessionOptions | None = None,
         **knobs: Unpack[SessionKnobs],
     ) -> None:
-        super().__init__(model, optimizer, options_from(options, knobs))
+        if "bus" in knobs:
+            raise TypeError(_BUS_MESSAGE)
+        super().__init__(model, optimizer, options_from(options, knobs, caller="SyncSession"))
         self._system_task: Future[None] | None = None
         self._flusher_task: Future[None] | None = None
         self._anomaly: AnomalyArming | None = None  # DebugMode.ANOMALY_DETECTION's localization

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Final, Protocol
 
 import orjson
 
+from eventbus_debug.exceptions import ArgumentTypeError
+
 if TYPE_CHECKING:
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -94,12 +96,25 @@ def _check_token(token: str | None) -> bytes | None:
 
 
 def _hosts(values: Iterable[str], name: str) -> frozenset[str]:
+    """*values*, stripped, lowercased, without a trailing ``/``.
+
+    Raises:
+        TypeError: if *values* is one string.
+        ArgumentTypeError: if *values* is not iterable (None) or an entry is not a string.
+        ValueError: if an entry is empty.
+    """
     if isinstance(values, str):
         msg = f"{name} must be a sequence of strings, not one string ({values!r})"
         raise TypeError(msg)
+    if not isinstance(values, Iterable):
+        msg = f"{name} must be a sequence of strings, got {type(values).__name__} {values!r}"
+        raise ArgumentTypeError(msg)
     out = set()
     for value in values:
-        if not isinstance(value, str) or not value.strip():
+        if not isinstance(value, str):
+            msg = f"{name} must hold non-empty strings, got {type(value).__name__} {value!r}"
+            raise ArgumentTypeError(msg)
+        if not value.strip():
             msg = f"{name} must hold non-empty strings, got {value!r}"
             raise ValueError(msg)
         out.add(value.strip().lower().rstrip("/"))
@@ -218,7 +233,9 @@ def _allowed_hosts(host: str, extra: Iterable[str]) -> frozenset[str]:
 
     Raises:
         TypeError: if *extra* is one string.
-        ValueError: if *extra* holds an empty or non-string name.
+        ArgumentTypeError: if *extra* holds a name that is not a string (a ``TypeError``,
+            and the ``ValueError`` earlier releases raised).
+        ValueError: if *extra* holds an empty name.
     """
     bound = _norm_host(host)
     hosts = set(_hosts(extra, "allowed_hosts"))

@@ -59,9 +59,11 @@ from typing_extensions import Self
 from eventbus_debug import DebugLevel
 from eventbus_debug.diagnostics import get_logger
 from eventbus_debug.events import Event
+from eventbus_debug.exceptions import ArgumentTypeError
 from eventbus_debug.log.encoding import encode_event
 from eventbus_debug.threads import running_loop
 
+from ._checks import brief, count
 from .report import RunAggregator, RunSummary, render_html, summary_to_dict
 from .report.html import CONTENT_SECURITY_POLICY
 
@@ -186,8 +188,10 @@ class DebugServer:
     Raises:
         ValueError: if *host* is not loopback and no *token* is given, a token or host name
             is malformed, *port* is outside ``0..65535``, or *ring_size* < 1.
-        TypeError: if *level* is not a level target, *token* or *host* is not a string, or
-            *port* is not an ``int`` (``bool`` included).
+        ArgumentTypeError: if *port* or *ring_size* is not an ``int`` (``bool`` and ``float``
+            included), or an entry of *allowed_hosts* or *allowed_origins* is not a string (a
+            ``TypeError``, and the ``ValueError`` earlier releases raised).
+        TypeError: if *level* is not a level target, or *token* or *host* is not a string.
     """
 
     def __init__(
@@ -208,8 +212,8 @@ class DebugServer:
             msg = f"host must be a str, got {type(host).__name__}"
             raise TypeError(msg)
         if isinstance(port, bool) or not isinstance(port, int):
-            msg = f"port must be an int in 0..65535 (0: a free port), got {type(port).__name__} {port!r}"
-            raise TypeError(msg)
+            msg = f"port must be an int in 0..65535 (0: a free port), got {type(port).__name__} {brief(port)}"
+            raise ArgumentTypeError(msg)
         if not 0 <= port <= _MAX_PORT:
             msg = f"port must be in 0..65535 (0: a free port), got {port}"
             raise ValueError(msg)
@@ -220,9 +224,7 @@ class DebugServer:
                 "endpoint requires 'Authorization: Bearer <token>'"
             )
             raise ValueError(msg)
-        if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1:
-            msg = f"ring_size must be an integer >= 1, got {ring_size!r}"
-            raise ValueError(msg)
+        count("ring_size", ring_size, rule="an integer >= 1")
         if level is not None and not (
             callable(getattr(level, "set_level", None))
             or hasattr(level, "level")

@@ -224,6 +224,8 @@ class RotatingFileSink:
         _check_seconds("flush_interval", flush_interval)
         if rank is None:
             rank = current_rank()
+        else:
+            _check_int("rank", rank, minimum=0)
         self.name = name
         self.queue_capacity = queue_capacity
         self.backpressure = True  # the bus flow-controls `await publish` for the log

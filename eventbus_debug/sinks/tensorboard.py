@@ -24,6 +24,7 @@ import anyio.to_thread
 
 from eventbus_debug.events import Event
 
+from ._checks import seconds
 from ._metrics import Note, Point, StepClock, metrics_of
 
 __all__ = ("TensorBoardSink",)
@@ -55,7 +56,9 @@ class TensorBoardSink:
     Raises:
         ImportError: if tensorboard is not installed (the message says how to install it).
         TypeError: if *log_dir* is not a path.
-        ValueError: if *flush_secs* is not a positive number.
+        ArgumentTypeError: if *flush_secs* is not a number (a ``TypeError``, and the
+            ``ValueError`` earlier releases raised).
+        ValueError: if *flush_secs* is not a finite number > 0.
     """
 
     def __init__(
@@ -69,11 +72,7 @@ class TensorBoardSink:
         if not isinstance(log_dir, (str, os.PathLike)):
             msg = f"log_dir must be a path, got {log_dir!r}"
             raise TypeError(msg)
-        if isinstance(flush_secs, bool) or not (
-            isinstance(flush_secs, (int, float)) and flush_secs > 0
-        ):
-            msg = f"flush_secs must be a positive number of seconds, got {flush_secs!r}"
-            raise ValueError(msg)
+        flush_secs = seconds("flush_secs", flush_secs, rule="a positive number of seconds (finite)")
         self._writer_class = _summary_writer()
         self.log_dir = Path(log_dir)
         self.name = name

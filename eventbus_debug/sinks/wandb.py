@@ -24,6 +24,7 @@ import anyio.to_thread
 
 from eventbus_debug.events import Event, Severity
 
+from ._checks import seconds
 from ._metrics import Note, Point, StepClock, metrics_of
 
 __all__ = ("WandbSink",)
@@ -57,7 +58,9 @@ class WandbSink:
 
     Raises:
         ImportError: if wandb is not installed.
-        ValueError: if *alert_cooldown* is negative, or both *run* and *init* are given.
+        ArgumentTypeError: if *alert_cooldown* is not a number (a ``TypeError``, and the
+            ``ValueError`` earlier releases raised).
+        ValueError: if *alert_cooldown* is negative or not finite, or both *run* and *init* are given.
         TypeError: if *alert_min_severity* is not a Severity.
     """
 
@@ -72,11 +75,12 @@ class WandbSink:
         name: str = "wandb",
         **init: Any,
     ) -> None:
-        if isinstance(alert_cooldown, bool) or not (
-            isinstance(alert_cooldown, (int, float)) and alert_cooldown >= 0
-        ):
-            msg = f"alert_cooldown must be a number of seconds >= 0, got {alert_cooldown!r}"
-            raise ValueError(msg)
+        cooldown = seconds(
+            "alert_cooldown",
+            alert_cooldown,
+            rule="a number of seconds >= 0 (finite: W&B's wait_duration)",
+            zero=True,
+        )
         if not isinstance(alert_min_severity, Severity):
             msg = f"alert_min_severity must be a Severity, got {alert_min_severity!r}"
             raise TypeError(msg)
@@ -89,7 +93,7 @@ class WandbSink:
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         self.name = name
-        self._cooldown = float(alert_cooldown)
+        self._cooldown = cooldown
         self._min_alert = alert_min_severity
         self._per_layer = per_layer
         self._now = clock

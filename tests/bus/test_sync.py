@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import ClassVar
 
 import anyio
@@ -182,3 +183,30 @@ def test_drain_timeout() -> None:
         finally:
             release.set()
         bus.drain(timeout=10)
+
+
+def test_refusals_before_with_name_the_sync_bus() -> None:
+    """Every entry point of a SyncEventBus not entered yet says `with SyncEventBus() as bus:`,
+    never the async bus's `async with EventBus()`."""
+    bus = SyncEventBus()
+    event = StepCompleted(step=0, loss=1.0)
+    calls: dict[str, Callable[[], object]] = {
+        "publish": lambda: bus.publish(event),
+        "publish_nowait": lambda: bus.publish_nowait(event),
+        "publish_many": lambda: bus.publish_many([event]),
+        "publish_many_nowait": lambda: bus.publish_many_nowait([event]),
+        "subscribe": lambda: bus.subscribe(RecordingSink()),
+        "drain": lambda: bus.drain(),
+        "flush": lambda: bus.flush(),
+    }
+    for name, call in calls.items():
+        with pytest.raises(BusClosedError) as info:
+            call()
+        assert "`with SyncEventBus() as bus:`" in str(info.value), name
+        assert "async with" not in str(info.value), name
+
+
+async def test_async_bus_refusal_still_names_async_with() -> None:
+    """The async bus's own refusal keeps its hint."""
+    with pytest.raises(BusClosedError, match=r"publish inside `async with EventBus\(\) as bus:`"):
+        EventBus().publish_nowait(StepCompleted(step=0, loss=1.0))

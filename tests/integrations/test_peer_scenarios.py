@@ -272,3 +272,48 @@ def test_ignite_update_function_that_skips_its_own_step_does_not_leak(tmp_path: 
     ]
     completed = [e for e in events if isinstance(e, StepCompleted)]
     assert all(e.loss is not None and math.isfinite(e.loss) for e in completed)
+
+
+class ClipsWithoutStepping(pl.LightningModule):
+    """Manual optimization: batch 1 clips but never steps; batch 2 has NaN gradients."""
+
+    def __init__(self, *, clip_nan_batch: bool) -> None:
+        super().__init__()
+        self.net = _net()
+        self.automatic_optimization = False
+        self.clip_nan_batch = clip_nan_batch
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        optimizer: Any = self.optimizers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.manual_backward(loss)
+        if batch_idx == 2:
+            grad = next(self.net.parameters()).grad
+            assert grad is not None
+            grad[0, 0] = math.nan
+        if batch_idx != 2 or self.clip_nan_batch:
+            self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        if batch_idx != 1:
+            optimizer.step()
+        optimizer.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("clip_nan_batch", [True, False])
+def test_lightning_manual_clip_without_step_does_not_vouch_for_the_next_batch(
+    tmp_path: Path, clip_nan_batch: bool
+) -> None:
+    """A batch that calls self.clip_gradients but never opt.step() leaves no verdict behind:
+    the next batch's NaN gradients are checked, reported and the step skipped."""
+    debug = LightningCallback(log_dir=tmp_path / "log", alerts=False, system_interval=None)
+    module = ClipsWithoutStepping(clip_nan_batch=clip_nan_batch)
+    _trainer(tmp_path, [debug], max_epochs=-1, max_steps=3).fit(module, _loader())
+    assert debug.steps_skipped == 1
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    events = list(read_events(tmp_path / "log"))
+    nan = [(e.step, e.role) for e in events if isinstance(e, NonFiniteDetected)]
+    assert nan == [(1, TensorRole.GRADIENT)]
+    assert [e.step for e in events if isinstance(e, StepCompleted)] == [0, 1, 2]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import SyncSession, read_events
+from eventbus_debug import Session, SessionOptions, SyncSession, read_events
 from eventbus_debug.events import SessionEnded, StepCompleted, StepSkipped
 from eventbus_debug.testing import RecordingSink
 
@@ -54,3 +55,31 @@ class TestSyncSession:
             session.check_step(0)
         with pytest.raises(RuntimeError, match=r"with SyncSession"):
             _ = session.bus
+
+
+class TestSessionKeywords:
+    def test_sync_session_refuses_bus_and_says_what_to_do(self) -> None:
+        """bus= is the async Session's: a SyncSession names it, and sinks=/session.bus."""
+        model, opt = setup()
+        with pytest.raises(TypeError, match=r"^bus= is an option of the async Session") as info:
+            SyncSession(model, opt, bus=object())  # type: ignore[call-arg]
+        message = str(info.value)
+        assert "SyncEventBus" in message and "sinks=" in message and "session.bus" in message
+        assert "SessionOptions.__init__" not in message
+
+    @pytest.mark.parametrize("cls", [Session, SyncSession])
+    def test_unknown_keyword_names_it_and_the_class_called(self, cls: type[Any]) -> None:
+        """A misspelt keyword names itself, the class called and the closest option."""
+        model, opt = setup()
+        with pytest.raises(TypeError) as info:
+            cls(model, opt, log_dri="x")
+        message = str(info.value)
+        assert message.startswith(f"{cls.__name__}() got unexpected keyword argument 'log_dri'")
+        assert "did you mean 'log_dir'?" in message and "SessionOptions.__init__" not in message
+
+    @pytest.mark.parametrize("cls", [Session, SyncSession])
+    def test_unknown_keyword_is_named_with_options_too(self, cls: type[Any]) -> None:
+        """With options= as well, the unknown keyword is still what the error names."""
+        model, opt = setup()
+        with pytest.raises(TypeError, match=r"got unexpected keyword arguments 'a', 'b'"):
+            cls(model, opt, options=SessionOptions(log_dir=None), a=1, b=2)

@@ -42,6 +42,7 @@ from eventbus_debug.diagnostics import get_logger
 from eventbus_debug.events import Event
 from eventbus_debug.log.files import read_events
 
+from .._checks import seconds
 from .aggregate import DEFAULT_MAX_INCIDENTS, DEFAULT_MAX_POINTS, RunAggregator, summarize_runs
 from .html import render_html
 from .summary import RunSummary, summary_to_dict
@@ -180,7 +181,9 @@ class ReportWriter:
         clock: a monotonic clock in seconds, for the write interval (inject one in tests).
 
     Raises:
-        ValueError: if *interval* is not positive or a bound is smaller than 2.
+        ArgumentTypeError: if *interval* is neither None nor a number, or a bound is not an int
+            (a ``TypeError``, and the ``ValueError`` earlier releases raised).
+        ValueError: if *interval* is not positive (NaN included) or a bound is smaller than 2.
     """
 
     def __init__(
@@ -194,9 +197,13 @@ class ReportWriter:
         max_incidents: int = DEFAULT_MAX_INCIDENTS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if interval is not None and not (isinstance(interval, (int, float)) and interval > 0):
-            msg = f"interval must be None or a positive number of seconds, got {interval!r}"
-            raise ValueError(msg)
+        if interval is not None:
+            interval = seconds(
+                "interval",
+                interval,
+                rule="None or a positive number of seconds (math.inf: only at close)",
+                infinite=True,
+            )
         self.directory = Path(directory)
         self._interval = interval
         self._html = html

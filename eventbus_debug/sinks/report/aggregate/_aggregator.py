@@ -30,6 +30,7 @@ from eventbus_debug.events import (
     TensorRole,
 )
 
+from ..._checks import count
 from .._stats import _LayerGrid, _RankSum, _RunningStat, _Series, _Trend
 from ..summary import (
     LatestValues,
@@ -78,6 +79,8 @@ class RunAggregator(_IncidentRows):
     is assembled on demand.
 
     Raises:
+        ArgumentTypeError: if a bound is not an int (a float, a bool, a string, None; a
+            ``TypeError``, and the ``ValueError`` earlier releases raised).
         ValueError: if a bound is smaller than 2.
     """
 
@@ -97,9 +100,7 @@ class RunAggregator(_IncidentRows):
             ("max_layers", max_layers),
             ("layer_points", layer_points),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-                msg = f"{name} must be an integer >= 2, got {value!r}"
-                raise ValueError(msg)
+            count(name, value, rule="an integer >= 2", minimum=2)
         self._max_points = max_points
         self._max_incidents = max_incidents
         self._max_markers = max_markers
