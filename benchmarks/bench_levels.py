@@ -5,7 +5,8 @@ The same model, data and optimizer run bare and inside a Session for each level 
 the level, JSON-lines log, recovery safe point; report and alerts off), then as the full
 default session (log, report, alerts, system sampler: ``Session(model, opt, log_dir=d)``), and
 that session with ``overhead_budget=0.02``. Rounds interleave the variants; the median step
-time of each is compared with the bare loop's (ratio). The last column is the overhead the
+time of each is compared with the bare loop's (ratio); each round runs them in a new seeded
+order. The last column is the overhead the
 session measured itself (its time in check_step/step_completed over the rest of the step).
 Printed beside seed 002's claimed overheads.
 
@@ -19,6 +20,7 @@ runs; one thread gives the steadier comparison (the default keeps torch's own ch
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import tempfile
 import time
@@ -96,10 +98,17 @@ async def main(steps: int, width: int, rounds: int) -> None:
     times: dict[str, list[float]] = {"bare": [], **{v: [] for v in variants}}
     measured: dict[str, list[float]] = {v: [] for v in variants}
     await _bare(20, width)  # warm-up
+    shuffle = random.Random(0).shuffle
     for _ in range(rounds):
-        times["bare"].append(await _bare(steps, width))
-        for v in variants:
-            times[v].append(await _session(v, steps, width, measured[v]))
+        # Each round runs the bare loop and every variant once, in a new (seeded) order: no
+        # variant always follows the same one (the previous session's teardown, its garbage).
+        order = ["bare", *variants]
+        shuffle(order)
+        for v in order:
+            if v == "bare":
+                times["bare"].append(await _bare(steps, width))
+            else:
+                times[v].append(await _session(v, steps, width, measured[v]))
     base = statistics.median(times["bare"])
     params = sum(p.numel() for p in _setup(width)[0].parameters())
     print(
