@@ -23,7 +23,7 @@ from ..diagnostics import get_logger
 from ..events import Delivery, Event, has_incident
 from ..exceptions import BusClosedError
 from ._dispatch import HOLD_MAX, BusDispatcher, _State
-from ._queue import FLOW_STALL_TIMEOUT
+from ._queue import FLOW_STALL_TIMEOUT, IN_SINK
 
 __all__ = ("BusPublishing",)
 
@@ -76,6 +76,9 @@ class BusPublishing(BusDispatcher):
                 self._end_hold()
             return
         if not self._accepting:
+            if self._from_sink_while_closing(event):
+                self._publish_internal(event)
+                return
             self._refuse(1)
             return
         raise TypeError(_not_event_message(event))
@@ -166,6 +169,10 @@ class BusPublishing(BusDispatcher):
             TypeError: if *event* is not an :class:`Event`.
         """
         if self._state is not _State.RUNNING:
+            if self._from_sink_while_closing(event):
+                self._thread_queue.append(event)  # the close's drain pulls it (any thread)
+                self.wake_threadsafe()
+                return
             self._refuse(1)
             return
         if not isinstance(event, Event):
@@ -228,6 +235,12 @@ class BusPublishing(BusDispatcher):
         self._accepting = False
         self._state = _State.CLOSED
         self._call_soon_threadsafe = None
+
+    def _from_sink_while_closing(self, event: object) -> bool:
+        """Whether *event* is a sink's, published while the bus closes (from the sink's task or
+        a worker thread it started): taken like the bus's own reports, for the sinks not
+        closed yet (an alert handler that failed on the last events reaches the log)."""
+        return self._state is _State.CLOSING and isinstance(event, Event) and IN_SINK.get()
 
     def _refuse(self, count: int) -> None:
         """A publish the bus cannot take: a :class:`BusClosedError`, except in a forked child.

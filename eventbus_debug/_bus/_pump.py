@@ -23,7 +23,7 @@ from ..events import Event, SinkDisabled, SinkFailed
 from ..threads import running_loop
 from ._adapter import SinkAdapter
 from ._cancel import abandon, foreign_cancellation, retrieved
-from ._queue import SubscriptionQueue
+from ._queue import IN_SINK, SubscriptionQueue
 from ._stalls import StallMeter, Timed
 from ._waiters import Waiter
 
@@ -108,6 +108,7 @@ class SubscriptionPump(SubscriptionQueue):
         ``Exception`` nor a cancellation goes to the bus's task group, which raises it when
         the bus is left (see :meth:`EventBus.__aexit__`)."""
         self._task_id = anyio.get_current_task().id
+        IN_SINK.set(True)  # this task's own context (a task runs in a copy)
         try:
             await self._pump(new_waiter)
         except anyio.get_cancelled_exc_class():

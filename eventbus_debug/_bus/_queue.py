@@ -11,6 +11,7 @@ low-water mark, or makes no progress for ``FLOW_STALL_TIMEOUT``. The lowest laye
 from __future__ import annotations
 
 import collections
+import contextvars
 import time
 from collections.abc import Callable
 from typing import Any, Final, Protocol
@@ -26,6 +27,11 @@ _log = get_logger("eventbus_debug._bus.subscription")
 
 FLOW_STALL_TIMEOUT: Final = 1.0
 """A flow-controlled sink that completes no batch for this long stops holding publishers back."""
+
+IN_SINK: Final = contextvars.ContextVar("eventbus_debug_in_sink", default=False)
+"""True in a sink's own tasks (its pump, its close) and the worker threads they start: what a
+sink publishes while the bus closes (an alert handler that failed on the last events) is
+delivered to the sinks not closed yet, as the bus's own reports are, instead of refused."""
 
 
 class _Owner(Protocol):

@@ -34,7 +34,7 @@ from ..threads import run_in_daemon_thread
 from ._adapter import SinkAdapter, is_async_callable
 from ._cancel import foreign_cancellation, run_abandonable
 from ._pump import SubscriptionPump
-from ._queue import _Owner
+from ._queue import IN_SINK, _Owner
 from ._stalls import StallMeter
 from .statistics import SubscriptionStatistics
 
@@ -317,12 +317,16 @@ class Subscription(SubscriptionPump):
         name = f"eventbus-close-{self.name}"
 
         async def run() -> None:
-            if is_async_callable(close):
-                result = close()
-            else:  # a synchronous close() may block: a daemon thread, abandoned if it hangs
-                result = await run_in_daemon_thread(close, name=name)
-            if inspect.isawaitable(result):
-                await result
+            token = IN_SINK.set(True)  # reset after: on trio this runs in the closing task
+            try:
+                if is_async_callable(close):
+                    result = close()
+                else:  # a synchronous close() may block: a daemon thread, abandoned if it hangs
+                    result = await run_in_daemon_thread(close, name=name)
+                if inspect.isawaitable(result):
+                    await result
+            finally:
+                IN_SINK.reset(token)
 
         try:
             await run_abandonable(run, name)

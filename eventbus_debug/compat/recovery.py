@@ -14,7 +14,7 @@ from typing import Any, Final, TypeVar, final
 
 from ..events import RecoveryAction
 from ..recovery.actions import DecidedAction
-from ..recovery.calls import report_error, report_error_sync
+from ..recovery.calls import error_context, report_error, report_error_sync
 from ..recovery.engine import RecoveryEngine
 from ..recovery.registry import Trigger
 from ..recovery.retry import CallState, Retrying, _decorate, _RetryRequested
@@ -52,11 +52,13 @@ class HandledError:
 
 
 def _context(context: str | Mapping[str, str] | None) -> dict[str, str]:
-    if context is None:
-        return {}
-    if isinstance(context, str):
-        return {"context": context} if context else {}
-    return {str(k): str(v) for k, v in context.items()}
+    """*context* as the engine records it; checked like :func:`report_error`'s.
+
+    Raises:
+        TypeError: if *context* is neither a str, a mapping with str keys nor ``None`` (the
+            message names ``context``), before anything is counted or published.
+    """
+    return error_context(context)
 
 
 @final
@@ -132,7 +134,8 @@ class ErrorHandler:
         clears the count (call it when the call succeeds).
 
         Raises:
-            TypeError: if the engine is on an async ``EventBus``.
+            TypeError: if the engine is on an async ``EventBus``, or *context* is neither a
+                str, a mapping with str keys nor ``None``.
             ValueError: if *max_retries* < 0.
             TimeoutError: if the engine does not answer within its ``drain_timeout``.
         """
@@ -151,7 +154,8 @@ class ErrorHandler:
         """:meth:`handle_error` for an engine on an async :class:`~eventbus_debug.EventBus`.
 
         Raises:
-            TypeError: if the engine is on a ``SyncEventBus``.
+            TypeError: if the engine is on a ``SyncEventBus``, or *context* is neither a str,
+                a mapping with str keys nor ``None``.
             ValueError: if *max_retries* < 0.
             TimeoutError: if the engine does not answer within its ``drain_timeout``.
         """

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
+from typing import Protocol
 
 from ..events import ErrorRaised
 from ..events.recovery import CallSettings
 from .actions import DecidedAction
 from .engine import RecoveryEngine
+
+
+class CallStateLike(Protocol):
+    """What holds a retried call's settings (a :class:`~eventbus_debug.recovery.CallState`):
+    its :meth:`settings` as :class:`ErrorRaised` records them."""
+
+    def settings(self) -> CallSettings: ...
+
 
 __all__ = ("ErrorContext", "error_context", "report_error", "report_error_sync")
 
@@ -54,10 +63,33 @@ def error_context(context: object, /) -> dict[str, str]:
     return out
 
 
+def _call_settings(settings: object, /) -> CallSettings | None:
+    """*settings* as :class:`ErrorRaised` holds it: a :class:`CallSettings` or ``None``.
+
+    A :class:`~eventbus_debug.recovery.CallState` (what :func:`retrying` and the seeds'
+    ``ErrorHandler`` keep) is taken as its :meth:`~eventbus_debug.recovery.CallState.settings`.
+
+    Raises:
+        TypeError: if *settings* is neither (the message names ``settings``).
+    """
+    if settings is None or isinstance(settings, CallSettings):
+        return settings
+    read = getattr(settings, "settings", None)  # a CallState (retry imports this module)
+    if callable(read):
+        held = read()
+        if isinstance(held, CallSettings):
+            return held
+    msg = (
+        "settings must be a CallSettings, a CallState or None, got "
+        f"{type(settings).__name__} {settings!r}"
+    )
+    raise TypeError(msg)
+
+
 def _tagged(
     engine: RecoveryEngine,
     exc: BaseException,
-    settings: CallSettings | None,
+    settings: CallSettings | CallStateLike | None,
     context: ErrorContext,
     attempt: int,
     step: int | None,
@@ -66,7 +98,7 @@ def _tagged(
         exc,
         attempt=attempt,
         context=error_context(context),
-        settings=settings,
+        settings=_call_settings(settings),
         retry_id=uuid.uuid4().hex,
         step=step,
     )
@@ -76,7 +108,7 @@ async def report_error(
     engine: RecoveryEngine,
     exc: BaseException,
     *,
-    settings: CallSettings | None = None,
+    settings: CallSettings | CallStateLike | None = None,
     context: ErrorContext = None,
     attempt: int = 1,
     step: int | None = None,
@@ -88,12 +120,14 @@ async def report_error(
 
     *context* is a string (``"train_step"``, recorded as ``{"context": "train_step"}``) or a
     mapping whose values are recorded as strings (``{"batch": 3}`` -> ``{"batch": "3"}``);
-    see :func:`error_context`.
+    see :func:`error_context`. *settings* is a :class:`CallSettings` or the
+    :class:`~eventbus_debug.recovery.CallState` the call ran with.
 
     Raises:
         TypeError: if the engine is on a :class:`~eventbus_debug.SyncEventBus` (use
-            :func:`report_error_sync`), or *context* is neither a str nor a mapping with str
-            keys (the message names it).
+            :func:`report_error_sync`), *context* is neither a str nor a mapping with str
+            keys, or *settings* is neither a ``CallSettings``, a ``CallState`` nor ``None``
+            (the message names the argument).
         TimeoutError: if the engine does not answer within its ``drain_timeout``.
     """
     if engine.blocking:
@@ -109,7 +143,7 @@ def report_error_sync(
     engine: RecoveryEngine,
     exc: BaseException,
     *,
-    settings: CallSettings | None = None,
+    settings: CallSettings | CallStateLike | None = None,
     context: ErrorContext = None,
     attempt: int = 1,
     step: int | None = None,
@@ -117,8 +151,9 @@ def report_error_sync(
     """:func:`report_error` for an engine on a :class:`~eventbus_debug.SyncEventBus` (blocks).
 
     Raises:
-        TypeError: if the engine is on an async :class:`~eventbus_debug.EventBus`, or
-            *context* is neither a str nor a mapping with str keys.
+        TypeError: if the engine is on an async :class:`~eventbus_debug.EventBus`, *context*
+            is neither a str nor a mapping with str keys, or *settings* is neither a
+            ``CallSettings``, a ``CallState`` nor ``None``.
         TimeoutError: if the engine does not answer within its ``drain_timeout``.
     """
     if not engine.blocking:

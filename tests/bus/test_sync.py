@@ -210,3 +210,44 @@ async def test_async_bus_refusal_still_names_async_with() -> None:
     """The async bus's own refusal keeps its hint."""
     with pytest.raises(BusClosedError, match=r"publish inside `async with EventBus\(\) as bus:`"):
         EventBus().publish_nowait(StepCompleted(step=0, loss=1.0))
+
+
+async def _hang(alert: object) -> None:
+    await anyio.sleep(100)
+
+
+def _incident(step: int) -> Event:
+    from eventbus_debug.events import NonFiniteDetected, TensorRole
+
+    return NonFiniteDetected(step=step, role=TensorRole.LOSS, names=("loss",))
+
+
+async def test_a_sinks_incident_published_while_the_bus_closes_reaches_the_log() -> None:
+    """An alert handler that times out on the last events, while the bus closes, becomes an
+    AlertHandlerFailed that the sinks not closed yet (the log, subscribed first) record."""
+    from eventbus_debug.sinks import AlertSink, rules
+
+    log = RecordingSink()
+    async with EventBus() as bus:
+        bus.subscribe(log)
+        alerts = AlertSink(bus, timeout=0.2)
+        alerts.add_rule(rules.non_finite(), _hang)
+        bus.subscribe(alerts)
+        bus.publish_nowait(_incident(1))
+    assert [e.kind for e in log.events].count("sinks.alert_handler_failed") == 1
+    with pytest.raises(BusClosedError):  # anyone else is still refused after the close
+        bus.publish_nowait(_incident(2))
+
+
+def test_a_sinks_incident_published_while_the_sync_bus_closes_reaches_the_log() -> None:
+    from eventbus_debug.sinks import AlertSink, rules
+
+    log = RecordingSink()
+    with SyncEventBus() as bus:
+        bus.subscribe(log)
+        alerts = AlertSink(bus, timeout=0.2)
+        alerts.add_rule(rules.non_finite(), _hang)
+        bus.subscribe(alerts)
+        bus.publish_nowait(_incident(1))
+        bus.publish_nowait(_incident(2))
+    assert [e.kind for e in log.events].count("sinks.alert_handler_failed") == 2

@@ -101,8 +101,8 @@ class SafePoint:
             so LambdaLR or OneCycleLR do not undo the decision at their next ``step()``.
 
     Raises:
-        TypeError: if *engine*, *model* or *optimizer* has the wrong type, or a scheduler has
-            no ``step()``.
+        TypeError: if *engine*, *model*, *optimizer* or *snapshots* has the wrong type, *agree*
+            is not callable, or a scheduler has no ``step()``.
     """
 
     def __init__(
@@ -129,6 +129,12 @@ class SafePoint:
         self.model = model
         self.optimizer = optimizer
         self.schedulers: tuple[Any, ...] = lr_schedulers(tuple(schedulers))
+        if snapshots is not None and not isinstance(snapshots, StateSnapshots):
+            msg = f"snapshots must be a StateSnapshots or None, got {snapshots!r}"
+            raise TypeError(msg)
+        if agree is not None and not callable(agree):
+            msg = f"agree must be a function decisions -> decisions, or None, got {agree!r}"
+            raise TypeError(msg)
         self.snapshots = snapshots if snapshots is not None else StateSnapshots()
         self._agree = agree if agree is not None else _identity
         if agreement is not None and not isinstance(agreement, Agreement):

@@ -177,7 +177,7 @@ class AlertSink:
         self._suppressed = 0
         self._failed = 0
         self._timed_out = 0
-        self._closed = False
+        self._closes = 0  # how many times the sink was closed (ends run_flusher)
 
     # -- registration --------------------------------------------------------------------------
 
@@ -295,10 +295,12 @@ class AlertSink:
         return len(due)
 
     async def aclose(self) -> None:
-        """Deliver every pending summary, whatever its cooldown, so no count is lost. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """Deliver every pending summary, whatever its cooldown, so no count is lost.
+
+        Idempotent (a second close has nothing left to deliver); a sink subscribed again after
+        a close delivers what was held back since at its next close.
+        """
+        self._closes += 1
         await self.flush(force=True)
 
     async def run_flusher(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
@@ -309,8 +311,9 @@ class AlertSink:
         close.
         """
         interval = self._flush_interval or DEFAULT_FLUSH_INTERVAL
+        closes = self._closes  # runs until the next close, also on a sink closed before
         task_status.started()
-        while not self._closed:
+        while self._closes == closes:
             await anyio.sleep(interval)
             await self.flush()
 
@@ -413,7 +416,14 @@ class AlertSink:
                         await result
                 else:
                     # A daemon thread: a handler that never returns never keeps the process alive.
-                    await run_in_daemon_thread(reg.handler, alert, name="eventbus-alert-handler")
+                    result = await run_in_daemon_thread(
+                        reg.handler, alert, name="eventbus-alert-handler"
+                    )
+                    if inspect.isawaitable(result):
+                        # A plain callable that returns a coroutine (``lambda a: pager.send(a)``,
+                        # as AlertHandler allows): run it here, within the same timeout, so the
+                        # alert is delivered (or its failure reported) instead of dropped.
+                        await result
         except TimeoutError as exc:
             self._timed_out += 1
             self._report_failure(reg, alert.event, exc, timed_out=True, phase="handler")

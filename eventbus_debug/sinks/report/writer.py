@@ -235,6 +235,7 @@ class ReportWriter:
     def add(self, events: Iterable[Event], /) -> None:
         """Fold *events* synchronously (what :meth:`handle_batch` does, without writing)."""
         self._aggregator.add_all(events)
+        self._closed = False
 
     async def handle(self, event: Event, /) -> None:
         """Fold one event; write when the interval elapsed."""
@@ -243,6 +244,9 @@ class ReportWriter:
     async def handle_batch(self, events: Sequence[Event], /) -> None:
         """Fold a batch of events; write when the interval elapsed."""
         self._aggregator.add_all(events)
+        # Events after a close: the writer was subscribed again (a session entered again with
+        # this writer, a second bus); the next close must write the report again.
+        self._closed = False
         if self._interval is not None and self._clock() - self._last_write >= self._interval:
             await self.write()
 
@@ -265,7 +269,11 @@ class ReportWriter:
         return write_report(summary, self.directory, html=self._html, title=self._title)
 
     async def aclose(self) -> None:
-        """Write the final report (the bus has drained this sink's queue). Idempotent."""
+        """Write the final report (the bus has drained this sink's queue).
+
+        Idempotent: a second close writes again only if events arrived since the first (the
+        writer was reused on another bus or by a session entered again).
+        """
         if self._closed:
             return
         self._closed = True
