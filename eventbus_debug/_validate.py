@@ -23,6 +23,7 @@ __all__ = (
     "fraction",
     "int64_count",
     "non_negative",
+    "non_negative_int",
     "positive_int",
     "positive_number",
     "positive_seconds",
@@ -116,6 +117,20 @@ def positive_int(name: str, value: object) -> int:
         raise _refuse(name, value, "an int >= 1", wrong_type=True)
     if value < 1:
         raise _refuse(name, value, "an int >= 1", wrong_type=False)
+    return value
+
+
+def non_negative_int(name: str, value: object) -> int:
+    """*value* as an int >= 0.
+
+    Raises:
+        ArgumentTypeError: if *value* is not an int (bools and floats refused).
+        ValueError: if *value* is negative.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _refuse(name, value, "an int >= 0", wrong_type=True)
+    if value < 0:
+        raise _refuse(name, value, "an int >= 0", wrong_type=False)
     return value
 
 

@@ -188,3 +188,42 @@ async def test_report_writer_reused_on_a_second_bus_writes_at_the_second_close(
     assert report.writes == 2
     await report.aclose()  # nothing new: idempotent
     assert report.writes == 2
+
+
+def test_call_state_refuses_settings_no_call_runs_with() -> None:
+    from eventbus_debug.exceptions import ArgumentTypeError
+    from eventbus_debug.recovery import CallState
+
+    for bad in ({"batch_size": 0}, {"batch_size": -4}, {"num_workers": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            CallState(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentTypeError, match="batch_size"):
+        CallState(batch_size="8")  # type: ignore[arg-type]
+    assert CallState(batch_size=8, num_workers=0).settings().num_workers == 0
+
+
+async def test_retrying_refuses_a_first_wait_longer_than_the_longest() -> None:
+    from eventbus_debug.recovery import Retrying
+
+    async with EventBus() as bus:
+        engine = RecoveryEngine(bus)
+        with pytest.raises(ValueError, match=r"initial_delay \(5 s\) must be <= max_delay"):
+            Retrying(engine, initial_delay=5, max_delay=1)
+
+
+async def test_error_handler_max_retries_wrong_type_is_an_argument_type_error() -> None:
+    from eventbus_debug.exceptions import ArgumentTypeError
+
+    async with EventBus() as bus:
+        engine = RecoveryEngine(bus)
+        with pytest.raises(ArgumentTypeError, match="max_retries"):
+            ErrorHandler(engine, max_retries="2")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="max_retries must be an int >= 0"):
+            ErrorHandler(engine, max_retries=-1)
+
+
+def test_report_writer_clock_must_be_callable(tmp_path: Path) -> None:
+    from eventbus_debug.sinks import ReportWriter
+
+    with pytest.raises(TypeError, match="clock must be a function"):
+        ReportWriter(tmp_path, clock=1)  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar, final
 
+from .._validate import non_negative_int
 from ..events import RecoveryAction
 from ..recovery.actions import DecidedAction
 from ..recovery.calls import error_context, report_error, report_error_sync
@@ -213,9 +214,9 @@ def _key(context: str | Mapping[str, str] | None) -> str:
 
 
 def _check_retries(value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        msg = f"max_retries must be an integer >= 0, got {value!r}"
-        raise ValueError(msg)
+    """*value* as ``max_retries``: an ``ArgumentTypeError`` for a wrong type, a ``ValueError``
+    (which that also is) for a negative count."""
+    non_negative_int("max_retries", value)
 
 
 @final

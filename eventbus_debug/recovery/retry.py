@@ -31,7 +31,7 @@ import tenacity
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._validate import non_negative, positive_int, positive_number
+from .._validate import non_negative, non_negative_int, positive_int, positive_number
 from ..events import RecoveryAction, RecoveryApplied
 from ..events.recovery import CallSettings
 from ..exceptions import TrainingStopped
@@ -77,6 +77,18 @@ class CallState:
     smaller_model: bool | None = None
     attempt: int = 1
     changes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """Refuse settings no call can run with (a batch of 0, -1 workers), naming them.
+
+        Raises:
+            ArgumentTypeError: if *batch_size* or *num_workers* is not an int (or None).
+            ValueError: if *batch_size* is < 1 or *num_workers* < 0.
+        """
+        if self.batch_size is not None:
+            positive_int("batch_size", self.batch_size)
+        if self.num_workers is not None:
+            non_negative_int("num_workers", self.num_workers)
 
     def settings(self) -> CallSettings:
         """The state as the typed :class:`CallSettings` of an :class:`ErrorRaised`."""
@@ -267,6 +279,12 @@ class Retrying:
         positive_int("max_attempts", max_attempts)
         non_negative("initial_delay", initial_delay)
         non_negative("max_delay", max_delay)
+        if initial_delay > max_delay:
+            msg = (
+                f"initial_delay ({initial_delay!r} s) must be <= max_delay ({max_delay!r} s): "
+                "the first wait would be cut to max_delay"
+            )
+            raise ValueError(msg)
         if positive_number("multiplier", multiplier) < 1:
             msg = f"multiplier must be a number >= 1, got {multiplier!r}"
             raise ValueError(msg)

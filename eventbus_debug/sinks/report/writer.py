@@ -184,6 +184,7 @@ class ReportWriter:
         ArgumentTypeError: if *interval* is neither None nor a number, or a bound is not an int
             (a ``TypeError``, and the ``ValueError`` earlier releases raised).
         ValueError: if *interval* is not positive (NaN included) or a bound is smaller than 2.
+        TypeError: if *clock* is not callable.
     """
 
     def __init__(
@@ -208,6 +209,9 @@ class ReportWriter:
         self._interval = interval
         self._html = html
         self._title = title
+        if not callable(clock):
+            msg = f"clock must be a function returning seconds (time.monotonic), got {clock!r}"
+            raise TypeError(msg)
         self._clock = clock
         self._aggregator = RunAggregator(max_points=max_points, max_incidents=max_incidents)
         self._last_write = clock()
