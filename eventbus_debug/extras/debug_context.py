@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from contextlib import ExitStack
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar, cast, overload
@@ -34,13 +34,16 @@ __all__ = ("DebugContext", "debug_context")
 P = ParamSpec("P")
 R = TypeVar("R")
 Publish = Callable[[Event], object]
+_Start = tuple[float, float, int, int | None, ExitStack]
+"""One use's start: wall time, CPU time, RSS, CUDA bytes, and its anomaly-mode switch."""
 
 
 class DebugContext:
     """The object :func:`debug_context` returns: a context manager and a decorator.
 
     Re-entrant use (the same object around several blocks) is supported: each exit publishes
-    one event and replaces :attr:`result`.
+    one event and replaces :attr:`result`. Each call of a decorated function is timed on its
+    own, also when calls of an async function overlap in concurrent tasks.
     """
 
     def __init__(
@@ -58,11 +61,12 @@ class DebugContext:
         self._step = step
         self._cuda = torch.cuda.is_available() if cuda is None else cuda
         self._process = psutil.Process()
-        self._starts: list[tuple[float, float, int, int | None, ExitStack]] = []
+        self._starts: list[_Start] = []
         self.result: OperationCompleted | None = None
         """The event of the last completed use (None before the first)."""
 
-    def _enter(self) -> None:
+    def _enter(self) -> _Start:
+        """Start one use: its start time, CPU time, memory and anomaly-mode switch."""
         stack = ExitStack()
         if self.detect_anomaly:
             # set_detect_anomaly: the same switch as detect_anomaly, without its UserWarning.
@@ -73,10 +77,11 @@ class DebugContext:
             torch.cuda.reset_peak_memory_stats()
             cuda0 = int(torch.cuda.memory_allocated())
         rss0 = int(self._process.memory_info().rss)
-        self._starts.append((time.perf_counter(), time.process_time(), rss0, cuda0, stack))
+        return (time.perf_counter(), time.process_time(), rss0, cuda0, stack)
 
-    def _exit(self, exc_type: type[BaseException] | None) -> None:
-        t0, c0, rss0, cuda0, stack = self._starts.pop()
+    def _exit(self, start: _Start, exc_type: type[BaseException] | None) -> None:
+        """End the use begun at *start*: publish its :class:`OperationCompleted`."""
+        t0, c0, rss0, cuda0, stack = start
         stack.close()
         cuda_delta: int | None = None
         cuda_peak: int | None = None
@@ -104,7 +109,7 @@ class DebugContext:
             self.publish(event)
 
     def __enter__(self) -> DebugContext:
-        self._enter()
+        self._starts.append(self._enter())
         return self
 
     def __exit__(
@@ -113,10 +118,10 @@ class DebugContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._exit(exc_type)
+        self._exit(self._starts.pop(), exc_type)
 
     async def __aenter__(self) -> DebugContext:
-        self._enter()
+        self._starts.append(self._enter())
         return self
 
     async def __aexit__(
@@ -125,10 +130,12 @@ class DebugContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._exit(exc_type)
+        self._exit(self._starts.pop(), exc_type)
 
     @overload
-    def __call__(self, fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]: ...
+    def __call__(
+        self, fn: Callable[P, Coroutine[Any, Any, R]]
+    ) -> Callable[P, Coroutine[Any, Any, R]]: ...
     @overload
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R]: ...
     def __call__(self, fn: Callable[P, Any]) -> Callable[P, Any]:
@@ -137,15 +144,28 @@ class DebugContext:
 
             @functools.wraps(fn)
             async def async_wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-                async with self:
-                    return await fn(*args, **kwargs)
+                # the call's own start, not the shared stack: concurrent calls may overlap
+                start = self._enter()
+                try:
+                    result = await fn(*args, **kwargs)
+                except BaseException as exc:
+                    self._exit(start, type(exc))
+                    raise
+                self._exit(start, None)
+                return result
 
             return async_wrapper
 
         @functools.wraps(fn)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> Any:
-            with self:
-                return fn(*args, **kwargs)
+            start = self._enter()  # the call's own start (calls from several threads overlap)
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                self._exit(start, type(exc))
+                raise
+            self._exit(start, None)
+            return result
 
         return cast(Callable[P, Any], wrapper)
 

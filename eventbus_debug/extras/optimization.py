@@ -80,14 +80,38 @@ class OptimizationMode(Enum):
 _NOT_CONCRETE: Final = (OptimizationMode.NONE, OptimizationMode.FULL)
 
 
+def _mode_of(value: object) -> OptimizationMode:
+    """*value*, if it is an :class:`OptimizationMode`.
+
+    Raises:
+        TypeError: if it is not (a mode's name included: the message names the member).
+    """
+    if isinstance(value, OptimizationMode):
+        return value
+    valid = [x.name for x in OptimizationMode]
+    hint = ""
+    if isinstance(value, str):
+        member = value.strip().upper()
+        if member in valid:
+            hint = f" (use OptimizationMode.{member})"
+    msg = f"mode must be an OptimizationMode, got {value!r}{hint}; valid: {valid}"
+    raise TypeError(msg)
+
+
 def _expand(modes: OptimizationMode | Iterable[OptimizationMode]) -> frozenset[OptimizationMode]:
-    items = (modes,) if isinstance(modes, OptimizationMode) else tuple(modes)
+    """The concrete modes *modes* stand for: one mode, or an iterable of modes.
+
+    Raises:
+        TypeError: if *modes* is not a mode or an iterable of modes (a str is one value, never
+            its characters).
+    """
+    if isinstance(modes, OptimizationMode | str) or not isinstance(modes, Iterable):
+        items: tuple[object, ...] = (modes,)  # refused below when not a mode, named whole
+    else:
+        items = tuple(modes)
     out: set[OptimizationMode] = set()
     for m in items:
-        if not isinstance(m, OptimizationMode):
-            msg = f"mode must be an OptimizationMode, got {m!r}; valid: {[x.name for x in OptimizationMode]}"
-            raise TypeError(msg)
-        out |= m.expand()
+        out |= _mode_of(m).expand()
     return frozenset(out)
 
 
@@ -109,6 +133,16 @@ class _CheckpointedForward:
         return fn(*args, **kwargs)
 
 
+def _native(model: nn.Module, current: str, deprecated: str) -> Any:
+    """The model's own switch: *current* (Hugging Face >= 5 deprecates *deprecated*), else
+    *deprecated*, else None."""
+    for name in (current, deprecated):
+        fn = getattr(model, name, None)
+        if callable(fn):
+            return fn
+    return None
+
+
 def _checkpoint_targets(model: nn.Module) -> list[nn.Module]:
     children = list(model.children())
     return children or [model]
@@ -127,7 +161,7 @@ def enable_gradient_checkpointing(
     Returns:
         How many modules are checkpointed now (0 when the model's own switch was used).
     """
-    native = getattr(model, "gradient_checkpointing_enable", None)
+    native = _native(model, "activation_checkpointing_enable", "gradient_checkpointing_enable")
     if modules is None and callable(native):
         native()
         _log.info("gradient_checkpointing_enabled", model=type(model).__name__, native=True)
@@ -147,7 +181,7 @@ def disable_gradient_checkpointing(model: nn.Module) -> int:
     Returns:
         How many modules were restored.
     """
-    native = getattr(model, "gradient_checkpointing_disable", None)
+    native = _native(model, "activation_checkpointing_disable", "gradient_checkpointing_disable")
     if callable(native):
         native()
     count = 0
@@ -162,7 +196,12 @@ def disable_gradient_checkpointing(model: nn.Module) -> int:
 
 def is_gradient_checkpointing(model: nn.Module) -> bool:
     """True when any submodule of *model* runs under checkpointing (ours or the model's own)."""
-    if getattr(model, "is_gradient_checkpointing", False) is True:
+    name = (
+        "is_activation_checkpointing"
+        if hasattr(type(model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
+    if getattr(model, name, False) is True:
         return True
     return any(isinstance(m.__dict__.get("forward"), _CheckpointedForward) for m in model.modules())
 
@@ -189,7 +228,8 @@ def optimize_model(
         compile_options: keyword arguments for :func:`torch.compile` (``mode``, ``dynamic``...).
 
     Raises:
-        TypeError: if *mode* holds something that is not an :class:`OptimizationMode`.
+        TypeError: if *mode* holds something that is not an :class:`OptimizationMode` (a
+            mode's name included: the message names the member to use).
     """
     modes = _expand(mode)
     out = model

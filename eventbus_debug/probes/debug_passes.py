@@ -224,8 +224,9 @@ def debug_backward_pass(
     if not named:
         return BackwardReport(duration_s=duration, grad_norms={}, non_finite=(), total_norm=0.0)
     grads = [g.coalesce().values() if g.is_sparse else g for _, g in named]
+    # float64: a finite float32 gradient whose float32 norm would overflow is still finite
     norms = torch.stack(
-        [n.cpu() for n in torch._foreach_norm(grads, 2, dtype=torch.float32)]
+        [n.cpu() for n in torch._foreach_norm(grads, 2, dtype=torch.float64)]
     ).tolist()
     by_name = {n: v for (n, _), v in zip(named, norms, strict=True)}
     total = sum(v * v for v in norms) ** 0.5

@@ -18,8 +18,10 @@ class DebugLevel(Enum):
 
     Attributes:
         OFF: no check runs; a probe call costs one comparison.
-        BASIC: loss, gradient norm and non-finite checks (one device transfer per step).
-        ADVANCED: BASIC plus parameter norms, per-layer norms and weight-update ratios.
+        BASIC: loss, gradient norms, non-finite, explosion and vanishing checks, and the
+            parameter and buffer norms every ``param_every`` steps (one device transfer per
+            step).
+        ADVANCED: BASIC plus per-layer gradient norms and weight-update ratios.
         EXTREME: ADVANCED on every step, plus activation statistics (dead/saturated units).
     """
 

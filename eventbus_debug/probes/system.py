@@ -459,6 +459,18 @@ class SystemSampler:
         )
 
     async def __aenter__(self) -> Self:
+        """Start sampling in a task of its own (the first reading is taken before the body).
+
+        A sampler that was stopped (its block left) samples again when entered again; the
+        summary goes on accumulating.
+
+        Raises:
+            RuntimeError: if the sampler is already running (entered and not left).
+        """
+        if self._tg is not None:
+            msg = "this SystemSampler is already running; leave its block before entering it again"
+            raise RuntimeError(msg)
+        self._stopped = False
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg

@@ -157,7 +157,8 @@ class Judge:
         pos = 0
         loss_value: float | None = lay.host_loss
         if lay.has_loss:
-            loss_value = values[0]
+            # float(): an integer loss tensor alone in the vector reads back as an int
+            loss_value = float(values[0])
             pos = 1
         loss_finite = True
         if loss_value is not None:
@@ -381,8 +382,11 @@ class Judge:
                 slots = [lay.grad_slots[j] for j in really_bad]
                 incidents.append(self._non_finite(TensorRole.GRADIENT, slots, (nan, inf), step))
                 return total, False
-            # finite values whose fp32 sum of squares overflowed: judge the float64 norm
-            total = math.sqrt(math.fsum(float(v) ** 2 for v in l2 if math.isfinite(v)))
+            # finite values whose fp32 sum of squares overflowed: judge the float64 norm (the
+            # overflowed tensors' norms read again in float64, never left out of the total)
+            wide = dict(zip(bad, pending.wide_norms(bad), strict=True))
+            l2 = [wide.get(j, v) for j, v in enumerate(l2)]
+            total = math.sqrt(math.fsum(v * v for v in l2))
             if not math.isfinite(total):
                 total = math.inf
         exploded = self._explosions.observe(total) if math.isfinite(total) else None

@@ -11,6 +11,7 @@ At the every-step cadence without an AMP scaler, a CUDA step costs one ``_foreac
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -137,7 +138,17 @@ class Pending:
     someone asks for it (:attr:`vector`).
     """
 
-    __slots__ = ("_buffer", "_event", "_flat", "_pieces", "_pool", "_vector", "grads", "layout")
+    __slots__ = (
+        "_buffer",
+        "_event",
+        "_flat",
+        "_pieces",
+        "_pool",
+        "_vector",
+        "grads",
+        "inverse_scale",
+        "layout",
+    )
 
     def __init__(
         self,
@@ -155,6 +166,7 @@ class Pending:
         self._flat = flat
         self._event: torch.cuda.Event | None = None
         self._vector: torch.Tensor | None = None
+        self.inverse_scale: torch.Tensor | None = None  # set by the launcher under AMP
         if pieces and pieces[0].is_cuda:  # pragma: no cover - GPU
             vector = self._vector = assemble(pieces, flat=flat)
             self._pieces = [vector]  # the pieces themselves are not kept alive
@@ -220,6 +232,29 @@ class Pending:
             pairs.append(stats.to(device))
         counts = torch.stack(pairs).tolist()
         return [(int(n), int(i)) for n, i in counts]
+
+    def wide_norms(self, positions: Sequence[int]) -> list[float]:
+        """The float64 2-norms of the (finite) gradients at *positions*, unscaled like the
+        vector's; read only when their float32 norm overflowed (a third transfer, on a fire).
+
+        ``inf`` where the gradients are gone (deferred mode).
+        """
+        grads = self.grads
+        slots = self.layout.grad_slots
+        if not grads:
+            return [math.inf] * len(positions)
+        device = self.device
+        norms = []
+        for j in positions:
+            g = grads[slots[j]]
+            assert g is not None
+            t = g.coalesce().values() if g.is_sparse else g
+            norm = global_norms(torch.linalg.vector_norm(t, dtype=torch.float64).reshape(1))
+            if self.inverse_scale is not None:
+                norm = norm * self.inverse_scale.to(device=norm.device, dtype=torch.float64)
+            norms.append(norm.to(device))
+        values: list[float] = torch.cat(norms).tolist()
+        return values
 
 
 class Launcher:
@@ -396,7 +431,10 @@ class Launcher:
             activations=activations,
         )
         flat = all_scalars and not with_state and updates_flat
-        return Pending(layout, pieces, grads, self._pool, flat=flat)
+        pending = Pending(layout, pieces, grads, self._pool, flat=flat)
+        if inverse_scale is not None and grad_slots:
+            pending.inverse_scale = inverse_scale
+        return pending
 
     @staticmethod
     def _scaled(

@@ -265,7 +265,7 @@ class StepProbe:
 
         Raises:
             TypeError: if *step* is not an int, or *loss* is neither a tensor nor a real number,
-                or is a complex or a sparse tensor.
+                or is a complex, bool or sparse tensor.
             ValueError: if *step* is negative, *loss* has more than one element, is a meta
                 tensor, or a number too large for a float (``10**400``).
         """
@@ -362,6 +362,9 @@ class StepProbe:
             msg = (
                 f"loss must be real, got a {loss.dtype} tensor (backward needs a real scalar loss)"
             )
+            raise TypeError(msg)
+        if loss.dtype is torch.bool:
+            msg = "loss must be a real number, got a torch.bool tensor (a bool is not a loss)"
             raise TypeError(msg)
         return loss
 
