@@ -147,6 +147,8 @@ class LeakDetector:
             r: deque(maxlen=self.thresholds.window) for r in RESOURCES
         }
         self._seen: dict[str, int] = dict.fromkeys(RESOURCES, 0)
+        self._peak: dict[str, float] = dict.fromkeys(RESOURCES, -math.inf)
+        """The highest sample before the current window, per resource (see :meth:`_update`)."""
         self._previous: dict[int, weakref.ref[torch.Tensor]] = {}
         self._last_retained = ""
         self.samples = 0
@@ -235,6 +237,8 @@ class LeakDetector:
         if self._seen[resource] <= self.thresholds.warmup:
             return None
         series = self._series[resource]
+        if len(series) == series.maxlen:
+            self._peak[resource] = max(self._peak[resource], series[0])  # leaves the window
         series.append(value)
         if len(series) < self.thresholds.window:
             return None
@@ -242,12 +246,19 @@ class LeakDetector:
         slope = _slope(values)
         rises = sum(1 for a, b in itertools.pairwise(values) if b > a)
         growth = slope * (len(values) - 1)
+        minimum = self.thresholds.min_growth(resource)
         if (
             slope <= 0
             or rises < self.thresholds.rising_fraction * (len(values) - 1)
-            or growth < self.thresholds.min_growth(resource)
+            or growth < minimum
+            # A leak is memory never given back: the window must end above every earlier
+            # sample by the minimum growth. A list filled each epoch and cleared at its end
+            # (the epoch's losses, kept for their mean) rises the same way every epoch; it is
+            # reported at most once, in the first, never again at the same level.
+            or values[-1] < self._peak[resource] + minimum
         ):
             return None
+        self._peak[resource] = max(self._peak[resource], *values)
         series.clear()
         retained = self._describe(resource, values)
         _log.info("memory_leak_suspected", resource=resource, slope=slope, step=step)

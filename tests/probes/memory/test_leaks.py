@@ -112,3 +112,41 @@ def test_sync_session_runs_the_leak_detector(tmp_path: Path) -> None:
     assert any(e.resource == "graph" for e in leaks)
     assert Session(model, mode="memory_profiling").leak_detector is not None
     assert Session(model).leak_detector is None
+
+
+def _epochs(steps: int, epoch: int, detector: LeakDetector, *, clear: bool) -> list[str]:
+    """A loop keeping each step's detached loss for its epoch's mean; the list is emptied at
+    each epoch's end when *clear* (healthy), else kept (a slow leak of scalars)."""
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    kept: list[torch.Tensor] = []
+    fired: list[str] = []
+    for step in range(steps):
+        x, y = batch(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        torch.autograd.backward(loss)
+        optimizer.step()
+        kept.append(loss.detach())
+        if clear and len(kept) == epoch:
+            torch.stack(kept).mean().item()
+            kept.clear()
+        fired += [e.resource for e in detector.observe(step)]
+    return fired
+
+
+def test_a_list_emptied_every_epoch_is_reported_at_most_once() -> None:
+    """Per-epoch accumulation rises like a leak within each epoch; a leak never gives memory
+    back, so only a window ending above every earlier sample counts: once, in the first epoch
+    (nothing tells it apart yet), never again at the same level."""
+    gc.collect()
+    detector = LeakDetector(every=20, thresholds=LeakThresholds(window=5, warmup=1))
+    fired = _epochs(800, 200, detector, clear=True)
+    assert fired.count("live_tensors") == 1, fired
+
+
+def test_a_leak_that_goes_on_is_reported_window_after_window() -> None:
+    gc.collect()
+    detector = LeakDetector(every=20, thresholds=LeakThresholds(window=5, warmup=1))
+    fired = _epochs(800, 200, detector, clear=False)
+    assert fired.count("live_tensors") >= 6, fired
