@@ -240,6 +240,10 @@ def monitor_training_step(
 ) -> StepVerdict:
     """One stateless step check (no history: no warm-up explosion rule, no loss spikes).
 
+    Non-finite losses, gradients and parameters are reported; with nothing to compare with, a
+    gradient explosion is only a total norm above the absolute cap ``Thresholds().explosion``
+    (``1e6``).
+
     Raises:
         TypeError: if *model* is not a module, *step* not an int or *loss* not a tensor/number.
         ValueError: if *loss* has more than one element, *step* is negative, or a parameter of

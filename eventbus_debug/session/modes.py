@@ -23,7 +23,7 @@ class DebugMode(Enum):
         ANOMALY_DETECTION: loss and gradient checks (BASIC level) plus, when one fires, the
             localization of the first module producing NaN/Inf.
         PROFILING: torch.profiler windows with Chrome traces.
-        MEMORY_PROFILING: memory samples every step and leak detection.
+        MEMORY_PROFILING: memory samples and leak detection (every 50 steps by default).
         GRADIENT_CHECKING: per-layer gradient norms and update ratios (ADVANCED level).
         FULL: everything, at the EXTREME level.
     """
