@@ -305,8 +305,11 @@ class JsonlWriter:
         data, lines, bad = _encode_all(events)
         self._encode_errors += len(bad)
         try:
-            self._append_locked(data, lines)
-            self._trim_pending_locked()
+            try:
+                self._append_locked(data, lines)
+            finally:
+                # Also when a rotation failed: the lines kept for it stay within the bound.
+                self._trim_pending_locked()
             if self._outage_since is not None:
                 if _clock() >= self._next_attempt:
                     self._flush_locked()  # a retry, on the backoff schedule
@@ -619,7 +622,9 @@ class JsonlWriter:
             if os.path.exists(first):
                 os.remove(first)
             self._rotator(base, first)
-        except OSError as exc:
+        except Exception as exc:
+            # Also a namer or rotator of the user's raising something else (a ValueError):
+            # an outage like a failed write, so the lines kept are retried or counted as lost.
             self._write_errors += 1
             raise self._write_error(exc, "cannot rotate the log file") from None
         self._size = 0
@@ -637,9 +642,19 @@ class JsonlWriter:
         namer = self._namer
         return namer(default) if namer is not None else default
 
-    def _write_error(self, exc: OSError, what: str) -> LogWriteError:
+    def _write_error(self, exc: Exception, what: str) -> LogWriteError:
+        """A :class:`LogWriteError` saying *what* failed, why, and the fate of the lines kept.
+
+        *exc* is an ``OSError`` (its ``errno`` is carried over) or, from a namer or rotator,
+        any exception (named by its type).
+        """
         pending = self._buffer_lines
-        detail = exc.strerror or str(exc)
+        if isinstance(exc, OSError):
+            detail = exc.strerror or str(exc)
+            code = exc.errno
+        else:
+            detail = f"{type(exc).__name__}: {exc}"
+            code = None
         if self._closed:  # the close's last attempt: nothing comes after it
             fate = f"{pending} line(s) not written at close, lost (counted in lines_lost)"
         else:
@@ -648,7 +663,7 @@ class JsonlWriter:
                 "restore the directory)"
             )
         msg = f"{what} {str(self._path)!r}: {detail}; {fate}"
-        return os_error(LogWriteError, exc.errno, msg)
+        return os_error(LogWriteError, code, msg)
 
     def close(self) -> None:
         """Write everything (backlog, buffer), fsync if enabled, close the file; stop the thread.

@@ -164,14 +164,16 @@ class RotatingFileSink:
             thread without waiting: it writes them every this many seconds (sooner when 4,096
             events wait), at once when a batch holds an incident, and :meth:`handle_batch`
             waits only when *high_water* events are waiting. ``0`` encodes and writes each
-            batch before :meth:`handle_batch` returns. Close, flush and drain still write
-            everything.
+            batch before :meth:`handle_batch` returns. :meth:`flush`, :meth:`rotate` and
+            the close still write everything; the bus's ``drain()`` does not (it waits for
+            :meth:`handle_batch` to return: telemetry reaches the file within this interval).
         high_water: with a positive *wake_interval*, the most events waiting for the writer
             before a batch waits for it (flow control, nothing dropped).
 
     Raises:
-        ValueError: if an option is out of range, or *directory* is empty (the message names
-            it; a wrong type is an :class:`~eventbus_debug.exceptions.ArgumentTypeError`).
+        ValueError: if an option is out of range, or *directory* or *name* is empty (the
+            message names it; a wrong type, a *namer* or *rotator* that is not callable
+            among them, is an :class:`~eventbus_debug.exceptions.ArgumentTypeError`).
         LogDirectoryError: if *directory* cannot be created or its log file cannot be opened
             for writing (the message names the path and the OS error).
     """
@@ -208,6 +210,16 @@ class RotatingFileSink:
             if not isinstance(value, bool):
                 msg = f"{flag} must be a bool, got {value!r}"
                 raise ArgumentTypeError(msg)
+        for option, fn in (("namer", namer), ("rotator", rotator)):
+            if fn is not None and not callable(fn):
+                msg = f"{option} must be a callable or None, got {type(fn).__name__} {fn!r}"
+                raise ArgumentTypeError(msg)
+        if not isinstance(name, str):
+            msg = f"name must be a str, got {type(name).__name__} {name!r}"
+            raise ArgumentTypeError(msg)
+        if not name:
+            msg = "name must not be empty: it names the subscription (default 'rotating_file')"
+            raise ValueError(msg)
         _check_int("max_bytes", max_bytes, minimum=0)
         _check_int("backup_count", backup_count, minimum=0)
         _check_int("buffer_size", buffer_size, minimum=1)

@@ -1,0 +1,121 @@
+"""Regression tests of the tenth session's audit of the bus and the log (docs/bus.md,
+docs/logging.md): a rotation that fails with something other than an ``OSError`` (a namer or
+rotator of the user's raising) is an outage like a failed write, never a silent loss; the
+lines kept meanwhile stay within ``max_pending_bytes``; and the sink's callables and name are
+checked at construction."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+from pathlib import Path
+
+import pytest
+
+from eventbus_debug import EventBus, read_events
+from eventbus_debug.events import SinkFailed, StepCompleted
+from eventbus_debug.exceptions import ArgumentTypeError
+from eventbus_debug.sinks import LogWriteError, RotatingFileSink, _jsonl_writer as jw
+from eventbus_debug.testing import RecordingSink
+
+
+def _buggy_rotator(source: str, dest: str) -> None:
+    msg = "my rotator is buggy"
+    raise ValueError(msg)
+
+
+async def test_rotator_raising_a_value_error_loses_nothing_with_write_behind(
+    tmp_path: Path,
+) -> None:
+    """Before the fix, the writer thread logged the ValueError and kept the lines in its buffer
+    for ever: 25 of 30 events neither written nor counted as lost, no SinkFailed."""
+    sink = RotatingFileSink(tmp_path, max_bytes=1000, rotator=_buggy_rotator)
+    async with EventBus() as bus:
+        bus.subscribe(sink)
+        for step in range(30):
+            await bus.publish(StepCompleted(step=step))
+        await bus.drain()
+    stats = sink.statistics()
+    assert stats.lines_pending == 0
+    assert stats.write_errors >= 1
+    steps = [e.step for e in read_events(tmp_path) if isinstance(e, StepCompleted)]
+    assert steps == list(range(30))
+
+
+async def test_rotator_raising_a_value_error_is_one_sink_failed_naming_it(tmp_path: Path) -> None:
+    recorder = RecordingSink()
+    sink = RotatingFileSink(tmp_path, max_bytes=1000, rotator=_buggy_rotator, wake_interval=0)
+    async with EventBus() as bus:
+        bus.subscribe(recorder)
+        bus.subscribe(sink)
+        for step in range(30):  # one batch: one rotation attempt
+            bus.publish_nowait(StepCompleted(step=step))
+        await bus.drain()
+    (failed,) = recorder.of_type(SinkFailed)
+    assert failed.error_type == "LogWriteError"
+    assert "cannot rotate the log file" in failed.message
+    assert "ValueError: my rotator is buggy" in failed.message
+    assert sink.statistics().lines_pending == 0
+    steps = [e.step for e in read_events(tmp_path) if isinstance(e, StepCompleted)]
+    assert steps == list(range(30))
+
+
+def test_writer_rotation_error_is_a_log_write_error(tmp_path: Path) -> None:
+    sink = RotatingFileSink(tmp_path, max_bytes=0, rotator=_buggy_rotator, wake_interval=0)
+    writer = sink._writer
+    writer.open()
+    writer.write_batch([StepCompleted(step=1)])
+    with pytest.raises(LogWriteError, match="ValueError: my rotator is buggy") as info:
+        writer.rotate()
+    assert info.value.errno is None
+    writer.close()
+
+
+def test_lines_kept_while_a_rotation_fails_stay_within_max_pending_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk full once the live file reached ``max_bytes``: every batch tries to rotate first
+    and fails. Before the fix, that failure skipped the trim: the buffer grew without bound
+    and nothing was counted as lost."""
+    sink = RotatingFileSink(tmp_path, max_bytes=1000, wake_interval=0, max_pending_bytes=2000)
+    writer = sink._writer
+    writer.open()
+    writer.write_batch([StepCompleted(step=i) for i in range(5)])  # the live file is full
+
+    def disk_full(fd: int, data: bytes | bytearray) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jw, "_write_some", disk_full)
+    total = 5
+    for batch in range(20):
+        events = [StepCompleted(step=100 + batch * 10 + i) for i in range(10)]
+        total += len(events)
+        with contextlib.suppress(LogWriteError):
+            writer.write_batch(events)
+        assert len(writer._buffer) <= 2000
+    stats = writer.statistics()
+    assert stats.lines_lost > 0
+    assert stats.lines_written + stats.lines_lost + stats.lines_pending == total
+    monkeypatch.undo()
+    writer.close()
+    stats = writer.statistics()
+    assert stats.lines_pending == 0
+    assert stats.lines_written == total - stats.lines_lost + 1  # + LogWriteResumed
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"namer": "abc"}, ArgumentTypeError, "namer must be a callable or None, got str"),
+        ({"rotator": 1}, ArgumentTypeError, "rotator must be a callable or None, got int"),
+        ({"name": 3}, ArgumentTypeError, "name must be a str, got int 3"),
+        ({"name": ""}, ValueError, "name must not be empty"),
+    ],
+)
+def test_bad_callables_and_names_are_refused_at_construction(
+    tmp_path: Path, options: dict[str, object], error: type[Exception], match: str
+) -> None:
+    """Before the fix, a namer that is not callable failed at the first rotation, in the
+    writer thread, and a non-str name silently gave the subscription another name."""
+    with pytest.raises(error, match=match):
+        RotatingFileSink(tmp_path, **options)  # type: ignore[arg-type]
