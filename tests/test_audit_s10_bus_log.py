@@ -119,3 +119,27 @@ def test_bad_callables_and_names_are_refused_at_construction(
     writer thread, and a non-str name silently gave the subscription another name."""
     with pytest.raises(error, match=match):
         RotatingFileSink(tmp_path, **options)  # type: ignore[arg-type]
+
+
+def test_a_sync_bus_whose_close_gave_up_refuses_later_publishes() -> None:
+    """A sink holding the bus's loop (a blocking call in an async handler) makes close() give
+    up after its bound; a publish after that is refused, not queued where nothing reads it."""
+    import time as _time
+
+    from eventbus_debug import BusClosedError, SyncEventBus
+    from eventbus_debug.events import StepCompleted
+
+    async def blocker(event: object) -> None:
+        _time.sleep(6)  # the mistake: a blocking call holding the loop, past the close bound
+
+    bus = SyncEventBus(close_timeout=0.2)
+    with bus:
+        bus.subscribe(blocker)
+        bus.publish(StepCompleted(step=0, loss=1.0))
+        bus.flush()
+        _time.sleep(0.1)  # the sink now holds the loop
+    for publish in (bus.publish, bus.publish_nowait):
+        with pytest.raises(BusClosedError, match="closed"):
+            publish(StepCompleted(step=1, loss=1.0))
+    with pytest.raises(BusClosedError, match="closed"):
+        bus.publish_many([StepCompleted(step=2, loss=1.0)])

@@ -21,6 +21,7 @@ from ..events import Delivery, Event
 from ..exceptions import BusClosedError
 from . import _pump, _queue, subscription as _subscription
 from ._drain import check_subscriptions
+from ._queue import IN_SINK
 from .bus import EventBus
 from .statistics import BusStatistics
 from .subscription import Subscription
@@ -71,6 +72,7 @@ class SyncEventBus:
         self._host: _LoopThread | None = None
         self._portal: BlockingPortal | None = None
         self._room: concurrent.futures.Future[Any] | None = None  # flush's wait for room
+        self._closed = False  # close() began: publishing is refused from then on
 
     @property
     def bus(self) -> EventBus:
@@ -128,6 +130,9 @@ class SyncEventBus:
             return
         with contextlib.suppress(BusClosedError):
             self.flush()
+        # From here on publishing is refused here, also when the close below gives up (a sink
+        # holding the bus's loop keeps the bus itself from ever learning it closes).
+        self._closed = True
         self._portal = None
         bound = _close_bound(self._bus) + THREAD_GRACE
         host.stop()
@@ -161,6 +166,8 @@ class SyncEventBus:
             BusClosedError: if the bus is not running.
             TypeError: if *event* is not an :class:`Event`.
         """
+        if self._closed:
+            self._refuse_closed()
         self._bus.publish_threadsafe(event, wake=False)
         self._pending += 1
         if type(event).delivery is Delivery.INCIDENT or self._pending >= self._max_pending:
@@ -168,6 +175,8 @@ class SyncEventBus:
 
     def publish_many(self, events: Iterable[Event], /) -> None:
         """Buffer several events, then flush once."""
+        if self._closed:
+            self._refuse_closed()
         for event in events:
             self._bus.publish_threadsafe(event, wake=False)
         self.flush()
@@ -180,6 +189,8 @@ class SyncEventBus:
             BusClosedError: if the bus is not running.
             TypeError: if *event* is not an :class:`Event`.
         """
+        if self._closed:
+            self._refuse_closed()
         incident = type(event).delivery is Delivery.INCIDENT
         self._bus.publish_threadsafe(event, wake=incident)
         self._pending += 1
@@ -189,6 +200,8 @@ class SyncEventBus:
 
     def publish_many_nowait(self, events: Iterable[Event], /) -> None:
         """Buffer several events and wake the bus's thread once; never waits."""
+        if self._closed:
+            self._refuse_closed()
         for event in events:
             self._bus.publish_threadsafe(event, wake=False)
         self._pending = 0
@@ -261,6 +274,17 @@ class SyncEventBus:
                 f"{held_by} (a blocking call in an async handler? run it in a worker thread)"
             )
             raise TimeoutError(msg) from None
+
+    def _refuse_closed(self) -> None:
+        """A publish after :meth:`close` began: refused (in a forked child: counted, see
+        EventBus), except a sink's own during the close, which the bus takes (see
+        :meth:`EventBus.aclose`)."""
+        if IN_SINK.get():
+            return
+        if self._bus._forked_from is None:
+            msg = "the bus is closed; events can no longer be published to this SyncEventBus"
+            raise BusClosedError(msg)
+        self._bus._refuse(1)
 
     def statistics(self) -> BusStatistics:
         """A snapshot of the bus's counters."""
