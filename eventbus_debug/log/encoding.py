@@ -410,6 +410,6 @@ def decode_event(data: bytes | str | Mapping[str, Any], /) -> Event:
         name = ""
         return cls(**kwargs)
     except (TypeError, ValueError, RecursionError) as exc:
-        where = f"field {name!r}" if name else "fields"
-        msg = f"{kind} line has a bad {where}: {exc}"
+        where = f"a bad field {name!r}" if name else "bad fields"
+        msg = f"{kind} line has {where}: {exc}"
         raise EventDecodeError(msg) from None
