@@ -25,6 +25,7 @@ both survive.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
@@ -71,6 +72,10 @@ _NON_FINITE_LOSS: Final = NonFiniteDetected(
     source="recovery.agreement", role=TensorRole.LOSS, names=("loss",)
 )
 """What a strategy would be asked about a non-finite loss (to know whether one answers)."""
+_retired: list[RankAgreement] = []
+"""The agreements closed by their sessions (:meth:`RankAgreement.close`), whose groups are
+destroyed when the next agreement creates its own: every rank is past its own close by then (the
+new group connects them all), so none is still reducing on a group destroyed under it."""
 
 
 class DecisionSource(Protocol):
@@ -216,11 +221,16 @@ class RankAgreement(Joinable):
         self.overlap = overlap
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        self._owns_group = group is None
+        """Whether the agreement created its group (then :meth:`close` retires it)."""
+        self._closed = False
         self.group = (
             group
             if group is not None
             else dist.new_group(backend="gloo", timeout=self._wait_timeout)
         )
+        if self._owns_group:
+            _destroy_retired()
         self.agreements = 0
         """Agreements run (one per safe point)."""
         self.disagreements = 0
@@ -319,6 +329,34 @@ class RankAgreement(Joinable):
         self._launcher = None
         self._engine = None
 
+    def close(self) -> None:
+        """End the agreement with its session: no collective, idempotent.
+
+        The backward hook is removed (:meth:`detach`) and a group the agreement created is
+        retired: destroyed when the next :class:`RankAgreement` creates its own, once every
+        rank is past this close. A session calls it at its exit for the agreement it built, so
+        a job that enters one session per epoch holds one agreement group, not one per epoch
+        (each held sockets and threads until the process group was destroyed). An agreement
+        passed as ``distributed=`` is only detached: pass the same one to every session.
+        """
+        self.detach()
+        if self._owns_group and not self._closed:
+            _retired.append(self)
+        self._closed = True
+
+    def _check_open(self) -> None:
+        """Refuse to agree once closed (its group may be destroyed: ``None`` would mean WORLD).
+
+        Raises:
+            RuntimeError: if :meth:`close` was called.
+        """
+        if self._closed:
+            msg = (
+                "this RankAgreement was closed when its session ended; a new session builds its "
+                "own (or pass one RankAgreement as distributed= to every session)"
+            )
+            raise RuntimeError(msg)
+
     def agree_call(self, *, failed: bool, fatal: bool, batch_size: int | None) -> CallAgreed:
         """Agree on the outcome of one attempt of a retried call (one small collective).
 
@@ -328,7 +366,9 @@ class RankAgreement(Joinable):
 
         Raises:
             TrainingStopped: if the other ranks do not answer within :attr:`timeout`.
+            RuntimeError: if the agreement was closed (its session ended).
         """
+        self._check_open()
         v = torch.tensor(
             [float(failed), float(fatal), -float(batch_size) if batch_size else -math.inf],
             dtype=torch.float64,
@@ -355,7 +395,10 @@ class RankAgreement(Joinable):
         Raises:
             TrainingStopped: if the other ranks do not answer within :attr:`timeout` (this
                 rank's own pending decisions are named).
+            RuntimeError: if the agreement was closed (its session ended), or the join
+                context does not shadow it.
         """
+        self._check_open()
         self._check_join()
         self._step = step
         self.agreements += 1
@@ -601,6 +644,16 @@ def _diverged(step: int, mismatch: str, world: int) -> DecidedAction:
         trigger_seq=-1,
         step=step,
     )
+
+
+def _destroy_retired() -> None:
+    """Destroy the groups of the agreements closed so far (not a collective)."""
+    while _retired:
+        agreement = _retired.pop()
+        group, agreement.group = agreement.group, None  # its sockets close once unreferenced
+        # Gone already when the default group was destroyed since (a ValueError then).
+        with contextlib.suppress(ValueError, RuntimeError):
+            dist.destroy_process_group(group)
 
 
 def agreement_for(distributed: bool | Agreement | None, timeout: float) -> Agreement | None:

@@ -24,7 +24,7 @@ class CallStateLike(Protocol):
     def settings(self) -> CallSettings: ...
 
 
-__all__ = ("ErrorContext", "error_context", "report_error", "report_error_sync")
+__all__ = ("CallStateLike", "ErrorContext", "error_context", "report_error", "report_error_sync")
 
 
 ErrorContext = str | Mapping[str, object] | None

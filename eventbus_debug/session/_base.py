@@ -28,7 +28,7 @@ from ..probes import (
 )
 from ..probes.finite import non_finite_counts
 from ..recovery import RecoveryEngine, SafePoint, ScalerMonitor
-from ..recovery.agreement import AGREE_TIMEOUT, Agreement, agreement_for
+from ..recovery.agreement import AGREE_TIMEOUT, Agreement, RankAgreement, agreement_for
 from ..typing import Publisher
 from ._wiring import (
     AlertsSink,
@@ -183,6 +183,21 @@ class SessionBase(Generic[BusT]):
         self.report = sinks.report
         self.alerts = sinks.alerts
         return [bus.subscribe(sink, name=f"{self.name}.{name}") for sink, name in sinks.subscribers]
+
+    def _end_agreement(self) -> None:
+        """At the session's end (or a failed entry): no collective, idempotent.
+
+        The agreement the session built is closed (its hook removed, its gloo group retired, see
+        :meth:`RankAgreement.close`); one given as ``distributed=`` is only detached, so it can
+        serve the next session.
+        """
+        agreement = self.agreement
+        if not isinstance(agreement, RankAgreement):
+            return
+        if isinstance(self.options.distributed, Agreement):
+            agreement.detach()
+        else:
+            agreement.close()
 
     def _wire(self, bus: BusT) -> StepProbe:
         """The training side's parts on *bus*: agreement, probe, leak detector, recovery."""

@@ -107,6 +107,7 @@ class Session(SessionBase[EventBus]):
                     await self._release(drain=False)
                 await stack.aclose()
             finally:
+                self._end_agreement()
                 self._bus = None
                 self._entered = False
             raise
@@ -196,6 +197,7 @@ class Session(SessionBase[EventBus]):
                     await self._release(drain=True)
                 await stack.aclose()
             finally:
+                self._end_agreement()
                 self._bus = None
                 self._entered = False
             _log.info("session_ended", session=self.name, steps=self.steps_completed)

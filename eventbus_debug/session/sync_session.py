@@ -102,6 +102,7 @@ class SyncSession(SessionBase[SyncEventBus]):
             self._start(bus)
         except BaseException:
             try:
+                self._end_agreement()
                 self._stop_tasks(bus)
                 self._close_extras()
                 bus.close()
@@ -156,6 +157,7 @@ class SyncSession(SessionBase[SyncEventBus]):
             bus.publish(self._ended_event(exc))
         finally:
             try:
+                self._end_agreement()
                 self._stop_tasks(bus)
                 self._subscriptions = []
                 bus.close()  # closing the alert sink delivers its pending summaries
