@@ -674,6 +674,13 @@ def agreement_for(distributed: bool | Agreement | None, timeout: float) -> Agree
     if distributed is False:
         return None
     if distributed is True:
+        if not (dist.is_available() and dist.is_initialized()):
+            msg = (
+                "distributed=True needs an initialized torch.distributed process group: call "
+                "dist.init_process_group(...) (torchrun sets its environment) before the "
+                "session starts, or leave distributed=None to agree only when one is"
+            )
+            raise RuntimeError(msg)
         return RankAgreement(timeout=timeout)
     if isinstance(distributed, Agreement):
         return distributed

@@ -151,3 +151,16 @@ def test_parameters_stay_identical(ranks: list[dict[str, Any]]) -> None:
 
 if __name__ == "__main__":
     _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))
+
+
+def test_distributed_true_outside_a_group_says_what_to_do() -> None:
+    """``distributed=True`` without a process group: the error names the option and the call
+    that makes the group."""
+    if dist.is_available() and dist.is_initialized():  # pragma: no cover - a group left behind
+        pytest.skip("a process group is initialized in this worker")
+    model = torch.nn.Linear(2, 2)
+    session = SyncSession(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), log_dir=None, distributed=True
+    )
+    with pytest.raises(RuntimeError, match=r"distributed=True needs .* dist\.init_process_group"):
+        session.__enter__()
