@@ -216,20 +216,30 @@ class Pending:
                 values.append(_item(p))
         return values
 
-    def count_non_finite(self, positions: Sequence[int]) -> list[tuple[int | None, int | None]]:
-        """NaN and Inf counts of the gradients at *positions* (second transfer, only on a fire)."""
+    def _gradients_at(self, positions: Sequence[int]) -> list[torch.Tensor] | None:
+        """The values of the gradients at *positions* (a sparse one's stored values); ``None``
+        in deferred mode, where that step's gradients are gone."""
         grads = self.grads
+        if not grads:
+            return None
         slots = self.layout.grad_slots
-        if not grads:  # deferred: the gradients of that step are gone
-            return [(None, None)] * len(positions)
-        device = self.device
-        pairs = []
+        out = []
         for j in positions:
             g = grads[slots[j]]
             assert g is not None
-            t = g.coalesce().values() if g.is_sparse else g
-            stats = global_norms(torch.stack([t.isnan().sum(), t.isinf().sum()]))
-            pairs.append(stats.to(device))
+            out.append(g.coalesce().values() if g.is_sparse else g)
+        return out
+
+    def count_non_finite(self, positions: Sequence[int]) -> list[tuple[int | None, int | None]]:
+        """NaN and Inf counts of the gradients at *positions* (second transfer, only on a fire)."""
+        tensors = self._gradients_at(positions)
+        if tensors is None:
+            return [(None, None)] * len(positions)
+        device = self.device
+        pairs = [
+            global_norms(torch.stack([t.isnan().sum(), t.isinf().sum()])).to(device)
+            for t in tensors
+        ]
         counts = torch.stack(pairs).tolist()
         return [(int(n), int(i)) for n, i in counts]
 
@@ -239,16 +249,12 @@ class Pending:
 
         ``inf`` where the gradients are gone (deferred mode).
         """
-        grads = self.grads
-        slots = self.layout.grad_slots
-        if not grads:
+        tensors = self._gradients_at(positions)
+        if tensors is None:
             return [math.inf] * len(positions)
         device = self.device
         norms = []
-        for j in positions:
-            g = grads[slots[j]]
-            assert g is not None
-            t = g.coalesce().values() if g.is_sparse else g
+        for t in tensors:
             norm = global_norms(torch.linalg.vector_norm(t, dtype=torch.float64).reshape(1))
             if self.inverse_scale is not None:
                 norm = norm * self.inverse_scale.to(device=norm.device, dtype=torch.float64)
