@@ -344,6 +344,19 @@ class RankAgreement(Joinable):
             _retired.append(self)
         self._closed = True
 
+    def abort(self) -> None:
+        """End the agreement because this rank's session ended with an error: its group, if
+        the agreement created it, is destroyed at once (no collective), so the peers waiting
+        in their next agreement fail now (the connection closes) instead of after
+        :attr:`timeout`, and stop together. Idempotent; a closed agreement refuses to agree.
+        """
+        self.detach()
+        if self._owns_group and self.group is not None:
+            group, self.group = self.group, None
+            with contextlib.suppress(ValueError, RuntimeError):  # gone with the default group
+                dist.destroy_process_group(group)
+        self._closed = True
+
     def _check_open(self) -> None:
         """Refuse to agree once closed (its group may be destroyed: ``None`` would mean WORLD).
 

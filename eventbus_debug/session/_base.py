@@ -184,18 +184,23 @@ class SessionBase(Generic[BusT]):
         self.alerts = sinks.alerts
         return [bus.subscribe(sink, name=f"{self.name}.{name}") for sink, name in sinks.subscribers]
 
-    def _end_agreement(self) -> None:
+    def _end_agreement(self, exc: BaseException | None = None) -> None:
         """At the session's end (or a failed entry): no collective, idempotent.
 
         The agreement the session built is closed (its hook removed, its gloo group retired, see
         :meth:`RankAgreement.close`); one given as ``distributed=`` is only detached, so it can
-        serve the next session.
+        serve the next session. When the session ends with an error of this rank's own (*exc*;
+        not the agreed ``TrainingStopped``), the group it built is destroyed at once
+        (:meth:`RankAgreement.abort`): the other ranks, waiting in their next agreement, stop
+        now instead of after the agreement timeout.
         """
         agreement = self.agreement
         if not isinstance(agreement, RankAgreement):
             return
         if isinstance(self.options.distributed, Agreement):
             agreement.detach()
+        elif exc is not None and not isinstance(exc, TrainingStopped):
+            agreement.abort()
         else:
             agreement.close()
 

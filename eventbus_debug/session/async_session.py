@@ -101,13 +101,13 @@ class Session(SessionBase[EventBus]):
         stack = contextlib.AsyncExitStack()
         try:
             await self._start(stack)
-        except BaseException:
+        except BaseException as error:
             try:
                 with anyio.CancelScope(shield=True):
                     await self._release(drain=False)
                 await stack.aclose()
             finally:
-                self._end_agreement()
+                self._end_agreement(error)
                 self._bus = None
                 self._entered = False
             raise
@@ -197,7 +197,7 @@ class Session(SessionBase[EventBus]):
                     await self._release(drain=True)
                 await stack.aclose()
             finally:
-                self._end_agreement()
+                self._end_agreement(exc)
                 self._bus = None
                 self._entered = False
             _log.info("session_ended", session=self.name, steps=self.steps_completed)

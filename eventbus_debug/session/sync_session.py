@@ -100,9 +100,9 @@ class SyncSession(SessionBase[SyncEventBus]):
         try:
             self._bus = bus
             self._start(bus)
-        except BaseException:
+        except BaseException as error:
             try:
-                self._end_agreement()
+                self._end_agreement(error)
                 self._stop_tasks(bus)
                 self._close_extras()
                 bus.close()
@@ -157,7 +157,7 @@ class SyncSession(SessionBase[SyncEventBus]):
             bus.publish(self._ended_event(exc))
         finally:
             try:
-                self._end_agreement()
+                self._end_agreement(exc)
                 self._stop_tasks(bus)
                 self._subscriptions = []
                 bus.close()  # closing the alert sink delivers its pending summaries

@@ -149,10 +149,6 @@ def test_parameters_stay_identical(ranks: list[dict[str, Any]]) -> None:
     assert ranks[0]["params"] == ranks[1]["params"]
 
 
-if __name__ == "__main__":
-    _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))
-
-
 def test_distributed_true_outside_a_group_says_what_to_do() -> None:
     """``distributed=True`` without a process group: the error names the option and the call
     that makes the group."""
@@ -164,3 +160,95 @@ def test_distributed_true_outside_a_group_says_what_to_do() -> None:
     )
     with pytest.raises(RuntimeError, match=r"distributed=True needs .* dist\.init_process_group"):
         session.__enter__()
+
+
+HOLD = 12.0
+"""Seconds the failed rank stays alive after its error (its process keeps the group open)."""
+
+
+def _failing_rank(rank: int, world: int, init: str, out: Path) -> None:
+    """Rank 1 raises inside its session at step 5 and stays alive; rank 0 trains on."""
+    import time
+
+    from eventbus_debug.exceptions import TrainingStopped
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=30),
+    )
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    result: dict[str, Any] = {}
+    last = time.monotonic()
+    try:
+        with SyncSession(model, opt, log_dir=None, alerts=False, system_interval=None) as session:
+            for step in range(40):
+                opt.zero_grad(set_to_none=True)
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                loss.backward()
+                if rank == 1 and step == 5:
+                    raise ValueError("this rank's own bug")
+                last = time.monotonic()
+                if session.check_step(step, loss=loss).should_step:
+                    opt.step()
+                session.step_completed(step)
+    except (ValueError, TrainingStopped) as exc:
+        result["error"] = type(exc).__name__
+        result["waited_s"] = time.monotonic() - last
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    if rank == 1:
+        time.sleep(HOLD)  # alive: without the abort, rank 0 waits for this process to end
+
+
+def test_a_rank_failing_in_its_session_stops_the_others_at_once(tmp_path: Path) -> None:
+    """A rank whose session ends with its own error destroys the agreement group it built:
+    the other rank, waiting in its next agreement, stops with TrainingStopped within seconds,
+    not after the failed process ends (nor the 300 s agreement timeout)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    module = "tests.distributed.test_audit_s10_distributed"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                module,
+                "fail",
+                str(r),
+                "2",
+                str(tmp_path / "init"),
+                str(tmp_path),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=LIMIT)
+            outputs.append(out.decode(errors="replace"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    paths = [tmp_path / f"rank{r}.json" for r in range(2)]
+    if not all(p.exists() for p in paths):
+        pytest.fail(f"a rank wrote no result:\n{outputs}")
+    first, failed = (json.loads(p.read_text()) for p in paths)
+    assert failed["error"] == "ValueError"
+    assert first["error"] == "TrainingStopped", outputs
+    assert first["waited_s"] < HOLD / 2, first
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "fail":
+        _failing_rank(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5]))
+    else:
+        _rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))
