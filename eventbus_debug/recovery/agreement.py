@@ -588,17 +588,23 @@ class RankAgreement(Joinable):
 
     def _reduce(self, tensor: torch.Tensor, what: Callable[[], str]) -> None:
         """All-reduce *tensor* with MAX; *what* names what was being agreed if that fails."""
+        started = time.monotonic()
         try:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         except RuntimeError as exc:  # gloo raises on a timeout or a peer that left
-            self._failed(what(), exc)
+            self._failed(what(), exc, waited=time.monotonic() - started)
 
-    def _failed(self, what: str, exc: RuntimeError) -> NoReturn:
+    def _failed(self, what: str, exc: RuntimeError, *, waited: float | None = None) -> NoReturn:
+        if waited is not None and waited < 0.9 * self.timeout:
+            # a peer's connection closed (it crashed, or its session ended with an error)
+            when = f"after {waited:.1f} s (the timeout is {self.timeout:g} s)"
+        else:
+            when = f"within {self.timeout:g} s"
         msg = (
-            f"rank {self.rank} of {self.world} could not agree on {what} within "
-            f"{self.timeout:g} s: another rank stopped, crashed or hangs ({exc}). If a rank "
-            "may pause longer between two steps (a checkpoint, an evaluation), raise the "
-            "timeout: Session(..., distributed=RankAgreement(timeout=SECONDS))"
+            f"rank {self.rank} of {self.world} could not agree on {what} {when}: another rank "
+            f"stopped, crashed or hangs ({exc}). If a rank may pause longer between two steps "
+            "(a checkpoint, an evaluation), raise the timeout: "
+            "Session(..., distributed=RankAgreement(timeout=SECONDS))"
         )
         _log.error("agreement_failed", rank=self.rank, what=what)
         self.detach()

@@ -155,6 +155,20 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _release(server: uvicorn.Server) -> None:
+    """Stop listening and close the connections of *server*, even if its shutdown never ran.
+
+    uvicorn closes them itself when it stops gracefully; when its task is cancelled instead (the
+    ``async with`` body raised or was cancelled), its listening socket would stay registered with
+    the event loop. Closing that socket behind the loop's back leaves a stale registration that
+    breaks the next server to get the same file descriptor (its requests hang). Idempotent.
+    """
+    for listener in getattr(server, "servers", ()):
+        listener.close()
+    for connection in list(server.server_state.connections):
+        connection.shutdown()
+
+
 class DebugServer:
     """An HTTP server for the live report, metrics and debug endpoints, and a sink that feeds
     ``/debug/events``.
@@ -246,6 +260,7 @@ class DebugServer:
         self._own = RunAggregator() if report is None else None
         self._report = report
         self._level_target = level
+        self._level_set: DebugLevel | None = None  # the last level set here (a callable target)
         self._ring: deque[Event] = deque(maxlen=ring_size)
         self._refused: dict[str, int] = {}
         self._server: _Server | None = None
@@ -381,6 +396,7 @@ class DebugServer:
             try:
                 await tg.__aexit__(None, None, None)
             finally:
+                _release(self._server)
                 sock.close()
                 self._server = self._tg = self._socket = None
             raise
@@ -401,6 +417,8 @@ class DebugServer:
                 return await tg.__aexit__(exc_type, exc, tb)
             return None
         finally:
+            if server is not None:
+                _release(server)
             if sock is not None:
                 sock.close()
             self._tg = self._socket = None
@@ -417,8 +435,11 @@ class DebugServer:
         return self._own.summary()
 
     def _current_level(self) -> str | None:
+        """The target's ``level`` if it has one, else the last level set through the server."""
         target = self._level_target
         value = getattr(target, "level", None) if target is not None else None
+        if value is None:
+            value = self._level_set
         if isinstance(value, DebugLevel):
             return value.value
         return None if value is None else str(value)
@@ -465,17 +486,19 @@ class DebugServer:
         limit = max(1, min(limit, MAX_EVENTS_PER_PAGE))
         kinds = set(params.getlist("kind"))
         picked: list[Event] = []
+        more = False
         for event in self._ring:
             if event.seq > since and (not kinds or event.kind in kinds):
-                picked.append(event)
-                if len(picked) >= limit:
+                if len(picked) >= limit:  # one more match than the page holds
+                    more = True
                     break
+                picked.append(event)
         last = picked[-1].seq if picked else since
         return _JSON(
             {
                 "events": [orjson.loads(encode_event(e)) for e in picked],
                 "last_seq": last,
-                "more": bool(picked) and len(picked) >= limit,
+                "more": more,
             }
         )
 
@@ -519,6 +542,7 @@ class DebugServer:
             target.level = level
         else:
             target(level)
+        self._level_set = level
         _log.info("debug_level_changed", new_level=level.value, previous=previous, via="http")
         return _JSON({"level": level.value, "previous": previous})
 

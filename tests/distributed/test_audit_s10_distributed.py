@@ -198,6 +198,7 @@ def _failing_rank(rank: int, world: int, init: str, out: Path) -> None:
                 session.step_completed(step)
     except (ValueError, TrainingStopped) as exc:
         result["error"] = type(exc).__name__
+        result["message"] = str(exc)
         result["waited_s"] = time.monotonic() - last
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if rank == 1:
@@ -245,6 +246,8 @@ def test_a_rank_failing_in_its_session_stops_the_others_at_once(tmp_path: Path) 
     assert failed["error"] == "ValueError"
     assert first["error"] == "TrainingStopped", outputs
     assert first["waited_s"] < HOLD / 2, first
+    assert "could not agree on step" in first["message"]
+    assert "(the timeout is 300 s)" in first["message"]  # says it did not wait that long
 
 
 if __name__ == "__main__":
