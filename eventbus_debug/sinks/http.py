@@ -414,7 +414,13 @@ class DebugServer:
             server.should_exit = True
         try:
             if tg is not None:
-                return await tg.__aexit__(exc_type, exc, tb)
+                if exc is not None:
+                    # The body failed or was cancelled: stop serving, and let its exception
+                    # propagate as it is (a task group would wrap it in an ExceptionGroup).
+                    tg.cancel_scope.cancel()
+                    await tg.__aexit__(None, None, None)
+                    return None
+                return await tg.__aexit__(None, None, None)
             return None
         finally:
             if server is not None:

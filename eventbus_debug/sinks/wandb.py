@@ -184,8 +184,10 @@ class WandbSink:
 
     def _alert_held(self, held: list[tuple[tuple[str, int], int]]) -> None:
         for (kind, rank), n in held:
+            # A title of its own: W&B suppresses an alert whose title was alerted within
+            # wait_duration, and the kind's own alert is usually that recent at close.
             self.run.alert(
-                title=f"{kind}{f' rank {rank}' if rank else ''}",
+                title=f"{kind}{f' rank {rank}' if rank else ''} (held back)",
                 text=f"{n} more {kind} incident(s) held back by the cooldown",
                 level=self._wandb.AlertLevel.WARN,
                 wait_duration=self._cooldown,

@@ -208,7 +208,12 @@ class TestWandb:
         assert any(k.startswith("layers/grad_norm/") for h in history for k in h)
         alerts = [r.alert for r in records if r.WhichOneof("record_type") == "alert"]
         # The loss and the gradients of step 6: one alert, the repeat reported at close.
-        assert [a.title for a in alerts] == ["non_finite_detected", "non_finite_detected"]
+        # The close-time count has a title of its own (W&B suppresses a title repeated
+        # within wait_duration).
+        assert [a.title for a in alerts] == [
+            "non_finite_detected",
+            "non_finite_detected (held back)",
+        ]
         assert "step 6" in alerts[0].text and "non-finite" in alerts[0].text
         assert "1 more non_finite_detected incident(s) held back" in alerts[1].text
 
