@@ -93,14 +93,14 @@ def _rank(rank: int, world: int, init: str, out: Path) -> None:
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("audit_s10")
+def _run_ranks(tmp: Path, *mode: str) -> list[dict[str, Any]]:
+    """Run this module as two gloo ranks (``python -m ... [mode] RANK 2 INIT OUT``) within
+    LIMIT seconds; each rank's result, read from ``rank{N}.json``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     module = "tests.distributed.test_audit_s10_distributed"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", module, str(r), "2", str(tmp / "init"), str(tmp)],
+            [sys.executable, "-m", module, *mode, str(r), "2", str(tmp / "init"), str(tmp)],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -121,6 +121,11 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     if not all(p.exists() for p in paths):
         pytest.fail(f"a rank wrote no result:\n{outputs}")
     return [json.loads(p.read_text()) for p in paths]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run_ranks(tmp_path_factory.mktemp("audit_s10"))
 
 
 def test_one_session_per_epoch_holds_one_agreement_group(ranks: list[dict[str, Any]]) -> None:
@@ -209,42 +214,9 @@ def test_a_rank_failing_in_its_session_stops_the_others_at_once(tmp_path: Path) 
     """A rank whose session ends with its own error destroys the agreement group it built:
     the other rank, waiting in its next agreement, stops with TrainingStopped within seconds,
     not after the failed process ends (nor the 300 s agreement timeout)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    module = "tests.distributed.test_audit_s10_distributed"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                module,
-                "fail",
-                str(r),
-                "2",
-                str(tmp_path / "init"),
-                str(tmp_path),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(2)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=LIMIT)
-            outputs.append(out.decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    paths = [tmp_path / f"rank{r}.json" for r in range(2)]
-    if not all(p.exists() for p in paths):
-        pytest.fail(f"a rank wrote no result:\n{outputs}")
-    first, failed = (json.loads(p.read_text()) for p in paths)
+    first, failed = _run_ranks(tmp_path, "fail")
     assert failed["error"] == "ValueError"
-    assert first["error"] == "TrainingStopped", outputs
+    assert first["error"] == "TrainingStopped", first
     assert first["waited_s"] < HOLD / 2, first
     assert "could not agree on step" in first["message"]
     assert "(the timeout is 300 s)" in first["message"]  # says it did not wait that long
