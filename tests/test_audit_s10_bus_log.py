@@ -143,3 +143,31 @@ def test_a_sync_bus_whose_close_gave_up_refuses_later_publishes() -> None:
             publish(StepCompleted(step=1, loss=1.0))
     with pytest.raises(BusClosedError, match="closed"):
         bus.publish_many([StepCompleted(step=2, loss=1.0)])
+
+
+def _refused_rename(source: str, dest: str) -> None:
+    raise PermissionError(errno.EACCES, "Permission denied")
+
+
+async def test_a_rotation_that_keeps_failing_never_gets_the_log_disabled(tmp_path: Path) -> None:
+    """A rename refused for good (the directory's permissions changed under a long run): the
+    lines go on into the live file past max_bytes, the rotation is retried with a backoff,
+    and only the first failure of the streak is a SinkFailed. Before, every batch raised and the
+    bus disabled the log after five: 31 of 400 events reached it."""
+    from eventbus_debug.events import SinkDisabled
+
+    recorder = RecordingSink()
+    sink = RotatingFileSink(tmp_path, max_bytes=2000, rotator=_refused_rename, wake_interval=0)
+    async with EventBus() as bus:
+        bus.subscribe(recorder)
+        bus.subscribe(sink)
+        for step in range(400):
+            await bus.publish(StepCompleted(step=step))
+            if step % 10 == 9:
+                await bus.drain()
+    assert len(recorder.of_type(SinkFailed)) == 1
+    assert recorder.of_type(SinkDisabled) == []
+    steps = [e.step for e in read_events(tmp_path) if isinstance(e, StepCompleted)]
+    assert steps == list(range(400))
+    stats = sink.statistics()
+    assert (stats.lines_pending, stats.lines_lost, stats.rotations) == (0, 0, 0)

@@ -36,6 +36,9 @@ _log = get_logger(__name__)
 
 RETRY_INITIAL: Final = 0.05
 RETRY_MAX: Final = 5.0
+ROTATE_RETRY_MAX: Final = 60.0
+"""A rotation that keeps failing is retried after 50 ms, doubling, at most every 60 s; meanwhile
+the live file grows past ``max_bytes`` (the lines are safe; only the rotation waits)."""
 """Backoff between write attempts during an outage: 50 ms, doubling, at most 5 s."""
 FILE_MODE: Final = 0o644
 _TAIL_SCAN: Final = 1024 * 1024
@@ -165,6 +168,13 @@ class JsonlWriter:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last_flush = _clock()
+
+        # A rotation failing (a rename refused, a user's rotator raising): the lines go on into
+        # the live file, the rotation is retried from _rotate_retry_at; only the first failure
+        # of a streak is raised (one SinkFailed), so a rename that keeps failing never gets the
+        # log disabled by the bus (five failures in a row) while every write succeeds.
+        self._rotate_retry_at: float | None = None
+        self._rotate_backoff = RETRY_INITIAL
 
         self._lines_written = 0
         self._bytes_written = 0
@@ -432,7 +442,12 @@ class JsonlWriter:
         if not data:
             return
         base = self._size + len(self._buffer)
-        if self._max_bytes <= 0 or base + len(data) <= self._max_bytes:
+        retry_at = self._rotate_retry_at
+        if (
+            self._max_bytes <= 0
+            or base + len(data) <= self._max_bytes
+            or (retry_at is not None and _clock() < retry_at)  # a failed rotation waits
+        ):
             self._buffer_append(data)
             self._buffer_lines += lines
             return
@@ -462,13 +477,19 @@ class JsonlWriter:
             self._buffer_lines += count
             left -= count
             try:
-                self._rotate_locked()
+                rotated = self._rotate_locked(streak=True)
             except BaseException:
-                # Keep the rest for the next attempt (the live file may then exceed max_bytes).
-                for rest in chunks[k + 1 :]:
-                    self._buffer_append(rest)
-                self._buffer_lines += left
+                rotated = None
                 raise
+            finally:
+                if not rotated:
+                    # Keep the rest for the live file (it then exceeds max_bytes until the
+                    # rotation succeeds).
+                    for rest in chunks[k + 1 :]:
+                        self._buffer_append(rest)
+                    self._buffer_lines += left
+            if not rotated:
+                break
 
     def _buffer_append(self, data: bytes) -> None:
         """Append *data* to the pending lines; an empty buffer takes the bytes as they are.
@@ -606,7 +627,15 @@ class JsonlWriter:
             self._write_errors += 1
             raise self._write_error(exc, "cannot fsync the log file") from None
 
-    def _rotate_locked(self) -> None:
+    def _rotate_locked(self, *, streak: bool = False) -> bool:
+        """Rotate now: True when done.
+
+        Raises:
+            LogWriteError: if the flush before it or the rotation fails; with *streak* (the
+                rotations at ``max_bytes``), only the first failure of a streak raises: later
+                ones return False, the lines going on into the live file, and the rotation is
+                retried after a backoff (:data:`ROTATE_RETRY_MAX`).
+        """
         self._flush_locked()
         if self._fsync and self._fd is not None:
             self._fsync_locked()
@@ -623,13 +652,23 @@ class JsonlWriter:
                 os.remove(first)
             self._rotator(base, first)
         except Exception as exc:
-            # Also a namer or rotator of the user's raising something else (a ValueError):
-            # an outage like a failed write, so the lines kept are retried or counted as lost.
+            # Also a namer or rotator of the user's raising something else (a ValueError).
             self._write_errors += 1
-            raise self._write_error(exc, "cannot rotate the log file") from None
+            error = self._write_error(exc, "cannot rotate the log file")
+            new_streak = self._rotate_retry_at is None
+            self._rotate_retry_at = _clock() + self._rotate_backoff
+            self._rotate_backoff = min(self._rotate_backoff * 2, ROTATE_RETRY_MAX)
+            self._ensure_open_or_raise()  # the live file goes on taking the lines
+            if new_streak or not streak:
+                raise error from None
+            _log.warning("log_rotation_failed_again", path=str(self._path), error=str(exc))
+            return False
+        self._rotate_retry_at = None
+        self._rotate_backoff = RETRY_INITIAL
         self._size = 0
         self._rotations += 1
         self._ensure_open_or_raise()
+        return True
 
     def _ensure_open_or_raise(self) -> None:
         try:
