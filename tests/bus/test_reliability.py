@@ -405,7 +405,8 @@ class TestSinkHealth:
 
 _KILLED_WRITER = """
 import sys, anyio
-from eventbus_debug import EventBus, StepCompleted
+from eventbus_debug import EventBus
+from eventbus_debug.events import StepCompleted
 from eventbus_debug.sinks import RotatingFileSink
 
 async def main():
