@@ -161,6 +161,6 @@ def test_follower_skips_a_torn_line_in_both_modes_and_names_bad_lines(tmp_path: 
         fh.write(b'{"kind": "no_such_kind_s10"}\n')
     follower = LogFollower(d, from_end=False, strict=False)
     assert [e.step for e in follower.poll()] == [1, 2]
-    assert follower.skipped == 1
+    assert follower.stats.invalid_lines == 1
     with pytest.raises(EventDecodeError, match=r"events\.jsonl:3: unknown event kind"):
         LogFollower(d, from_end=False, strict=True).poll()

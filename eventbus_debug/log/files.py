@@ -199,13 +199,56 @@ def _torn(line: bytes) -> tuple[bool, Event | None]:
     return body.startswith(b"{"), None
 
 
+def _decode_line(
+    line: bytes, path: Path, lineno: int | None, *, strict: bool, stats: ReadStatistics
+) -> Event | None:
+    """One complete, non-blank line of *path* as its event, counted in *stats*; ``None`` when
+    it is skipped.
+
+    A torn line (cut by a crash) is skipped in both modes, counted and logged; a whole event
+    glued after it is returned instead. An undecodable line is skipped, counted and logged
+    unless *strict*. What :func:`read_events` and :class:`~.follow.LogFollower` read with
+    (*lineno* is ``None`` where it is not known: a follower started at a file's end).
+
+    Raises:
+        EventDecodeError: with *strict*, for an undecodable line, naming the file and the
+            line (an :class:`UnknownEventKindError` stays one).
+    """
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        is_torn, found = _torn(line)
+        if is_torn:
+            stats.torn_lines += 1
+            _log.warning("torn_log_line_skipped", file=str(path), line=lineno)
+            if found is not None:
+                stats.recovered += 1
+                stats.events += 1
+            return found
+        obj = None
+    try:
+        if obj is None:
+            msg = "not a JSON event line"
+            raise EventDecodeError(msg)
+        event = decode_event(obj)
+    except EventDecodeError as exc:
+        if strict:
+            where = f"{path}:{lineno}" if lineno is not None else str(path)
+            raise type(exc)(f"{where}: {exc}") from None
+        stats.invalid_lines += 1
+        _log.warning("undecodable_log_line", file=str(path), line=lineno, error=str(exc))
+        return None
+    stats.events += 1
+    return event
+
+
 def _read_file(path: Path, strict: bool, stats: ReadStatistics) -> Iterator[Event]:
     try:
         fh = _open(path)
     except OSError as exc:
         msg = f"cannot read log file {str(path)!r}: {exc.strerror or exc}"
         raise LogReadError(msg) from None
-    torn = invalid = 0
+    torn, invalid = stats.torn_lines, stats.invalid_lines
     with fh:
         lineno = 0
         try:
@@ -213,42 +256,15 @@ def _read_file(path: Path, strict: bool, stats: ReadStatistics) -> Iterator[Even
                 lineno += 1
                 if not line.strip():
                     continue
-                try:
-                    obj = orjson.loads(line)
-                except orjson.JSONDecodeError:
-                    is_torn, found = _torn(line)
-                    if is_torn:
-                        torn += 1
-                        stats.torn_lines += 1
-                        _log.warning("torn_log_line_skipped", file=str(path), line=lineno)
-                        if found is not None:
-                            stats.recovered += 1
-                            stats.events += 1
-                            yield found
-                        continue
-                    obj = None
-                try:
-                    if obj is None:
-                        msg = "not a JSON event line"
-                        raise EventDecodeError(msg)
-                    event = decode_event(obj)
-                except EventDecodeError as exc:
-                    if strict:
-                        msg = f"{path}:{lineno}: {exc}"
-                        raise type(exc)(msg) from None  # an UnknownEventKindError stays one
-                    invalid += 1
-                    stats.invalid_lines += 1
-                    _log.warning(
-                        "undecodable_log_line", file=str(path), line=lineno, error=str(exc)
-                    )
-                    continue
-                stats.events += 1
-                yield event
+                event = _decode_line(line, path, lineno, strict=strict, stats=stats)
+                if event is not None:
+                    yield event
         except (OSError, EOFError) as exc:
             # e.g. a gzip backup cut short: keep what was read, say where it stopped.
             if strict:
                 msg = f"cannot read log file {str(path)!r} past line {lineno}: {exc}"
                 raise LogReadError(msg) from None
             _log.warning("log_read_stopped", file=str(path), line=lineno, error=str(exc))
+    torn, invalid = stats.torn_lines - torn, stats.invalid_lines - invalid
     if torn or invalid:
         _log.warning("log_lines_skipped", file=str(path), torn=torn, invalid=invalid)

@@ -10,15 +10,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
-
-from ..diagnostics import get_logger
 from ..events import Event
-from ..exceptions import EventDecodeError, LogReadError
-from .encoding import decode_event
-from .files import _open, _torn, log_files
-
-_log = get_logger("eventbus_debug.log.files")  # the records read_events writes, by the same name
+from ..exceptions import LogReadError
+from .files import ReadStatistics, _decode_line, _open, log_files
 
 __all__ = ("LogFollower",)
 
@@ -48,16 +42,16 @@ class LogFollower:
         strict: raise on an undecodable complete line (not JSON, an unknown kind, a field of
             the wrong type) instead of skipping it; skipped lines are logged
             (``undecodable_log_line``, as :func:`~eventbus_debug.log.read_events` does) and
-            counted in :attr:`skipped`. A torn line (cut by a crash) is skipped in both modes,
-            and an event glued after it recovered.
+            counted in :attr:`stats` (``invalid_lines``). A torn line (cut by a crash) is
+            skipped in both modes, and an event glued after it recovered.
     """
 
     def __init__(self, directory: Path, *, from_end: bool, strict: bool = False) -> None:
         self._dir = directory
         self._strict = strict
         self._cursors: dict[int, _Cursor] = {}
-        self.skipped = 0
-        """Complete lines that could not be decoded and were skipped (``strict=False``)."""
+        self.stats = ReadStatistics()
+        """What the follower met: events, torn lines, lines skipped (``strict=False``)."""
         if from_end:
             for rank, files in log_files(directory).items():
                 live = files[-1]
@@ -117,31 +111,6 @@ class LogFollower:
             if not line.strip():
                 continue
             lineno = None if before is None else before + i + 1
-            event = self._decode(path, lineno, line)
+            event = _decode_line(line, path, lineno, strict=self._strict, stats=self.stats)
             if event is not None:
                 yield event
-
-    def _decode(self, path: Path, lineno: int | None, line: bytes) -> Event | None:
-        """*line* as an event; ``None`` when it is skipped (torn, or undecodable and not
-        strict)."""
-        where = f"{path}:{lineno}" if lineno is not None else str(path)
-        try:
-            obj = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            torn, found = _torn(line)
-            if torn:
-                _log.warning("torn_log_line_skipped", file=str(path), line=lineno)
-                return found
-            obj = None
-        try:
-            if obj is None:
-                msg = "not a JSON event line"
-                raise EventDecodeError(msg)
-            return decode_event(obj)
-        except EventDecodeError as exc:
-            if self._strict:
-                msg = f"{where}: {exc}"
-                raise type(exc)(msg) from None  # an UnknownEventKindError stays one
-            self.skipped += 1
-            _log.warning("undecodable_log_line", file=str(path), line=lineno, error=str(exc))
-            return None
