@@ -338,10 +338,11 @@ class EventBus(BusDraining):
 
     def statistics(self) -> BusStatistics:
         """A snapshot of the bus's counters and of every subscription's."""
+        pending = self._undispatched()
         return BusStatistics(
-            published=self._seq + len(self._buffer) + len(self._thread_queue),
+            published=self._seq + pending,
             dispatched=self._seq,
-            pending=len(self._buffer) + len(self._thread_queue),
+            pending=pending,
             closed=self.closed,
             subscriptions=tuple(s.statistics() for s in self._subs),
         )

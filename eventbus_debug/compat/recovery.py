@@ -94,7 +94,7 @@ class ErrorHandler:
         if not isinstance(engine, RecoveryEngine):
             msg = f"engine must be a RecoveryEngine, got {engine!r}"
             raise TypeError(msg)
-        _check_retries(max_retries)
+        non_negative_int("max_retries", max_retries)
         self.engine = engine
         self.max_retries = max_retries
         self._policy = Retrying(engine, state=state)
@@ -174,7 +174,7 @@ class ErrorHandler:
         self, context: str | Mapping[str, str] | None, max_retries: int | None
     ) -> tuple[dict[str, str], int, int]:
         limit = self.max_retries if max_retries is None else max_retries
-        _check_retries(limit)
+        non_negative_int("max_retries", limit)
         key = _key(context)
         attempt = self._attempts.get(key, 0) + 1
         self._attempts[key] = attempt
@@ -213,12 +213,6 @@ def _key(context: str | Mapping[str, str] | None) -> str:
     return repr(sorted(_context(context).items()))
 
 
-def _check_retries(value: int) -> None:
-    """*value* as ``max_retries``: an ``ArgumentTypeError`` for a wrong type, a ``ValueError``
-    (which that also is) for a negative count."""
-    non_negative_int("max_retries", value)
-
-
 @final
 class DebugDecorator:
     """The seeds' ``@DebugDecorator(error_handler, max_retries=3)``: retry under recovery.
@@ -249,7 +243,7 @@ class DebugDecorator:
         if not isinstance(error_handler, ErrorHandler):
             msg = f"error_handler must be an ErrorHandler, got {error_handler!r}"
             raise TypeError(msg)
-        _check_retries(max_retries)
+        non_negative_int("max_retries", max_retries)
         self.error_handler = error_handler
         self.max_retries = max_retries
         self.pass_state = pass_state

@@ -476,11 +476,9 @@ class JsonlWriter:
             self._buffer_append(chunk)
             self._buffer_lines += count
             left -= count
+            rotated = False
             try:
                 rotated = self._rotate_locked(streak=True)
-            except BaseException:
-                rotated = None
-                raise
             finally:
                 if not rotated:
                     # Keep the rest for the live file (it then exceeds max_bytes until the
