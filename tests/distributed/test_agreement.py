@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +27,8 @@ from eventbus_debug.recovery.agreement import AgreedStep, RankAgreement
 from eventbus_debug.recovery.agreement_overlap import OutputGradLaunch, finite, split_late
 from tests._doubles import FSDP2_ON_CPU, needs_fsdp2_on_cpu
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._ranks import run_ranks
+
 LIMIT = 120.0  # seconds for a whole group; a regression fails instead of hanging
 
 
@@ -62,36 +60,7 @@ THREE_RANKS = ("sustained_one_rank", "sustained_one_rank:aggressive")
 
 def run_group(tmp: Path, scenarios: tuple[str, ...], world: int) -> dict[str, list[Any]]:
     """Start *world* ranks running *scenarios* in turn; wait (bounded); results by scenario."""
-    init = tmp / "init"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.distributed._worker",
-                ",".join(scenarios),
-                str(r),
-                str(world),
-                str(init),
-                str(tmp),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=LIMIT)
-            outputs.append(out.decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outputs = run_ranks("tests.distributed._worker", [",".join(scenarios)], world, tmp, LIMIT)
     results: dict[str, list[Any]] = {}
     for item in scenarios:
         name, _, policy = item.partition(":")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,9 +27,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from eventbus_debug import SyncSession
+from eventbus_debug.exceptions import TrainingStopped
 from eventbus_debug.recovery.agreement import RankAgreement
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._ranks import run_ranks
+
 LIMIT = 60.0  # seconds for the whole group; a regression fails instead of hanging
 EPOCHS = 40
 
@@ -53,7 +55,9 @@ def _epoch(model: nn.Module, opt: torch.optim.Optimizer, epoch: int, distributed
             session.step_completed(step)
 
 
-def _rank(rank: int, world: int, init: str, out: Path) -> None:
+def _join(rank: int, world: int, init: str) -> nn.Linear:
+    """Join the gloo group of *world* ranks through the file *init*; the same seeded model on
+    every rank."""
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init}",
@@ -62,7 +66,11 @@ def _rank(rank: int, world: int, init: str, out: Path) -> None:
         timeout=timedelta(seconds=30),
     )
     torch.manual_seed(0)
-    net = nn.Linear(4, 1)
+    return nn.Linear(4, 1)
+
+
+def _rank(rank: int, world: int, init: str, out: Path) -> None:
+    net = _join(rank, world, init)
     model = DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     result: dict[str, Any] = {}
@@ -96,27 +104,7 @@ def _rank(rank: int, world: int, init: str, out: Path) -> None:
 def _run_ranks(tmp: Path, *mode: str) -> list[dict[str, Any]]:
     """Run this module as two gloo ranks (``python -m ... [mode] RANK 2 INIT OUT``) within
     LIMIT seconds; each rank's result, read from ``rank{N}.json``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    module = "tests.distributed.test_audit_s10_distributed"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", module, *mode, str(r), "2", str(tmp / "init"), str(tmp)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(2)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=LIMIT)
-            outputs.append(out.decode(errors="replace"))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outputs = run_ranks("tests.distributed.test_audit_s10_distributed", mode, 2, tmp, LIMIT)
     paths = [tmp / f"rank{r}.json" for r in range(2)]
     if not all(p.exists() for p in paths):
         pytest.fail(f"a rank wrote no result:\n{outputs}")
@@ -173,19 +161,7 @@ HOLD = 12.0
 
 def _failing_rank(rank: int, world: int, init: str, out: Path) -> None:
     """Rank 1 raises inside its session at step 5 and stays alive; rank 0 trains on."""
-    import time
-
-    from eventbus_debug.exceptions import TrainingStopped
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=30),
-    )
-    torch.manual_seed(0)
-    model = DistributedDataParallel(nn.Linear(4, 1))
+    model = DistributedDataParallel(_join(rank, world, init))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     result: dict[str, Any] = {}
     last = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,17 +19,23 @@ from eventbus_debug.testing import RecordingSink
 from ..conftest import batch, make_mlp
 
 
-def _train(steps: int, *, leak: bool, detector: LeakDetector) -> list[MemoryLeakSuspected]:
+def _losses(steps: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Train the MLP for *steps* steps; yield each step with its loss (graph attached)."""
     model = make_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    kept: list[torch.Tensor] = []
-    fired: list[MemoryLeakSuspected] = []
     for step in range(steps):
         x, y = batch(step)
         loss = nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
         torch.autograd.backward(loss)
         optimizer.step()
+        yield step, loss
+
+
+def _train(steps: int, *, leak: bool, detector: LeakDetector) -> list[MemoryLeakSuspected]:
+    kept: list[torch.Tensor] = []
+    fired: list[MemoryLeakSuspected] = []
+    for step, loss in _losses(steps):
         if leak:
             kept.append(loss)  # the bug: the loss keeps its autograd graph alive
         fired.extend(detector.observe(step))
@@ -117,16 +124,9 @@ def test_sync_session_runs_the_leak_detector(tmp_path: Path) -> None:
 def _epochs(steps: int, epoch: int, detector: LeakDetector, *, clear: bool) -> list[str]:
     """A loop keeping each step's detached loss for its epoch's mean; the list is emptied at
     each epoch's end when *clear* (healthy), else kept (a slow leak of scalars)."""
-    model = make_mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     kept: list[torch.Tensor] = []
     fired: list[str] = []
-    for step in range(steps):
-        x, y = batch(step)
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        torch.autograd.backward(loss)
-        optimizer.step()
+    for step, loss in _losses(steps):
         kept.append(loss.detach())
         if clear and len(kept) == epoch:
             torch.stack(kept).mean().item()
