@@ -26,6 +26,8 @@ from eventbus_debug.events import (
 from eventbus_debug.integrations.lightning import EventBusDebugCallback
 from eventbus_debug.session import Verdict
 
+from ._lightning import quiet_trainer
+
 
 class Regression(pl.LightningModule):
     """A small regression model; the micro-batch losses are kept by global step."""
@@ -73,21 +75,6 @@ def _loader(
     return DataLoader(TensorDataset(x, y), batch_size=batch)
 
 
-def _trainer(callbacks: list[pl.Callback], **options: Any) -> pl.Trainer:
-    settings: dict[str, Any] = {
-        "max_epochs": 1,
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "callbacks": callbacks,
-    }
-    settings.update(options)
-    return pl.Trainer(**settings)
-
-
 def _samples(event: StepCompleted) -> int | None:
     if event.samples_per_s is None or event.duration_s is None:
         return None
@@ -98,7 +85,7 @@ def test_the_callback_listed_twice_is_a_clear_error(tmp_path: Path) -> None:
     """callbacks=[cb, cb] would check every step twice: a ValueError before training."""
     callback = EventBusDebugCallback(log_dir=tmp_path, alerts=False)
     with pytest.raises(ValueError, match="2 EventBusDebugCallback"):
-        _trainer([callback, callback]).fit(Regression(), _loader(64))
+        quiet_trainer([callback, callback]).fit(Regression(), _loader(64))
     assert callback.session is None and callback.steps_checked == 0
 
 
@@ -108,7 +95,7 @@ def test_a_short_accumulation_window_logs_its_own_mean_loss_and_samples(tmp_path
     those of all its micro-batches."""
     callback = EventBusDebugCallback(log_dir=tmp_path, alerts=False, system_interval=None)
     module = Regression()
-    _trainer([callback], accumulate_grad_batches=4).fit(module, _loader(100))
+    quiet_trainer([callback], accumulate_grad_batches=4).fit(module, _loader(100))
     events = list(read_events(tmp_path))
     checked = {e.step: e.loss for e in events if isinstance(e, StepChecked)}
     assert list(checked) == [0, 1, 2, 3] and [len(module.micro[s]) for s in range(4)] == [
@@ -127,7 +114,7 @@ def test_manual_optimization_is_checked_before_the_users_clip(tmp_path: Path) ->
     """self.clip_gradients(...) in training_step: the explosion is seen at its real norm, a NaN
     step is skipped, and the wrapper is gone after the fit."""
     callback = EventBusDebugCallback(log_dir=tmp_path, alerts=False, system_interval=None)
-    trainer = _trainer([callback])
+    trainer = quiet_trainer([callback])
     trainer.fit(Regression(manual=True), _loader(160, explode_at=12, nan_at=5))
     events = list(read_events(tmp_path))
     exploded = [e for e in events if isinstance(e, GradientExploded)]
@@ -152,7 +139,7 @@ def test_clipping_with_the_callback_is_bit_for_bit_lightnings(tmp_path: Path, ma
             [EventBusDebugCallback(log_dir=tmp_path / "logs", alerts=False)] if debug else []
         )
         options = {} if manual else {"gradient_clip_val": tiny}
-        _trainer(callbacks, **options).fit(module, _loader(800))
+        quiet_trainer(callbacks, **options).fit(module, _loader(800))
         runs.append(module)
     plain, debugged = runs
     for a, b in zip(plain.parameters(), debugged.parameters(), strict=True):
@@ -179,7 +166,7 @@ def test_manual_optimization_under_16_mixed_is_checked_at_the_step_where_a_skip_
     monkeypatch.setattr(SyncSession, "check_step", skip_five)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=1000)
     callback = EventBusDebugCallback(log_dir=tmp_path, alerts=False, system_interval=None)
-    trainer = _trainer([callback], plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    trainer = quiet_trainer([callback], plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
     trainer.fit(Regression(manual=True), _loader(160))
     assert callback.steps_skipped == 1 and trainer.global_step == 20
     events = list(read_events(tmp_path))

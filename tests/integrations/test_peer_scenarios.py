@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import math
 import pickle
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,8 @@ from eventbus_debug import read_events
 from eventbus_debug.events import NonFiniteDetected, SessionEnded, StepCompleted, TensorRole
 from eventbus_debug.integrations.ignite import EventBusDebugHandler
 from eventbus_debug.integrations.lightning import EventBusDebugCallback as LightningCallback
+
+from ._lightning import quiet_trainer
 
 BATCHES = 8
 
@@ -74,21 +75,6 @@ def _loader() -> DataLoader[tuple[torch.Tensor, ...]]:
     return DataLoader(TensorDataset(x, y), batch_size=8)
 
 
-def _trainer(tmp_path: Path, callbacks: Sequence[pl.Callback], **options: Any) -> pl.Trainer:
-    settings: dict[str, Any] = {
-        "max_epochs": 1,
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "default_root_dir": tmp_path,
-    }
-    settings.update(options)
-    return pl.Trainer(callbacks=list(callbacks), **settings)
-
-
 def test_lightning_callback_copies_and_pickles_mid_fit(tmp_path: Path) -> None:
     """deepcopy/pickle of the running callback give an idle copy; the fit goes on unharmed."""
     debug = LightningCallback(log_dir=tmp_path / "log", alerts=False, system_interval=None)
@@ -99,7 +85,7 @@ def test_lightning_callback_copies_and_pickles_mid_fit(tmp_path: Path) -> None:
             if trainer.global_step == 3:
                 copies.extend(_copies(debug))
 
-    _trainer(tmp_path, [debug, CopyMidFit()]).fit(Tiny(), _loader())
+    quiet_trainer([debug, CopyMidFit()], default_root_dir=tmp_path).fit(Tiny(), _loader())
     assert debug.steps_checked == BATCHES and debug.session is None
     _assert_idle_copies(copies, 3)
     events = list(read_events(tmp_path / "log"))
@@ -108,7 +94,7 @@ def test_lightning_callback_copies_and_pickles_mid_fit(tmp_path: Path) -> None:
     # a copy is a working callback of its own
     other = copies[0]
     other._fit.log_dir = tmp_path / "copy"
-    _trainer(tmp_path, [other]).fit(Tiny(), _loader())
+    quiet_trainer([other], default_root_dir=tmp_path).fit(Tiny(), _loader())
     assert other.steps_checked == BATCHES
 
 
@@ -120,14 +106,14 @@ def test_lightning_resume_from_checkpoint_matches_the_run_without_callback(
     for use in (True, False):
         run = tmp_path / str(use)
         debug = [LightningCallback(log_dir=run / "log", alerts=False, system_interval=None)]
-        first = _trainer(run, debug if use else [])
+        first = quiet_trainer(debug if use else [], default_root_dir=run)
         first.fit(Tiny(), _loader())
         first.save_checkpoint(run / "last.ckpt")
         resumed_debug = [
             LightningCallback(log_dir=run / "log2", alerts=False, system_interval=None)
         ]
         module = Tiny()
-        trainer = _trainer(run, resumed_debug if use else [], max_epochs=2)
+        trainer = quiet_trainer(resumed_debug if use else [], default_root_dir=run, max_epochs=2)
         trainer.fit(module, _loader(), ckpt_path=run / "last.ckpt")
         assert trainer.global_step == 2 * BATCHES
         if use:
@@ -310,7 +296,9 @@ def test_lightning_manual_clip_without_step_does_not_vouch_for_the_next_batch(
     the next batch's NaN gradients are checked, reported and the step skipped."""
     debug = LightningCallback(log_dir=tmp_path / "log", alerts=False, system_interval=None)
     module = ClipsWithoutStepping(clip_nan_batch=clip_nan_batch)
-    _trainer(tmp_path, [debug], max_epochs=-1, max_steps=3).fit(module, _loader())
+    quiet_trainer([debug], default_root_dir=tmp_path, max_epochs=-1, max_steps=3).fit(
+        module, _loader()
+    )
     assert debug.steps_skipped == 1
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
     events = list(read_events(tmp_path / "log"))
