@@ -13,11 +13,10 @@ import asyncio
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Awaitable, Callable, Iterable, Sized
 from typing import Final
 
 import anyio
-import anyio.lowlevel
 
 from ..diagnostics import get_logger
 from ..events import Delivery, Event, has_incident
@@ -41,6 +40,7 @@ class BusPublishing(BusDispatcher):
     _incident_only: dict[tuple[type[Event], ...], bool]
     _call_soon_threadsafe: Callable[[Callable[[], object]], object] | None
     _forked_from: int | None  # in a forked child: the pid of the bus's process
+    _checkpoint: Callable[[], Awaitable[None]]  # publish's yield (see _waiters.checkpointer)
     lost_in_fork: int
     _not_running_hint: str = "publish inside `async with EventBus() as bus:`"
     """How to start the bus, in the refusal of a publish before it runs; a
@@ -117,7 +117,7 @@ class BusPublishing(BusDispatcher):
         self.publish_nowait(event)
         if self._pressing:
             await self._wait_for_room()
-        await anyio.lowlevel.checkpoint()
+        await self._checkpoint()
 
     async def _wait_for_room(self) -> None:
         """Wait while a flow-controlled sink is over its high-water mark and making progress."""

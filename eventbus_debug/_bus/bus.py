@@ -33,7 +33,7 @@ from ._adapter import SinkAdapter, default_name
 from ._dispatch import _State
 from ._drain import BusDraining
 from ._publish import _RUNNING_BUSES
-from ._waiters import AnyioWaiter, waiter_factory
+from ._waiters import AnyioWaiter, checkpointer, waiter_factory
 from .statistics import BusStatistics
 from .subscription import Subscription
 
@@ -145,6 +145,7 @@ class EventBus(BusDraining):
         self._seq = 0
         self._wake = None  # a waiter's trigger, see Waiter
         self._new_waiter = AnyioWaiter
+        self._checkpoint = anyio.lowlevel.checkpoint
         self._thread_queue = collections.deque()
         self._thread_wake_pending = False
         self._call_soon_threadsafe = None
@@ -171,6 +172,7 @@ class EventBus(BusDraining):
         refresh_rank()
         self._call_soon_threadsafe = threadsafe_scheduler()
         self._new_waiter = waiter_factory()
+        self._checkpoint = checkpointer()
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg

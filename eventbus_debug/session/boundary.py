@@ -188,14 +188,20 @@ class StepBoundary:
         started = self._check_begin(step)
         if loss is not None and loss.__class__ is not _TENSOR and loss.__class__ is not float:
             loss = loss_argument(loss)  # a numpy scalar as a float; the probe checks the rest
-        # The probe does not yield (checkpoint=False): the step's one turn of the event loop
-        # is step_completed's hand-over.
-        verdict = await self.probe.check_step(step, loss=loss, checkpoint=False)
+        # Neither the probe nor the safe point yields: the step's one turn of the event loop
+        # is step_completed's hand-over. Each is awaited only when it must wait (reductions
+        # offloaded to a thread, incidents for the engine); a healthy step calls both inline.
+        probe = self.probe
+        verdict = probe.check_inline(step, loss)
+        if verdict is None:
+            verdict = await probe.check_step(step, loss=loss, checkpoint=False)
         self._probed(step, loss, verdict)
         safe_point = self.safe_point
         if safe_point is None:
             return self._check_end(started, self._verdict(step, verdict))
-        decision = await safe_point.before_optimizer_step(step, loss=verdict.loss)
+        decision = safe_point.before_optimizer_step_inline(step, loss=verdict.loss)
+        if decision is None:
+            decision = await safe_point.before_optimizer_step(step, loss=verdict.loss)
         return self._check_end(started, self._decided(step, verdict, safe_point, decision))
 
     def check_sync(self, step: int, loss: torch.Tensor | float | None = None) -> Verdict:
@@ -230,7 +236,11 @@ class StepBoundary:
         # The body of _completed without its generator (this runs on every step): the same
         # two halves around the async hand-over.
         started, event = self._completed_begin(step, loss, learning_rate, samples)
-        await self._hand_over(event)
+        if self._publish is not None:
+            await self._publish(event)  # _hand_over, without its coroutine
+        else:
+            self.publisher.publish_nowait(event)
+            await anyio.lowlevel.checkpoint()
         self._completed_end(started)
 
     def completed_sync(

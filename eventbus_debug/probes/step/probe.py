@@ -29,7 +29,7 @@ from eventbus_debug.diagnostics import get_logger
 
 from ..._modules import float_parameters, named_root
 from ..._validate import INT64_MAX, int64_count, positive_int, publisher, real_number
-from ...events import LossSpiked
+from ...events import Event, LossSpiked
 from ...typing import Publisher
 from ..levels import Cadence, Checks, DebugLevel, Thresholds, checks_due, level_of
 from ._judge import Judge, Judgement
@@ -272,11 +272,37 @@ class StepProbe:
         loss = self._validate(step, loss)
         checks = checks_due(self._level, self.cadence, step)
         if checks.any and self._offload(checks):
-            return await anyio.to_thread.run_sync(self._check, step, loss, checks)
+            # The worker thread reduces and judges; the events are published here, on the
+            # loop's thread (a bus is not published to from other threads but by
+            # publish_threadsafe: on trio a worker's publish raised, on asyncio it raced).
+            events: list[Event] = []
+            verdict = await anyio.to_thread.run_sync(self._check, step, loss, checks, events)
+            if self._bus is not None:
+                self._bus.publish_many_nowait(events)
+            return verdict
         verdict = self._check(step, loss, checks)
         if checkpoint:
             await anyio.lowlevel.checkpoint()
         return verdict
+
+    def check_inline(
+        self, step: int, loss: torch.Tensor | float | None = None
+    ) -> StepVerdict | None:
+        """``check_step(step, loss=loss, checkpoint=False)`` without a coroutine, when it
+        would not wait: the verdict; ``None`` when the step's reductions go to a worker thread
+        (*offload_numel*), and the caller awaits :meth:`check_step` instead.
+
+        The session's every-step path (an awaited call costs a few µs inside a training loop).
+
+        Raises:
+            TypeError: as :meth:`check_step`.
+            ValueError: as :meth:`check_step`.
+        """
+        loss = self._validate(step, loss)
+        checks = checks_due(self._level, self.cadence, step)
+        if checks.any and self._offload(checks):
+            return None
+        return self._check(step, loss, checks)
 
     def check_step_sync(
         self, step: int, *, loss: torch.Tensor | float | None = None
@@ -373,7 +399,15 @@ class StepProbe:
             return False
         return self._params[0].device.type == "cpu"
 
-    def _check(self, step: int, loss: torch.Tensor | float | None, checks: Checks) -> StepVerdict:
+    def _check(
+        self,
+        step: int,
+        loss: torch.Tensor | float | None,
+        checks: Checks,
+        out: list[Event] | None = None,
+    ) -> StepVerdict:
+        """Launch and read *step*'s *checks*; its events are published, or appended to *out*
+        (a worker thread's call: the caller publishes them on the loop)."""
         launcher = self._launcher
         if not checks.any and not launcher.measuring_updates:
             return StepVerdict(step=step, checked=False)  # nothing to do: no lock needed
@@ -389,7 +423,7 @@ class StepProbe:
             finally:
                 torch._C._set_grad_enabled(grad_mode)
             if not self.deferred:
-                return self._read(pending, deferred=False)
+                return self._read(pending, deferred=False, out=out)
             pending.grads = []  # deferred: never keep a step's gradients alive
             queue = self._in_flight
             queue.append(pending)
@@ -397,16 +431,20 @@ class StepProbe:
             # Read every step whose results arrived, oldest first; wait only when too many
             # are in flight. The verdict returned is the first that is not ok, else the newest.
             while len(queue) > 1 and (queue[0].ready() or len(queue) > MAX_IN_FLIGHT):
-                read = self._read(queue.popleft(), deferred=True)
+                read = self._read(queue.popleft(), deferred=True, out=out)
                 if verdict is None or verdict.ok:
                     verdict = read
             return verdict or StepVerdict(step=step, checked=False, deferred=True)
 
-    def _read(self, pending: Pending, *, deferred: bool) -> StepVerdict:
+    def _read(
+        self, pending: Pending, *, deferred: bool, out: list[Event] | None = None
+    ) -> StepVerdict:
         judged: Judgement = self._judge.judge(
             pending, pending.read(), deferred=deferred, recheck=self._recheck
         )
-        if self._bus is not None:
+        if out is not None:
+            out += judged.events
+        elif self._bus is not None:
             self._bus.publish_many_nowait(judged.events)
         return judged.verdict
 

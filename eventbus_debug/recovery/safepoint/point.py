@@ -175,6 +175,21 @@ class SafePoint:
         await self.engine.drain()
         return self._apply(step, loss)
 
+    def before_optimizer_step_inline(
+        self, step: int, *, loss: float | None = None
+    ) -> StepDecision | None:
+        """:meth:`before_optimizer_step` without a coroutine when the engine has nothing to
+        catch up on (a healthy step): the decision; ``None`` when the engine has incidents to
+        handle first, and the caller awaits :meth:`before_optimizer_step` instead.
+
+        Raises:
+            TrainingStopped: as :meth:`before_optimizer_step`.
+        """
+        engine = self.engine
+        if engine._blocking is not None or not engine.caught_up():
+            return None  # (an engine on a SyncEventBus: the awaited call says what to use)
+        return self._apply(step, loss)
+
     def before_optimizer_step_sync(self, step: int, *, loss: float | None = None) -> StepDecision:
         """:meth:`before_optimizer_step` for a loop using a :class:`~eventbus_debug.SyncEventBus`.
 
