@@ -10,7 +10,13 @@ order. The last column is the overhead the
 session measured itself (its time in check_step/step_completed over the rest of the step).
 Printed beside seed 002's claimed overheads.
 
-Run: python benchmarks/bench_levels.py [--steps 300] [--width 256] [--rounds 5] [--threads N]
+Run: python benchmarks/bench_levels.py [--steps 300] [--warmup 50] [--width 256] [--rounds 5]
+[--threads N]
+
+``--warmup`` steps run untimed before the timed ones, in the bare loop and in every session
+alike: the ratios are the per-step cost of a run in its steady state (a multi-day run's), not
+one-time start costs (the optimizer's state and the session's first snapshot allocated, the
+probe's plans built); ``--warmup 0`` times from the first step.
 
 ``--threads 1`` pins torch to one thread: on a machine shared with other jobs, torch's OpenMP
 threads stall whenever another process takes a core, which moves every ratio by points between
@@ -53,10 +59,12 @@ def _setup(width: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, 
     return model, opt, torch.randn(128, 64), torch.randint(0, 10, (128,))
 
 
-async def _bare(steps: int, width: int) -> float:
+async def _bare(steps: int, width: int, warmup: int = 0) -> float:
     model, opt, x, y = _setup(width)
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for step in range(warmup + steps):
+        if step == warmup:
+            t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
@@ -74,12 +82,16 @@ def _options(variant: str) -> dict[str, Any]:
     return {"level": DebugLevel(variant), "report": False, "alerts": False}
 
 
-async def _session(variant: str, steps: int, width: int, measured: list[float]) -> float:
+async def _session(
+    variant: str, steps: int, width: int, measured: list[float], warmup: int = 0
+) -> float:
     model, opt, x, y = _setup(width)
     with tempfile.TemporaryDirectory() as d:
         async with Session(model, opt, log_dir=d, **_options(variant)) as s:
             t0 = time.perf_counter()
-            for step in range(steps):
+            for step in range(warmup + steps):
+                if step == warmup:
+                    t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 loss = nn.functional.cross_entropy(model(x), y)
                 loss.backward()
@@ -93,7 +105,7 @@ async def _session(variant: str, steps: int, width: int, measured: list[float]) 
     return elapsed / steps
 
 
-async def main(steps: int, width: int, rounds: int) -> None:
+async def main(steps: int, width: int, rounds: int, warmup: int) -> None:
     variants = [lv.value for lv in DebugLevel] + [DEFAULT, BUDGET]
     times: dict[str, list[float]] = {"bare": [], **{v: [] for v in variants}}
     measured: dict[str, list[float]] = {v: [] for v in variants}
@@ -106,14 +118,14 @@ async def main(steps: int, width: int, rounds: int) -> None:
         shuffle(order)
         for v in order:
             if v == "bare":
-                times["bare"].append(await _bare(steps, width))
+                times["bare"].append(await _bare(steps, width, warmup))
             else:
-                times[v].append(await _session(v, steps, width, measured[v]))
+                times[v].append(await _session(v, steps, width, measured[v], warmup))
     base = statistics.median(times["bare"])
     params = sum(p.numel() for p in _setup(width)[0].parameters())
     print(
-        f"model: MLP, {params:,} parameters, batch 128; {steps} steps x {rounds} rounds (median); "
-        f"{torch.get_num_threads()} torch threads"
+        f"model: MLP, {params:,} parameters, batch 128; {steps} steps (after {warmup} untimed) "
+        f"x {rounds} rounds (median); {torch.get_num_threads()} torch threads"
     )
     print(
         f"{'variant':<11} {'ms/step':>8} {'ratio':>7} {'overhead':>9} {'self-measured':>14}   seed 002 claims"
@@ -131,6 +143,9 @@ async def main(steps: int, width: int, rounds: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--warmup", type=int, default=50, help="untimed steps first, in every variant alike"
+    )
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument(
@@ -139,4 +154,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    anyio.run(main, args.steps, args.width, args.rounds)
+    anyio.run(main, args.steps, args.width, args.rounds, args.warmup)

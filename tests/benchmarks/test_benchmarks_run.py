@@ -30,7 +30,7 @@ RUNS = [
     ),
     pytest.param(
         "bench_levels.py",
-        ["--steps", "6", "--rounds", "1", "--threads", "1"],
+        ["--steps", "6", "--warmup", "2", "--rounds", "1", "--threads", "1"],
         [rf"^{row}\s+[\d.]+\s+[\d.]+x" for row in ("bare", "off", "basic", "extreme", "default")],
         id="levels",
     ),
