@@ -11,6 +11,7 @@ discarded), and the thread never delays the interpreter's exit.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import queue
 import threading
@@ -30,13 +31,17 @@ _STOP: Final = object()
 class _Job(Generic[T]):
     """One call handed to a worker thread, and its outcome."""
 
-    __slots__ = ("args", "done", "error", "fn", "notify", "result")
+    __slots__ = ("args", "context", "done", "error", "fn", "notify", "result")
 
     def __init__(
         self, fn: Callable[..., T], args: tuple[Any, ...], notify: Callable[[], object]
     ) -> None:
         self.fn = fn
         self.args = args
+        # The caller's context variables, as anyio.to_thread gives them: a sink's worker
+        # thread is the sink's (what it publishes while the bus closes is taken, see
+        # EventBus.aclose), and the step and log bindings read the same there.
+        self.context = contextvars.copy_context()
         self.notify = notify
         self.done = False
         self.result: T | None = None
@@ -44,7 +49,7 @@ class _Job(Generic[T]):
 
     def run(self) -> None:
         try:
-            self.result = self.fn(*self.args)
+            self.result = self.context.run(self.fn, *self.args)
         except BaseException as exc:  # handed back to the awaiting task
             self.error = exc
         self.done = True

@@ -128,8 +128,17 @@ class BusDraining(BusPublishing):
             for sub in await self._drain_for_close():
                 sub._abandon(self._close_timeout)
             self._report_drops(force=True)  # the final reports, if the drain ran out of time
+            interrupt: BaseException | None = None
             for sub in reversed(list(self._subs)):
-                await self._close_one(sub, deadline)
+                try:
+                    await self._close_one(sub, deadline)
+                except anyio.get_cancelled_exc_class():
+                    raise
+                except BaseException as exc:  # KeyboardInterrupt, SystemExit
+                    # A sink's close raised what is not an Exception: the other sinks are
+                    # closed all the same (the log last), then it goes on (below).
+                    _log.error("sink_close_interrupted", sink=sub.name, error=repr(exc))
+                    interrupt = interrupt or exc
             self._stop_dispatcher = True
             self._wake_dispatcher()
             if self._dispatcher_done is not None:
@@ -142,6 +151,8 @@ class BusDraining(BusPublishing):
         elapsed = time.monotonic() - started
         if elapsed > 1.0:
             _log.info("bus_close_slow", seconds=round(elapsed, 3))
+        if interrupt is not None:
+            raise interrupt
 
     async def _drain_for_close(self) -> list[Subscription]:
         """Deliver everything; return the subscriptions still busy when the timeout fired.

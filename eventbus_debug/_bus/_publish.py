@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sized
@@ -30,6 +31,7 @@ __all__ = ("BusPublishing",)
 _log = get_logger("eventbus_debug._bus.bus")
 
 _INCIDENT: Final = Delivery.INCIDENT
+_get_ident: Final = threading.get_ident
 
 
 class BusPublishing(BusDispatcher):
@@ -42,6 +44,8 @@ class BusPublishing(BusDispatcher):
     _forked_from: int | None  # in a forked child: the pid of the bus's process
     _checkpoint: Callable[[], Awaitable[None]]  # publish's yield (see _waiters.checkpointer)
     lost_in_fork: int
+    _loop_ident: int  # the thread of the bus's event loop (set on entering)
+    _warned_thread: bool  # publish_nowait_from_thread was logged
     _not_running_hint: str = "publish inside `async with EventBus() as bus:`"
     """How to start the bus, in the refusal of a publish before it runs; a
     :class:`~.sync.SyncEventBus` names its own ``with`` block (read on the error path only)."""
@@ -62,26 +66,52 @@ class BusPublishing(BusDispatcher):
         # _wake_dispatcher inlined: the call costs ~50 ns of an isolated publish's 1 µs budget
         # (benchmarks/bench_publish.py).
         if self._accepting and isinstance(event, Event):
+            if self._wake_pending:
+                self._buffer.append(event)
+                if self._holding and (event.delivery is _INCIDENT or len(self._buffer) >= HOLD_MAX):
+                    self._end_hold()
+                return
+            # Once per burst (the wake): only the loop's thread may wake the dispatcher; from
+            # another thread a waiter's trigger raises (trio) or races the loop (asyncio).
+            if _get_ident() != self._loop_ident:
+                self._publish_from_thread(event)
+                return
             self._buffer.append(event)
-            if not self._wake_pending:
-                self._wake_pending = True
-                wake = self._wake
-                if wake is not None:
-                    self._wake = None
-                    try:
-                        wake()
-                    except asyncio.InvalidStateError:  # the dispatcher's wait was cancelled
-                        pass
-            elif self._holding and (event.delivery is _INCIDENT or len(self._buffer) >= HOLD_MAX):
-                self._end_hold()
+            self._wake_pending = True
+            wake = self._wake
+            if wake is not None:
+                self._wake = None
+                try:
+                    wake()
+                except asyncio.InvalidStateError:  # the dispatcher's wait was cancelled
+                    pass
             return
         if not self._accepting:
             if self._from_sink_while_closing(event):
-                self._publish_internal(event)
+                if _get_ident() == self._loop_ident:
+                    self._publish_internal(event)
+                else:  # a worker thread of the sink's: the close's drain pulls it
+                    self.publish_threadsafe(event)
                 return
             self._refuse(1)
             return
         raise TypeError(_not_event_message(event))
+
+    def _publish_from_thread(self, event: Event) -> None:
+        """``publish_nowait`` called from a thread other than the event loop's (an autograd
+        hook, a data loader's thread, a worker of ``anyio.to_thread``): the event goes the
+        thread-safe way (:meth:`publish_threadsafe`), and the first such call is logged."""
+        if not self._warned_thread:
+            self._warned_thread = True
+            _log.warning(
+                "publish_nowait_from_thread",
+                thread=threading.current_thread().name,
+                detail=(
+                    "publish_nowait was called outside the event loop's thread; the event was "
+                    "handed over thread-safely. Call bus.publish_threadsafe(event) from threads"
+                ),
+            )
+        self.publish_threadsafe(event)
 
     def publish_many_nowait(self, events: Iterable[Event], /) -> None:
         """Accept a batch of events, in order, with one wake-up of the dispatcher.
@@ -97,6 +127,10 @@ class BusPublishing(BusDispatcher):
         for event in batch:
             if not isinstance(event, Event):
                 raise TypeError(_not_event_message(event))
+        if _get_ident() != self._loop_ident:  # from another thread: the thread-safe way
+            for event in batch:
+                self._publish_from_thread(event)
+            return
         self._buffer.extend(batch)
         if not self._holding:
             self._wake_dispatcher()

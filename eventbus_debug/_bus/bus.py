@@ -15,9 +15,13 @@ bounded ``aclose``) and this module (the constructor, which sets the state every
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import math
 import sys
+import threading
 import warnings
+from collections.abc import Callable
 from types import TracebackType
 from typing import Final, final
 
@@ -49,6 +53,9 @@ DEFAULT_CLOSE_TIMEOUT: Final = 30.0
 DEFAULT_MAX_CONSECUTIVE_FAILURES: Final = 5
 DEFAULT_DROP_REPORT_INTERVAL: Final = 1.0
 DEFAULT_STALL_THRESHOLD: Final = 0.25
+CROSS_THREAD_WAIT: Final = 1.0
+"""Seconds a thread other than the bus's waits for the bus's loop to run a call it handed over
+(:meth:`Subscription.cancel` from a ``SyncEventBus``'s training thread)."""
 OWN_TASKS_FAILED: Final = (
     "the EventBus's own tasks failed (its dispatcher, or a sink's task: a sink raising a "
     "BaseException that is not an Exception); the block's exception, if any, comes first"
@@ -159,6 +166,8 @@ class EventBus(BusDraining):
         self._stop_dispatcher = False
         self._dispatcher_scope = None
         self._forked_from = None  # in a forked child: the pid of the bus's process
+        self._loop_ident = -1  # the event loop's thread, once entered (see publish_nowait)
+        self._warned_thread = False
         self.lost_in_fork = 0
         """Events published in a child process forked from this bus's (a ``DataLoader``
         worker), where nothing delivers them: counted here, in that child, and logged once."""
@@ -170,6 +179,7 @@ class EventBus(BusDraining):
             msg = "an EventBus can be entered once; create a new one"
             raise RuntimeError(msg)
         refresh_rank()
+        self._loop_ident = threading.get_ident()
         self._call_soon_threadsafe = threadsafe_scheduler()
         self._new_waiter = waiter_factory()
         self._checkpoint = checkpointer()
@@ -192,7 +202,23 @@ class EventBus(BusDraining):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        await self.aclose()
+        try:
+            await self.aclose()
+        except BaseException:
+            # A sink's close raised KeyboardInterrupt or SystemExit (every sink was closed
+            # anyway, see aclose): the task group is still left, its tasks being done (a task
+            # group never left corrupts trio's run), and the interrupt goes on as itself.
+            with contextlib.suppress(BaseException):
+                await self._leave_task_group(exc_type, exc, tb)
+            raise
+        return await self._leave_task_group(exc_type, exc, tb)
+
+    async def _leave_task_group(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
         tg = self._tg
         if tg is None:
             return None
@@ -208,8 +234,15 @@ class EventBus(BusDraining):
         # A KeyboardInterrupt or SystemExit in a task of the bus (a sink calling sys.exit())
         # already left the event loop by itself (asyncio re-raises them there), and one raised
         # in the block wins over the bus's failures, as in asyncio.TaskGroup: never wrapped.
-        failures = [e for e in failures if not isinstance(e, KeyboardInterrupt | SystemExit)]
-        if not failures or isinstance(exc, KeyboardInterrupt | SystemExit):
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            return False  # the block's own interrupt wins, unwrapped
+        interrupts = [e for e in failures if isinstance(e, KeyboardInterrupt | SystemExit)]
+        if interrupts:
+            # A sink's task in the task group (trio) ended with it: it goes on as itself, as
+            # on asyncio (where it leaves the event loop) and in asyncio.TaskGroup; never lost
+            # behind the cancellation the task group delivered to the block.
+            raise interrupts[0] from None
+        if not failures:
             return False  # the block's exception (if any) propagates as itself, unwrapped
         body = [] if exc is None or isinstance(exc, anyio.get_cancelled_exc_class()) else [exc]
         raise BaseExceptionGroup(OWN_TASKS_FAILED, [*body, *failures]) from None
@@ -268,6 +301,14 @@ class EventBus(BusDraining):
         if self.closed:
             msg = "cannot subscribe: the bus is closed"
             raise BusClosedError(msg)
+        if self._state is _State.RUNNING and threading.get_ident() != self._loop_ident:
+            msg = (
+                f"subscribe() was called from thread {threading.current_thread().name!r}, not "
+                "the bus's event loop thread, where the sink's task starts; call it there "
+                "(from a thread: anyio.from_thread.run_sync(bus.subscribe, sink)), or use "
+                "SyncEventBus.subscribe"
+            )
+            raise RuntimeError(msg)
         for tp in event_types:
             if not (isinstance(tp, type) and issubclass(tp, Event)):
                 msg = (
@@ -326,12 +367,46 @@ class EventBus(BusDraining):
     def _unsubscribe(self, sub: Subscription) -> None:
         if sub not in self._subs:
             return
+        if self._state is not _State.NEW and threading.get_ident() != self._loop_ident:
+            # Another thread (a SyncEventBus's training thread): the pump is stopped on the
+            # bus's loop, whose tasks, waiters and cancel scopes are not thread-safe.
+            if self._run_on_loop(functools.partial(self._unsubscribe, sub)):
+                return
         if sub.shed_unreported and self._state is not _State.CLOSED:
             self._publish_drop_report(sub)  # the last words about this subscription
         self._subs.remove(sub)
         self._names.discard(sub.name)
         self._routes.clear()
         sub._detach()
+
+    def _run_on_loop(self, fn: Callable[[], object]) -> bool:
+        """From another thread: run *fn* on the bus's event loop and wait for it, at most
+        ``CROSS_THREAD_WAIT`` (a loop held by a sink runs it when it turns again). False when
+        the loop is gone (then *fn* is the caller's to run, nothing else runs on the loop)."""
+        schedule = self._call_soon_threadsafe
+        if schedule is None:
+            return False
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception as exc:  # a callback of the loop's: raising there crashes trio
+                _log.error("bus_cross_thread_call_failed", error=repr(exc), exc_info=exc)
+            finally:
+                done.set()
+
+        try:
+            schedule(run)
+        except RuntimeError:  # the event loop is gone
+            return False
+        if not done.wait(CROSS_THREAD_WAIT):
+            _log.warning(
+                "bus_loop_unresponsive",
+                waited_s=CROSS_THREAD_WAIT,
+                detail="the call runs on the bus's event loop when it next turns",
+            )
+        return True
 
     @property
     def subscriptions(self) -> tuple[Subscription, ...]:

@@ -47,6 +47,14 @@ CLOSE_GRACE: Final = 1.0
 stop, then again to close it; and to the bus's dispatcher to stop."""
 
 
+def _current_task_id() -> int | None:
+    """The running task's id; None outside an event loop (a thread, after the loop ended)."""
+    try:
+        return anyio.get_current_task().id
+    except RuntimeError:  # anyio's NoEventLoopError: no event loop runs in this thread
+        return None
+
+
 @final
 class Subscription(SubscriptionPump):
     """One sink's connection to a bus: its filter, bounded queue, task and counters.
@@ -178,7 +186,7 @@ class Subscription(SubscriptionPump):
         """Unsubscribed: discard the queue and the event in the sink's hands, stop the pump,
         forget the bus. From inside the sink's own call, that call completes and counts."""
         lost = self._clear()
-        own_call = self._task_id is not None and anyio.get_current_task().id == self._task_id
+        own_call = self._task_id is not None and _current_task_id() == self._task_id
         if not own_call:
             lost += self._inflight_n
             self._inflight_n = 0

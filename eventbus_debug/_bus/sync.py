@@ -235,6 +235,9 @@ class SyncEventBus:
         # Bounded: a flow-controlled sink that makes no progress stops holding the publisher
         # after FLOW_STALL_TIMEOUT; a bus thread held by a sink is not waited for beyond it
         # (nor again, until that wait ended).
+        if self._on_bus_thread():
+            wait.close()  # from the bus's own thread (a sink): it would wait for itself
+            return
         self._room = self._submit(wait)
         with contextlib.suppress(concurrent.futures.TimeoutError):
             self._room.result(_queue.FLOW_STALL_TIMEOUT + THREAD_GRACE)
@@ -257,6 +260,13 @@ class SyncEventBus:
         if timeout is not None:
             timeout = non_negative("timeout", timeout)
         check_subscriptions(subscriptions, self._bus)
+        if self._on_bus_thread():
+            msg = (
+                "drain() was called on the SyncEventBus's own thread (from a sink?): it would "
+                "wait for the event loop it holds; drain from the training thread, or "
+                "`await bus.bus.drain()` in async code on the bus's loop"
+            )
+            raise RuntimeError(msg)
         self.flush()
         future = self._submit(self._bus.drain(*subscriptions, timeout=timeout))
         wait = None if timeout is None else timeout + THREAD_GRACE
@@ -274,6 +284,11 @@ class SyncEventBus:
                 f"{held_by} (a blocking call in an async handler? run it in a worker thread)"
             )
             raise TimeoutError(msg) from None
+
+    def _on_bus_thread(self) -> bool:
+        """Whether the caller runs on the bus's own thread (a sink), which cannot wait for it."""
+        host = self._host
+        return host is not None and host.thread.ident == threading.get_ident()
 
     def _refuse_closed(self) -> None:
         """A publish after :meth:`close` began: refused (in a forked child: counted, see

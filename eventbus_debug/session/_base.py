@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -154,6 +155,7 @@ class SessionBase(Generic[BusT]):
         self._live = False
         self._entered = False
         """Between the start of an entry and the end of its exit (a second entry is refused)."""
+        self._claim_lock = threading.Lock()  # two threads entering at once: one is refused
         self._started = 0.0
 
     def _claim(self) -> None:
@@ -162,13 +164,14 @@ class SessionBase(Generic[BusT]):
         Raises:
             RuntimeError: if it is entered already (nothing is changed then).
         """
-        if self._entered:
-            msg = (
-                f"session {self.name!r} is already running; leave it before entering it again "
-                "(or create another session)"
-            )
-            raise RuntimeError(msg)
-        self._entered = True
+        with self._claim_lock:
+            if self._entered:
+                msg = (
+                    f"session {self.name!r} is already running; leave it before entering it "
+                    "again (or create another session)"
+                )
+                raise RuntimeError(msg)
+            self._entered = True
 
     @property
     def _close_timeout(self) -> float:

@@ -19,10 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import anyio
-import anyio.to_thread
-
 from eventbus_debug.events import Event
+from eventbus_debug.threads import DaemonWorker
 
 from ._checks import seconds
 from ._metrics import Note, Point, StepClock, metrics_of
@@ -81,8 +79,18 @@ class TensorBoardSink:
         self._writer: Any = None
         self._clock = StepClock()
         self._closed = False
+        # Writes run in a daemon thread of the sink's: a write that hangs can be abandoned by
+        # the bus's close bound on every backend (on trio the bus joins the sink's task, so an
+        # uncancellable wait on anyio's worker would hold the close) and never keeps the
+        # process alive at exit.
+        self._worker = DaemonWorker(f"eventbus-tensorboard-{name}")
         self.written = 0
         """Scalars and text entries written so far."""
+
+    @property
+    def thread_busy(self) -> bool:
+        """Whether the sink's thread is inside a write now (one that hangs keeps it busy)."""
+        return self._worker.busy
 
     def __repr__(self) -> str:
         return f"<TensorBoardSink log_dir={str(self.log_dir)!r}>"
@@ -103,7 +111,7 @@ class TensorBoardSink:
             raise RuntimeError(msg)
         points, notes = metrics_of(events, self._clock, per_layer=self._per_layer)
         if points or notes:
-            await anyio.to_thread.run_sync(self._write, points, notes)
+            await self._worker.run(self._write, points, notes)
 
     async def aclose(self) -> None:
         """Flush and close the event file. Idempotent."""
@@ -111,9 +119,12 @@ class TensorBoardSink:
             return
         self._closed = True
         writer, self._writer = self._writer, None
-        if writer is not None:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(writer.close)
+        try:
+            if writer is not None:
+                # Abandoned, not waited for, past the close's bound: it completes in the thread.
+                await self._worker.run(writer.close)
+        finally:
+            self._worker.stop()
 
     def _write(self, points: list[Point], notes: list[Note]) -> None:
         writer = self._writer

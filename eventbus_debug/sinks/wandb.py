@@ -19,10 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import anyio
-import anyio.to_thread
-
 from eventbus_debug.events import Event, Severity
+from eventbus_debug.threads import DaemonWorker
 
 from ._checks import seconds
 from ._metrics import Note, Point, StepClock, metrics_of
@@ -101,10 +99,19 @@ class WandbSink:
         self._last_alert: dict[tuple[str, int], float] = {}
         self._held: dict[tuple[str, int], int] = {}
         self._closed = False
+        # Calls into wandb run in a daemon thread of the sink's: one that hangs (a network
+        # sync) can be abandoned by the bus's close bound on every backend (on trio the bus
+        # joins the sink's task, so an uncancellable wait would hold the close).
+        self._worker = DaemonWorker(f"eventbus-wandb-{name}")
         self.logged = 0
         """Scalars logged so far."""
         self.alerts = 0
         """Alerts raised so far."""
+
+    @property
+    def thread_busy(self) -> bool:
+        """Whether the sink's thread is inside a call into wandb now (a hung one stays busy)."""
+        return self._worker.busy
 
     def __repr__(self) -> str:
         return f"<WandbSink run={getattr(self.run, 'id', '?')}>"
@@ -125,7 +132,7 @@ class WandbSink:
         points, notes = metrics_of(events, self._steps, per_layer=self._per_layer)
         alerts = [a for a in (self._decide(n) for n in notes) if a is not None]
         if points or alerts:
-            await anyio.to_thread.run_sync(self._write, points, alerts)
+            await self._worker.run(self._write, points, alerts)
 
     async def aclose(self) -> None:
         """Alert the held-back repeats, then finish the run if the sink started it. Idempotent.
@@ -139,11 +146,14 @@ class WandbSink:
         self._closed = True
         held = [(key, n) for key, n in self._held.items() if n]
         self._held.clear()
-        with anyio.CancelScope(shield=True):
+        try:
+            # Abandoned, not waited for, past the close's bound: they complete in the thread.
             if held:
-                await anyio.to_thread.run_sync(self._alert_held, held)
+                await self._worker.run(self._alert_held, held)
             if self._owns_run:
-                await anyio.to_thread.run_sync(self.run.finish)
+                await self._worker.run(self.run.finish)
+        finally:
+            self._worker.stop()
 
     def _decide(self, note: Note) -> tuple[Note, int] | None:
         """The note to alert with how many repeats it stands for, or None (cooldown)."""

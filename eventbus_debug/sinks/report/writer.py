@@ -29,18 +29,20 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-import anyio.to_thread
+import anyio
 import orjson
 
 from eventbus_debug.diagnostics import get_logger
 from eventbus_debug.events import Event
 from eventbus_debug.log.files import read_events
+from eventbus_debug.threads import run_in_daemon_thread
 
 from .._checks import seconds
 from .aggregate import DEFAULT_MAX_INCIDENTS, DEFAULT_MAX_POINTS, RunAggregator, summarize_runs
@@ -221,6 +223,13 @@ class ReportWriter:
         # backend running where it is made (a SyncSession built inside a trio program writes
         # from its own asyncio thread).
         self._lock: anyio.Lock | None = None
+        self._writing = 0  # writes inside their thread now (an abandoned one that hangs stays)
+        self._writing_lock = threading.Lock()
+
+    @property
+    def thread_busy(self) -> bool:
+        """Whether a write is inside its thread now (one that hangs keeps it busy)."""
+        return self._writing > 0
 
     @property
     def writes(self) -> int:
@@ -265,12 +274,22 @@ class ReportWriter:
         async with self._lock:
             summary = self._aggregator.summary()
             self._last_write = self._clock()
-            paths = await anyio.to_thread.run_sync(self._write_sync, summary)
+            # A daemon thread, not anyio's worker: a write that hangs (a stuck network disk)
+            # can then be abandoned on every backend (the bus's close bound cancels this
+            # await; on trio, where the bus joins the sink's task, an uncancellable wait would
+            # hold the close), and it never keeps the process alive at exit.
+            paths = await run_in_daemon_thread(self._write_sync, summary, name="eventbus-report")
             self._writes += 1
             return paths
 
     def _write_sync(self, summary: RunSummary) -> ReportPaths:
-        return write_report(summary, self.directory, html=self._html, title=self._title)
+        with self._writing_lock:
+            self._writing += 1
+        try:
+            return write_report(summary, self.directory, html=self._html, title=self._title)
+        finally:
+            with self._writing_lock:
+                self._writing -= 1
 
     async def aclose(self) -> None:
         """Write the final report (the bus has drained this sink's queue).
