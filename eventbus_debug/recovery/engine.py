@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import traceback
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, final
@@ -151,6 +152,7 @@ class RecoveryEngine:
         self._counting = False  # some strategy has a consecutive count > 0
         self._calls: dict[str, list[DecidedAction]] = {}
         self._stop_reason: str | None = None
+        self._stop_steps: deque[int | None] = deque(maxlen=8)  # steps a STOP was decided at
         self._incidents = 0
         self._unmatched = 0
         self._exhausted = 0
@@ -288,9 +290,10 @@ class RecoveryEngine:
         if not isinstance(incident, ErrorRaised):
             with self._lock:
                 self._noted += 1
+        retry_id = incident.retry_id if isinstance(incident, ErrorRaised) else ""
         if not decisions:
-            if self._stop_reason is not None:
-                return ()  # already stopping: one STOP is enough
+            if not retry_id and self._stopping(incident.step):
+                return ()  # this step is already stopping: one STOP is enough
             strategy = "exhausted"
             decisions = (
                 Decision(
@@ -309,13 +312,15 @@ class RecoveryEngine:
             )
             for d in decisions
         )
-        retry_id = incident.retry_id if isinstance(incident, ErrorRaised) else ""
         with self._lock:
             for d in out:
                 self._decisions[d.kind] = self._decisions.get(d.kind, 0) + 1
-                if d.kind is RecoveryAction.STOP and self._stop_reason is None:
-                    self._stop_reason = d.reason
-                    self._exhausted += strategy == "exhausted"
+                if d.kind is RecoveryAction.STOP:
+                    if self._stop_reason is None:
+                        self._stop_reason = d.reason
+                        self._exhausted += strategy == "exhausted"
+                    if not retry_id:
+                        self._stop_steps.append(d.step)
                     _log.error("recovery_stop_decided", reason=d.reason)
             if retry_id:
                 self._calls[retry_id] = list(out)
@@ -324,6 +329,19 @@ class RecoveryEngine:
                     d for d in out if d.kind in STEP_ACTIONS or d.kind is RecoveryAction.STOP
                 )
         return out
+
+    def _stopping(self, step: int | None) -> bool:
+        """Whether a STOP is already decided for *step*'s incidents, or waits to be applied.
+
+        One STOP per step is enough (the loss and the gradients of one bad batch both run out
+        of strategies). A retried call's STOP is its own: the call raises it, and a loop that
+        catches it (a data source given up on) goes on; later exhausted incidents, of steps or
+        of calls, must still stop.
+        """
+        with self._lock:
+            if step is not None and step in self._stop_steps:
+                return True
+            return any(d.kind is RecoveryAction.STOP for d in self._pending)
 
     def _report_strategy_failure(self, name: str, incident: Anomaly, exc: Exception) -> None:
         with self._lock:

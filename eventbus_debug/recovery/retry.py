@@ -21,6 +21,7 @@ import contextlib
 import functools
 import inspect
 import time
+import traceback
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -405,6 +406,7 @@ class Retrying:
         calls = [d for d in decided if d.kind in CALL_ACTIONS]
         if not calls:
             return exc
+        _release_frames(exc)  # before any free_memory(): the failed attempt's tensors go too
         for d in calls:
             detail = self.state.apply(d.decision)
             self._shrunk = self._shrunk or isinstance(d.action, ShrinkBatch)
@@ -471,6 +473,23 @@ class Retrying:
                 outcome=outcome,
             )
         )
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Drop the local variables of the frames *exc* unwound, keeping its traceback's lines.
+
+    The error is kept (tenacity's outcome, the ``__cause__`` of a later
+    :class:`~eventbus_debug.TrainingStopped`, the exhausted message), and its traceback keeps
+    the failed attempt's frames alive with their locals: the activations and the batch of the
+    attempt that ran out of memory. ``gc.collect()`` and ``torch.cuda.empty_cache()`` cannot
+    free what they hold, and the retry at a smaller batch runs without that memory. The first
+    frame is the one that caught the error (the ``with attempt:`` block's, still running) and
+    is left alone; every frame after it was exited by the error. The error event already holds
+    the formatted traceback.
+    """
+    tb = exc.__traceback__
+    if tb is not None and tb.tb_next is not None:
+        traceback.clear_frames(tb.tb_next)
 
 
 def _decorate(policy: Retrying, fn: Callable[P, Any], *, pass_state: bool) -> Callable[P, Any]:

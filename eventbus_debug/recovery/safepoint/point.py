@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn, TypeAlias, final
 
 import torch
 from torch import nn
+from torch.amp.grad_scaler import OptState
 
 from eventbus_debug.diagnostics import get_logger
 
@@ -39,6 +41,26 @@ or stops alone.
 
 def _identity(decisions: Sequence[DecidedAction]) -> Sequence[DecidedAction]:
     return decisions
+
+
+def _members(group: dict[str, Any]) -> tuple[int, ...]:
+    """A param group's identity: its parameters' (a restore's new group dicts keep them)."""
+    return tuple(id(p) for p in group["params"])
+
+
+@dataclass(slots=True)
+class _Temporary:
+    """A temporary LR change in force.
+
+    Attributes:
+        left: healthy steps before it is undone.
+        factor: the factor it multiplied the LR by.
+        groups: the param groups it scaled (by :func:`_members`), the ones it undoes.
+    """
+
+    left: int
+    factor: float
+    groups: frozenset[tuple[int, ...]]
 
 
 @fast_init
@@ -99,10 +121,19 @@ class SafePoint:
         schedulers: LR schedulers of *optimizer*. SCALE_LR also scales the base LRs they
             recompute from (``base_lrs``, ``initial_lr``, OneCycleLR's ``max_lr``/``min_lr``),
             so LambdaLR or OneCycleLR do not undo the decision at their next ``step()``.
+        scaler: the loop's ``torch.amp.GradScaler``, for a loop that calls
+            ``scaler.update()`` on every step (``if decision.should_step:
+            scaler.step(optimizer)``, then ``scaler.update()``). On a step the safe point skips,
+            ``scaler.step()`` does not run, so no inf check would be recorded and
+            ``update()`` would raise ``AssertionError: No inf checks were recorded``; the safe
+            point records it (``scaler.unscale_(optimizer)`` before zeroing the gradients,
+            unless the loop unscaled already), and ``update()`` lowers the scale if they
+            overflowed. Leave it out for a loop that calls ``update()`` only after
+            ``scaler.step()``.
 
     Raises:
-        TypeError: if *engine*, *model*, *optimizer* or *snapshots* has the wrong type, *agree*
-            is not callable, or a scheduler has no ``step()``.
+        TypeError: if *engine*, *model*, *optimizer*, *snapshots* or *scaler* has the wrong
+            type, *agree* is not callable, or a scheduler has no ``step()``.
     """
 
     def __init__(
@@ -115,6 +146,7 @@ class SafePoint:
         agree: AgreeHook | None = None,
         agreement: Agreement | None = None,
         schedulers: Sequence[Any] = (),
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not isinstance(engine, RecoveryEngine):
             msg = f"engine must be a RecoveryEngine, got {engine!r}"
@@ -129,6 +161,11 @@ class SafePoint:
         self.model = model
         self.optimizer = optimizer
         self.schedulers: tuple[Any, ...] = lr_schedulers(tuple(schedulers))
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            msg = f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}"
+            raise TypeError(msg)
+        self.scaler = scaler
+        """The GradScaler whose inf check a skipped step records (see *scaler*)."""
         if snapshots is not None and not isinstance(snapshots, StateSnapshots):
             msg = f"snapshots must be a StateSnapshots or None, got {snapshots!r}"
             raise TypeError(msg)
@@ -145,7 +182,7 @@ class SafePoint:
         """What the ranks agreed at the last safe point (None without an agreement)."""
         self._skip_remaining = 0
         self._skip_reason = ""
-        self._temporary: list[list[float]] = []  # [healthy steps left, factor] per LR change
+        self._temporary: list[_Temporary] = []  # the temporary LR changes in force
         self._restore_listeners: list[Callable[[], None]] = []
 
     def add_restore_listener(self, listener: Callable[[], None]) -> None:
@@ -162,7 +199,7 @@ class SafePoint:
     @property
     def temporary_lr_changes(self) -> tuple[tuple[float, int], ...]:
         """The temporary LR changes in force: ``(factor, healthy steps before it is undone)``."""
-        return tuple((f, int(n)) for n, f in self._temporary)
+        return tuple((t.factor, t.left) for t in self._temporary)
 
     async def before_optimizer_step(self, step: int, *, loss: float | None = None) -> StepDecision:
         """Wait for the engine, apply its pending decisions for *step*, say whether to step.
@@ -263,7 +300,8 @@ class SafePoint:
                 continue
             lr_factor *= d.action.factor
             if d.action.steps and d.action.factor != 1.0:
-                self._temporary.append([float(d.action.steps), d.action.factor])
+                members = frozenset(_members(g) for g in self.optimizer.param_groups)
+                self._temporary.append(_Temporary(d.action.steps, d.action.factor, members))
         if lr_factor != 1.0:
             detail = scale_learning_rate(self.optimizer, lr_factor, self.schedulers)
             if self._temporary:
@@ -310,20 +348,43 @@ class SafePoint:
         )
 
     def _tick_temporary(self, step: int) -> StepDecision:
-        """Count a healthy step against each temporary LR change; undo the ones that are due."""
-        undo = 1.0
-        keep: list[list[float]] = []
+        """Count a healthy step against each temporary LR change; undo the ones that are due.
+
+        A change is undone in the param groups it scaled: a group added since
+        (``add_param_group``, unfreezing layers) was added at the LR meant for it, and keeps it.
+        """
+        due: list[_Temporary] = []
+        keep: list[_Temporary] = []
         for entry in self._temporary:
-            entry[0] -= 1
-            if entry[0] <= 0:
-                undo /= entry[1]
-            else:
-                keep.append(entry)
+            entry.left -= 1
+            (due if entry.left <= 0 else keep).append(entry)
         self._temporary = keep
-        if undo == 1.0:
+        if not due:
             return StepDecision(step=step, should_step=True)
-        detail = scale_learning_rate(self.optimizer, undo, self.schedulers)
-        detail = f"temporary LR change undone after healthy steps: {detail}"
+        live = [_members(g) for g in self.optimizer.param_groups]
+        undo_by_group = [1.0] * len(live)
+        for entry in due:
+            for i, members in enumerate(live):
+                if members in entry.groups:
+                    undo_by_group[i] /= entry.factor
+        applied: list[str] = []
+        for factor in dict.fromkeys(undo_by_group):
+            if factor == 1.0:
+                continue
+            chosen = [i for i, f in enumerate(undo_by_group) if f == factor]
+            everything = len(chosen) == len(live)
+            applied.append(
+                scale_learning_rate(
+                    self.optimizer,
+                    factor,
+                    self.schedulers,
+                    groups=None if everything else chosen,
+                )
+            )
+        undo = math.prod(1.0 / e.factor for e in due)
+        if not applied:
+            return StepDecision(step=step, should_step=True)
+        detail = f"temporary LR change undone after healthy steps: {'; '.join(applied)}"
         self._publish(step, RecoveryAction.SCALE_LR, detail, "restored")
         return StepDecision(
             step=step,
@@ -342,6 +403,8 @@ class SafePoint:
         lr_factor: float = 1.0,
         decided: tuple[Action, ...] = (),
     ) -> StepDecision:
+        if self.scaler is not None:
+            _record_inf_check(self.scaler, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         detail = f"optimizer step {step} skipped, gradients zeroed"
         self._publish(step, RecoveryAction.SKIP_STEP, detail, "applied")
@@ -364,3 +427,26 @@ class SafePoint:
         self.engine.bus.publish_nowait(
             RecoveryApplied(source=SOURCE, step=step, action=action, detail=detail, outcome=outcome)
         )
+
+
+def _record_inf_check(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """Give a skipped step the inf check ``scaler.step()`` would have recorded.
+
+    ``scaler.unscale_(optimizer)`` checks the gradients before they are zeroed (a loop that
+    already unscaled has its check). With no gradient at all (a batch skipped after a
+    rollback) there is nothing to check: a "no overflow" is recorded, through the scaler's
+    per-optimizer state, so that ``update()`` does not raise.
+    """
+    scale = getattr(scaler, "_scale", None)
+    if not scaler.is_enabled() or not isinstance(scale, torch.Tensor):
+        return  # disabled, or scale() never ran: update() has nothing to do / raises its own
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is None:
+        return
+    state = states[id(optimizer)]
+    if state.get("stage") is OptState.READY:
+        scaler.unscale_(optimizer)
+    found = state.get("found_inf_per_device")
+    if isinstance(found, dict) and not found:
+        device = scale.device
+        found[device] = torch.zeros((), dtype=torch.float32, device=device)

@@ -1,8 +1,8 @@
 """The last good training state: an in-memory snapshot of model + optimizer, or a checkpoint.
 
 Restoring never loads pickled code: checkpoint files are read with ``torch.load(...,
-weights_only=True)``. A snapshot is only taken of finite parameters, so a restore never brings
-NaN back.
+weights_only=True)``. A snapshot is only taken of finite parameters and optimizer moments and
+of buffers free of NaN (an infinite buffer can be a mask), so a restore never brings NaN back.
 """
 
 from __future__ import annotations
@@ -34,28 +34,71 @@ class NoGoodStateError(RuntimeError):
     """Raised by :meth:`StateSnapshots.restore` when no good state was captured or loaded."""
 
 
-def _finite_groups(model: nn.Module) -> list[list[torch.Tensor]]:
-    """The model's floating parameters, grouped by device and dtype (one reduction each)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for p in model.parameters():
-        if p.is_floating_point() or p.is_complex():
-            groups.setdefault((p.device, p.dtype), []).append(p.detach())
-    return list(groups.values())
+@dataclass(slots=True)
+class _Checks:
+    """What a capture checks before it copies.
 
-
-def _all_finite(groups: list[list[torch.Tensor]]) -> bool:
-    """One fused reduction per group and one host transfer: are all of *groups* finite?
-
-    Each group's norms are summed into one number, NaN or Inf as soon as one value is (a
-    finite model whose norms add up past the float range is refused too: it is not healthy).
+    Attributes:
+        groups: the floating parameters and the optimizer state shaped like them, grouped by
+            device and dtype (one reduction each): none may be NaN or infinite.
+        buffers: the floating buffers: none may be NaN. An infinite buffer can be by
+            construction (a causal attention mask of ``-inf`` registered as a buffer).
     """
-    if not groups:
-        return True
-    totals = []
-    for ts in groups:
-        v = torch.stack(torch._foreach_norm(ts))
+
+    groups: list[list[torch.Tensor]]
+    buffers: list[torch.Tensor]
+
+
+def _finite_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> _Checks:
+    """What a snapshot must hold finite.
+
+    The model's floating parameters; the optimizer's floating state shaped like its parameter
+    (NaN moments turn the restored parameters NaN at the next step; scalars such as a custom
+    optimizer's ``inf`` sentinel are not judged); and the floating buffers, for NaN (a NaN
+    written into BatchNorm's running stats leaves a train-mode loss finite: captured, it
+    would come back with every restore).
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+
+    def add(t: torch.Tensor) -> None:
+        if t.is_floating_point() or t.is_complex():
+            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+
+    for p in model.parameters():
+        add(p)
+    if optimizer is not None:
+        for param, state in optimizer.state.items():
+            shape = getattr(param, "shape", None)
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.shape == shape:
+                    add(v)  # a moment of the parameter
+    buffers = [b.detach() for b in model.buffers() if b.is_floating_point() or b.is_complex()]
+    return _Checks(list(groups.values()), buffers)
+
+
+def _all_finite(checks: _Checks) -> bool:
+    """A few fused reductions and one host transfer: does *checks* hold no NaN/Inf (no NaN in
+    the buffers)?
+
+    Each group's norms (half precision ones computed in float32, so a large half-precision
+    model does not overflow its own dtype's range) are summed into one number, NaN or Inf as
+    soon as one value is (a model whose norms add up past the float32 range is refused too: it
+    is not healthy).
+    """
+    totals: list[torch.Tensor] = []
+    for ts in checks.groups:
+        low = ts[0].is_floating_point() and ts[0].dtype.itemsize < 4
+        norms = torch._foreach_norm(ts, 2, dtype=torch.float32) if low else torch._foreach_norm(ts)
+        v = torch.stack(norms)
         full = getattr(v, "full_tensor", None)  # FSDP2 / DTensor: the norm over every shard
         totals.append((full() if callable(full) else v).sum())
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for b in checks.buffers:
+        by_device.setdefault(b.device, []).append(b.isnan().any())
+    for flags in by_device.values():
+        totals.append(torch.where(torch.stack(flags).any(), math.inf, 0.0))  # inf: a NaN buffer
+    if not totals:
+        return True
     if len(totals) == 1:
         return math.isfinite(totals[0].item())
     return bool(torch.isfinite(torch.stack([t.float().cpu() for t in totals])).all().item())
@@ -65,11 +108,15 @@ def _live_key(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tupl
     """Where the tensors a snapshot copies live now: a changed buffer or state shows here.
 
     A module that assigns a new buffer, ``param.data = ...``, ``model.to(...)`` or an optimizer
-    that creates or replaces its state all change a storage address (or the count).
+    that creates or replaces its state all change a storage address (or the count); an
+    ``optimizer.add_param_group(...)`` (unfreezing layers) changes the groups' membership.
     """
     key = [t.data_ptr() for t in model.parameters()]
     key += [t.data_ptr() for t in model.buffers()]
     if optimizer is not None:
+        for group in optimizer.param_groups:
+            key.append(len(group["params"]))
+            key += [id(p) for p in group["params"]]
         for state in optimizer.state.values():
             key.append(len(state))
             key += [v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor)]
@@ -89,7 +136,9 @@ class _Plan:
         opt_src: the live optimizer state tensors, in the order of *opt_dst*.
         opt_dst: the preallocated copies.
         scalars: ``(snapshot state, key, live state)`` of the non-tensor state entries.
-        finite: the live floating parameters, grouped for the finite check before a refresh.
+        finite: the live tensors checked before a refresh (:class:`_Checks`).
+        params: the optimizer's parameters in the order its state dict indexes them (a restore
+            finds each one's state by identity, whatever groups the optimizer has by then).
     """
 
     key: tuple[int, ...]
@@ -100,14 +149,15 @@ class _Plan:
     opt_src: list[torch.Tensor]
     opt_dst: list[torch.Tensor]
     scalars: list[tuple[dict[str, Any], str, Mapping[str, Any]]]
-    finite: list[list[torch.Tensor]]
+    finite: _Checks
+    params: list[torch.Tensor]
 
     @classmethod
     def build(
         cls,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
-        finite: list[list[torch.Tensor]],
+        finite: _Checks,
     ) -> _Plan:
         """Allocate the copies (the first capture, or after the live tensors changed);
         *finite* is :func:`_finite_groups` of *model*, already computed by the caller."""
@@ -120,7 +170,9 @@ class _Plan:
         opt_dst: list[torch.Tensor] = []
         scalars: list[tuple[dict[str, Any], str, Mapping[str, Any]]] = []
         opt_snapshot: dict[str, Any] | None = None
+        params: list[torch.Tensor] = []
         if optimizer is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
             live = optimizer.state_dict()  # its "state" holds the optimizer's own dicts
             state: dict[Any, dict[str, Any]] = {}
             for index, entries in live["state"].items():
@@ -145,6 +197,7 @@ class _Plan:
             opt_dst,
             scalars,
             finite,
+            params,
         )
 
     def refresh(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -204,6 +257,7 @@ class StateSnapshots:
         self._model: dict[str, torch.Tensor] | None = None
         self._optimizer: dict[str, Any] | None = None
         self._plan: _Plan | None = None
+        self._params: list[torch.Tensor] | None = None  # the optimizer's, at the capture
         self._step: int | None = None
         self._good_since = 0
         self.captures = 0
@@ -235,7 +289,8 @@ class StateSnapshots:
         return self.capture(step, model, optimizer)
 
     def capture(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> bool:
-        """Copy the state of *model* (and *optimizer*) now; refused when a parameter is not finite.
+        """Copy the state of *model* (and *optimizer*) now; refused when a parameter or an
+        optimizer moment is not finite, or a buffer is NaN.
 
         Returns:
             True when captured, False when refused.
@@ -246,9 +301,13 @@ class StateSnapshots:
         plan = self._plan
         if plan is not None and plan.key != _live_key(model, optimizer):
             plan = None  # the live tensors changed: plan the copies again
-        groups = plan.finite if plan is not None else _finite_groups(model)
+        groups = plan.finite if plan is not None else _finite_groups(model, optimizer)
         if not _all_finite(groups):
-            _log.warning("snapshot_refused", step=step, reason="non-finite parameters")
+            _log.warning(
+                "snapshot_refused",
+                step=step,
+                reason="non-finite parameters or optimizer moments, or NaN buffers",
+            )
             return False
         if plan is None:
             plan = self._plan = _Plan.build(model, optimizer, groups)
@@ -256,6 +315,7 @@ class StateSnapshots:
             plan.refresh(optimizer)
         self._model = plan.model
         self._optimizer = plan.optimizer
+        self._params = plan.params
         self._step = step
         self._good_since = 0
         self.captures += 1
@@ -266,7 +326,9 @@ class StateSnapshots:
 
         The learning rates the optimizer has now are kept, with the scheduler keys
         ``initial_lr``/``max_lr``/``min_lr`` (a restore undoes the weights and the optimizer's
-        moments, not the LR decisions taken since).
+        moments, not the LR decisions taken since). The optimizer keeps the param groups it has
+        now: each parameter gets back the state it had at the capture (found by identity), a
+        parameter added since (``add_param_group``) starts with no state, as it did when added.
 
         Raises:
             NoGoodStateError: if no good state was captured or loaded.
@@ -281,7 +343,7 @@ class StateSnapshots:
         if optimizer is not None and self._optimizer is not None:
             keys = ("lr", *GROUP_LR_KEYS)
             lrs = [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
-            optimizer.load_state_dict(copy.deepcopy(self._optimizer))
+            optimizer.load_state_dict(copy.deepcopy(self._remapped(optimizer, self._optimizer)))
             for group, kept in zip(optimizer.param_groups, lrs, strict=True):
                 group.update(kept)
         self.restores += 1
@@ -290,6 +352,43 @@ class StateSnapshots:
         self._good_since = self.every
         _log.info("state_restored", step=self._step)
         return self._step
+
+    def _remapped(self, optimizer: torch.optim.Optimizer, held: dict[str, Any]) -> dict[str, Any]:
+        """The held optimizer state dict laid out on *optimizer*'s param groups as they are now.
+
+        With the same group sizes as at the capture it is loaded by position, as torch loads a
+        state dict. Otherwise (``add_param_group`` since) each parameter's state is found by
+        identity; groups that hold the same parameters as at the capture keep their captured
+        settings, a group added since keeps its live ones. A loaded checkpoint has no
+        parameter identities: its indices are the optimizer's order, loaded as they are.
+        """
+        params = self._params
+        if params is None:
+            return held
+        live_groups = optimizer.param_groups
+        if [len(g["params"]) for g in held["param_groups"]] == [
+            len(g["params"]) for g in live_groups
+        ]:
+            return held  # the same layout: by position, as torch loads a state dict
+        index = {id(p): i for i, p in enumerate(params)}
+        by_members = {tuple(id(params[i]) for i in g["params"]): g for g in held["param_groups"]}
+        held_state = held["state"]
+        state: dict[int, Any] = {}
+        groups: list[dict[str, Any]] = []
+        n = 0
+        for live in live_groups:
+            members = tuple(id(p) for p in live["params"])
+            captured = by_members.get(members)
+            groups.append(
+                _group(captured if captured is not None else live, list(range(n, n + len(members))))
+            )
+            for j, pid in enumerate(members):
+                old = index.get(pid)
+                if old is not None and old in held_state:
+                    state[n + j] = held_state[old]
+            n += len(members)
+        _log.info("optimizer_groups_changed_since_snapshot", step=self._step, groups=len(groups))
+        return {"state": state, "param_groups": groups}
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the held state to *path* (loadable with ``weights_only=True``).
@@ -308,23 +407,89 @@ class StateSnapshots:
         Accepts ``{"model": state_dict, "optimizer": state_dict | None, "step": int}`` or a bare
         model state dict.
 
+        The state is checked as a capture checks it: a model state dict that is not all
+        tensors (a training checkpoint of another layout, such as Lightning's
+        ``{"state_dict": ..., "epoch": ...}``), an optimizer entry that is not an optimizer
+        state dict, a NaN in the model's entries or a NaN/Inf in the optimizer state is
+        refused here, naming it, rather than when a fault needs the state.
+
         Raises:
             FileNotFoundError: if *path* does not exist.
-            ValueError: if the file does not hold a state dict.
+            ValueError: if the file does not hold a state dict, or holds NaN (or, in the
+                optimizer state, infinite) values; nothing is changed then.
         """
-        data = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
-        self._plan = None
+        where = os.fspath(path)
+        data = torch.load(where, map_location="cpu", weights_only=True)
         if not isinstance(data, Mapping):
-            msg = f"checkpoint {os.fspath(path)!r} holds {type(data).__name__}, not a state dict"
+            msg = f"checkpoint {where!r} holds {type(data).__name__}, not a state dict"
             raise ValueError(msg)
+        optimizer: dict[str, Any] | None = None
+        step: int | None = None
         if "model" in data and isinstance(data["model"], Mapping):
-            self._model = dict(data["model"])
+            model = dict(data["model"])
             opt = data.get("optimizer")
-            self._optimizer = dict(opt) if isinstance(opt, Mapping) else None
-            step = data.get("step")
-            self._step = int(step) if isinstance(step, int) else None
+            if opt is not None:
+                if not (isinstance(opt, Mapping) and {"state", "param_groups"} <= opt.keys()):
+                    msg = (
+                        f"checkpoint {where!r}: 'optimizer' must be an optimizer's state_dict() "
+                        f"(with 'state' and 'param_groups') or None, got {type(opt).__name__}"
+                    )
+                    raise ValueError(msg)
+                optimizer = dict(opt)
+            held = data.get("step")
+            step = int(held) if isinstance(held, int) and not isinstance(held, bool) else None
         else:
-            self._model = dict(data)
-            self._optimizer = None
-            self._step = None
+            model = dict(data)
+        _check_checkpoint(where, model, optimizer)
+        self._plan = None
+        self._params = None
+        self._model = model
+        self._optimizer = optimizer
+        self._step = step
         _log.info("checkpoint_loaded", path=os.fspath(path), step=self._step)
+
+
+def _check_checkpoint(
+    where: str, model: Mapping[str, Any], optimizer: Mapping[str, Any] | None
+) -> None:
+    """Refuse a checkpoint no restore could load, or whose state is not good (not finite).
+
+    Raises:
+        ValueError: naming the entries.
+    """
+    if not model:
+        msg = f"checkpoint {where!r} holds an empty model state dict"
+        raise ValueError(msg)
+    odd = [k for k, v in model.items() if not isinstance(v, torch.Tensor)]
+    if odd:
+        msg = (
+            f"checkpoint {where!r} is not a model state dict: {', '.join(map(repr, odd[:5]))} "
+            "are not tensors (save {'model': model.state_dict(), 'optimizer': "
+            "optimizer.state_dict(), 'step': step}, or StateSnapshots.save())"
+        )
+        raise ValueError(msg)
+    # NaN only in the model's entries: a state dict mixes parameters and buffers, and an
+    # infinite buffer can be by construction (a -inf attention mask)
+    bad = [
+        k for k, v in model.items() if (v.is_floating_point() or v.is_complex()) and v.isnan().any()
+    ]
+    if optimizer is not None:
+        state = optimizer.get("state")
+        if isinstance(state, Mapping):
+            for index, entries in state.items():
+                if isinstance(entries, Mapping):
+                    bad += [
+                        f"optimizer state {index}.{name}"
+                        for name, v in entries.items()
+                        if isinstance(v, torch.Tensor) and _non_finite(v)
+                    ]
+    if bad:
+        msg = (
+            f"checkpoint {where!r} is not a good state: non-finite values in "
+            f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
+        )
+        raise ValueError(msg)
+
+
+def _non_finite(t: torch.Tensor) -> bool:
+    return (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())
