@@ -269,6 +269,7 @@ def build_recovery(
         model,
         optimizer,
         schedulers=options.schedulers,
+        scaler=options.scaler,  # a skipped step records the scaler's inf check (update() works)
         agreement=agreement,
         agree=device_skip.agree if device_skip is not None else None,
     )

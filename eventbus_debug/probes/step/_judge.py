@@ -218,7 +218,7 @@ class Judge:
             # at them now (one more transfer, only on a fire) so that a NaN parameter or
             # buffer is restored at this step, not up to param_every steps later.
             norms, slots = recheck()
-            bad = [s for s, v in zip(slots, norms, strict=True) if not math.isfinite(v)]
+            bad = self._bad_slots(slots, norms)
         pos += m + u
         if bad:
             finite = False
@@ -292,8 +292,22 @@ class Judge:
             squares = math.fsum(v * v for s, v in zip(slots, p2, strict=True) if s < n_params)
         if math.isfinite(everything):  # then no value is NaN or Inf
             return math.sqrt(squares), []
-        return math.sqrt(squares), [
-            s for s, v in zip(slots, p2, strict=True) if not math.isfinite(v)
+        return math.sqrt(squares), self._bad_slots(slots, p2)
+
+    def _bad_slots(self, slots: Sequence[int], norms: Sequence[float]) -> list[int]:
+        """The slots whose norm says a fault: a parameter's NaN or Inf, a buffer's NaN.
+
+        An infinite buffer is the model's own: a causal attention mask of ``-inf`` above the
+        diagonal, a running minimum started at ``inf``. Flagged, it stopped a healthy GPT at
+        step 0 (a restore required before any good state was held). A NaN in a buffer (a
+        BatchNorm's running mean after a NaN batch) is a fault: the norm of a tensor holding
+        one is NaN, whatever else it holds.
+        """
+        n_params = self._n_params
+        return [
+            s
+            for s, v in zip(slots, norms, strict=True)
+            if (not math.isfinite(v) if s < n_params else math.isnan(v))
         ]
 
     def _ratios(self, lay: Layout, d2: list[float]) -> dict[str, float]:

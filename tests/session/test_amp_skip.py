@@ -1,0 +1,45 @@
+"""The documented AMP loop (``scaler.update()`` on every step) survives a step the session
+skips: ``scaler.step()`` does not run then, and the safe point records the scaler's inf check
+so ``update()`` does not raise "No inf checks were recorded"."""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+import torch
+from torch import nn
+
+from eventbus_debug import Session
+from eventbus_debug.events import StepSkipped
+from eventbus_debug.testing import RecordingSink
+
+
+async def test_a_skipped_step_leaves_the_scaler_updatable() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(32, 8)
+    y = x.sum(1, keepdim=True)
+    recorder = RecordingSink()
+    scale = scaler.get_scale()
+    async with Session(model, opt, scaler=scaler, log_dir=None, report=False, alerts=False) as s:
+        s.bus.subscribe(recorder)
+        for step in range(20):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.mse_loss(model(x), y)
+            if step == 10:
+                loss = loss * math.nan
+            torch.autograd.backward(scaler.scale(loss))
+            with anyio.fail_after(10):
+                verdict = await s.check_step(step, loss=loss)
+            assert verdict.should_step == (step != 10)
+            if verdict.should_step:
+                scaler.step(opt)
+            scaler.update()  # raised AssertionError at step 10 before the fix
+            await s.step_completed(step, loss=verdict.loss)
+    assert [e.step for e in recorder.of_type(StepSkipped)] == [10]
+    assert scaler.get_scale() == scale / 2  # the NaN gradients' inf check backed the scale off
+    assert all(torch.isfinite(p).all() for p in model.parameters())
