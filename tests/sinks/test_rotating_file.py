@@ -718,6 +718,9 @@ class TestWriteBehind:
         monkeypatch.setattr(jw, "_write_some", _DiskFull(times=1))
         await sink.handle_batch(_steps(0, 3))
         await _until_failing(sink)
+        with anyio.fail_after(5):  # the outage shows inside _note_outage_locked, seen after it
+            while not seen:
+                await anyio.sleep(0.001)
         assert seen[0] == (True, True)
         with pytest.raises(LogWriteError, match="No space left"):
             await sink.handle_batch(_steps(3, 1))
