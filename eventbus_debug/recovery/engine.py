@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import traceback
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, final
 
@@ -163,6 +163,10 @@ class RecoveryEngine:
         self.subscription: Subscription = owner.subscribe(
             self, Anomaly, name=name, capacity=1 << 16
         )
+        self.ignore: Callable[[Anomaly], bool] | None = None
+        """Incidents this returns True for are left alone (not counted, no decision): a
+        session's own engine leaves another session's incidents on a shared bus to that
+        session's engine. ``None``: every incident on the bus is handled."""
         self.agreement: object | None = None
         """The session's cross-rank agreement (a ``RankAgreement``), used by retried calls so
         every rank re-runs a failed call together; ``None`` outside a process group."""
@@ -228,6 +232,9 @@ class RecoveryEngine:
     async def handle(self, event: Event, /) -> None:
         """Decide about one incident (called by the bus)."""
         if not isinstance(event, Anomaly) or event.source == ENGINE_SOURCE:
+            return
+        ignore = self.ignore
+        if ignore is not None and ignore(event):
             return
         for decided in self.decide(event):
             self._host.publish_nowait(

@@ -31,6 +31,7 @@ from ..probes.finite import non_finite_counts
 from ..recovery import RecoveryEngine, SafePoint, ScalerMonitor
 from ..recovery.agreement import AGREE_TIMEOUT, Agreement, RankAgreement, agreement_for
 from ..typing import Publisher
+from . import _sharing as sharing
 from ._wiring import (
     AlertsSink,
     BusT,
@@ -131,6 +132,7 @@ class SessionBase(Generic[BusT]):
         self.device_skip = build_device_skip(options, optimizer)
         """The found-inf flag handed to the fused optimizer (None unless ``device_skip=True``)."""
         self.agreement: Agreement | None = None
+        self._joined: object | None = None  # the bus the session counts as running on
         """How this rank agrees with the others (None outside a process group)."""
         self.amp: ScalerMonitor | None = None
         self.system: SystemSampler | None = None
@@ -190,6 +192,8 @@ class SessionBase(Generic[BusT]):
     def _end_agreement(self, exc: BaseException | None = None) -> None:
         """At the session's end (or a failed entry): no collective, idempotent.
 
+        The session no longer counts as running on its bus (see :mod:`._sharing`).
+
         The agreement the session built is closed (its hook removed, its gloo group retired, see
         :meth:`RankAgreement.close`); one given as ``distributed=`` is only detached, so it can
         serve the next session. When the session ends with an error of this rank's own (*exc*;
@@ -197,6 +201,9 @@ class SessionBase(Generic[BusT]):
         (:meth:`RankAgreement.abort`): the other ranks, waiting in their next agreement, stop
         now instead of after the agreement timeout.
         """
+        joined, self._joined = self._joined, None
+        if joined is not None:
+            sharing.leave(joined, self.name)
         agreement = self.agreement
         if not isinstance(agreement, RankAgreement):
             return
@@ -226,9 +233,13 @@ class SessionBase(Generic[BusT]):
             device_skip=self.device_skip,
         )
         self.recovery = recovery.engine
+        elsewhere = sharing.join(bus, self.name)
+        self._joined = bus
         if options.recovery is True and recovery.engine is not None:
-            # the session's own engine: removed with the session's other subscriptions
+            # the session's own engine: removed with the session's other subscriptions, and
+            # deaf to the incidents of another session sharing the bus
             self._subscriptions.append(recovery.engine.subscription)
+            recovery.engine.ignore = elsewhere
         self.safe_point = recovery.safe_point
         self.amp = recovery.amp
         return probe

@@ -1,0 +1,54 @@
+"""Sessions sharing one bus (``bus=``): each session's own recovery engine acts on its own
+session's incidents, not on another session's (a GAN's generator and discriminator, two
+models trained side by side).
+
+A session's events carry sources under its name (``"<name>.step_probe"``, ``"<name>.amp"``);
+an incident belongs to the running session on the same bus whose name is the longest such
+prefix of its source. Incidents of no session (a user's own checks, a retried call's error)
+stay everyone's, as on a bus with one session.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+
+from ..events import Anomaly
+
+__all__ = ("join", "leave")
+
+_lock = threading.Lock()
+_names: weakref.WeakKeyDictionary[object, list[str]] = weakref.WeakKeyDictionary()
+"""The names of the sessions running on each bus (a name twice when two sessions share it)."""
+
+
+def _key(bus: object) -> object:
+    """A ``SyncEventBus`` and the ``EventBus`` it runs are one bus."""
+    return getattr(bus, "bus", bus)
+
+
+def join(bus: object, name: str) -> Callable[[Anomaly], bool]:
+    """Count session *name* as running on *bus*; returns the test of an incident that belongs
+    to another session running on it (the one :meth:`RecoveryEngine.ignore` takes)."""
+    key = _key(bus)
+    with _lock:
+        _names.setdefault(key, []).append(name)
+
+    def elsewhere(incident: Anomaly) -> bool:
+        source = incident.source
+        with _lock:
+            names = list(_names.get(key, ()))
+        owners = [n for n in names if source == n or source.startswith(n + ".")]
+        return bool(owners) and max(owners, key=len) != name
+
+    return elsewhere
+
+
+def leave(bus: object, name: str) -> None:
+    """Session *name* no longer runs on *bus* (idempotent per :func:`join`)."""
+    key = _key(bus)
+    with _lock:
+        names = _names.get(key)
+        if names is not None and name in names:
+            names.remove(name)
