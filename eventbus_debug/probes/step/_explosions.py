@@ -3,7 +3,9 @@ first step (the principles both detectors share: :mod:`._windows`)."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from typing_extensions import Self
@@ -39,7 +41,7 @@ class ExplosionDetector:
     accepted norms, above the largest norm the run has accepted, and above *reach* (2) times
     the largest median (of at least five norms) of the last *memory* checks, is an explosion.
     Zero, non-finite and exploded norms never enter the window (an explosion cannot raise its
-    own bar).
+    own bar), except the norms of a level that held (see below).
 
     The last two are the scale the run has already shown while healthy: a converged model that
     meets harder or noisier data sees its norm climb 30x over its converged median, back to
@@ -72,6 +74,18 @@ class ExplosionDetector:
     (one streak) never vouches for itself, and an exploded norm is never remembered (one
     explosion vouches for nothing, and a norm 1000x the median has no tail within 2x of it).
 
+    A norm that moved to a new *level* and stays there is a shift, reported at its onset and
+    then learned, like the loss-spike detector's sustained spike: when the current streak has
+    lasted *settle* checks, its last *settle* norms (this one included) lie within a factor of
+    2 of each other (a level, not a climb) and within *factor* times the scale the run has
+    shown (the largest norm it accepted, or *reach* times its largest recent median), the
+    window restarts at the streak's norms instead of reporting. Without it a converged
+    classifier given noisier data 2,000 steps in (norms back to 2x its early-training ones,
+    its early baseline past *memory*) had each of its next 125 norms above the old largest
+    reported, until enough lower ones had refilled the median. A norm climbing 1.2x a step
+    or faster is no level (every later norm above the bar is reported), nor is one beyond
+    *factor* times the run's scale (an LR 1000x too high: reported at every check).
+
     Args:
         window: how many accepted norms the median covers.
         factor: the growth factor over the median.
@@ -85,10 +99,12 @@ class ExplosionDetector:
         memory: how many checks a tail norm is remembered, and how far back the run's scale
             (its largest median) reaches.
         recurrence: how many earlier tail norms within 2x below a norm make it the data.
+        settle: how many checks a streak must hold one level (within 2x) before the window
+            restarts at it.
 
     Raises:
-        ValueError: if *memory* or *recurrence* is not an int >= 1, or *reach* is not a
-            finite positive number.
+        ValueError: if *memory*, *recurrence* or *settle* is not an int >= 1, or *reach* is
+            not a finite positive number.
     """
 
     __slots__ = (
@@ -97,6 +113,7 @@ class ExplosionDetector:
         "_largest",
         "_peaks",
         "_streak",
+        "_streak_norms",
         "_tail",
         "_window",
         "cap",
@@ -105,6 +122,7 @@ class ExplosionDetector:
         "memory",
         "reach",
         "recurrence",
+        "settle",
     )
 
     def __init__(
@@ -117,9 +135,11 @@ class ExplosionDetector:
         reach: float = 2.0,
         memory: int = 1000,
         recurrence: int = 2,
+        settle: int = 5,
     ) -> None:
         self.memory = positive_int("memory", memory)
         self.recurrence = positive_int("recurrence", recurrence)
+        self.settle = positive_int("settle", settle)
         self.reach = positive_number("reach", reach)
         self._peaks = RecentMax(self.memory, 0.0)
         """The largest median of accepted norms of the last *memory* checks (the run's
@@ -130,6 +150,9 @@ class ExplosionDetector:
         self._streak = 0
         """The check that started the current streak of tail or exploded norms (0: none);
         the norms of one streak never vouch for each other."""
+        self._streak_norms: deque[float] = deque(maxlen=window)
+        """The norms of the current streak, exploded ones included (a level it held restarts
+        the window)."""
         self._window = RunningMedian(window)
         self.factor = factor
         self.cap = cap
@@ -156,6 +179,7 @@ class ExplosionDetector:
         self._above_cap = math.inf
         self._tail.clear()
         self._streak = 0
+        self._streak_norms.clear()
 
     def observe(self, norm: float) -> ExplosionVerdict | None:
         """Judge one finite total norm; returns the verdict when it exploded, else ``None``."""
@@ -185,8 +209,13 @@ class ExplosionDetector:
             if norm > 0.5 * self.factor * baseline:
                 if not self._streak:
                     self._streak = checks  # the first check of this streak
+                    self._streak_norms.clear()
+                self._streak_norms.append(norm)
                 if norm > threshold and self._earlier_tail(norm) < self.recurrence:
-                    return ExplosionVerdict(threshold, baseline, self._largest, "growth")
+                    if not self._settled():
+                        return ExplosionVerdict(threshold, baseline, self._largest, "growth")
+                    self._restart()  # a shift that held: the streak's level is the baseline
+                    return None
                 tail.add(checks, norm)
             else:
                 self._streak = 0
@@ -199,6 +228,28 @@ class ExplosionDetector:
         window.add(norm)
         self._largest = max(self._largest, norm)
         return None
+
+    def _settled(self) -> bool:
+        """Whether the current streak has held one level (within 2x) for its last *settle*
+        checks, within *factor* times the scale the run has shown while healthy."""
+        norms = self._streak_norms
+        settle = self.settle
+        if len(norms) < settle:
+            return False
+        last = list(itertools.islice(norms, len(norms) - settle, None))
+        high = max(last)
+        scale = max(self.floor * self._largest, self.reach * self._peaks.largest)
+        return high <= 2.0 * min(last) and high <= self.factor * scale
+
+    def _restart(self) -> None:
+        """Restart the window at the streak's level (a shift that held); the streak ends."""
+        window = self._window
+        window.clear()
+        for value in self._streak_norms:
+            window.add(value)
+        self._largest = max(self._largest, max(self._streak_norms))
+        self._streak = 0
+        self._streak_norms.clear()
 
     def _earlier_tail(self, norm: float) -> int:
         """How many remembered tail norms lie in ``[norm / 2, norm]``, outside this streak."""

@@ -9,7 +9,10 @@ healthy run is a bug:
 * a value at or below the baseline is never a spike (a drop is an improvement), and zero,
   negative and converged losses are handled with an absolute tolerance scaled to the run;
 * what fired stays out of the baseline, so a spike cannot teach the detector that spikes are
-  normal, and :meth:`reset` restarts the window after a restore;
+  normal, and :meth:`reset` restarts the window after a restore; a level that *holds* (a
+  sustained loss spike, or gradient norms that stay at one level within an order of magnitude
+  of the run's healthy scale for a few checks) is reported at its onset, then the window
+  restarts at it, so a shift is not reported at every step until the median catches up;
 * a high loss at a level the run's recent outliers keep reaching (a second task's batches, a
   long-sequence bucket, a heavy tail) is the data's distribution, not a spike: the loss-spike
   detector remembers its outliers for a while and judges each new one against them; the
