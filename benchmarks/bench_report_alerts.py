@@ -150,7 +150,7 @@ async def main(steps: int, layers: int) -> None:
         f"({len(render_html(summary_adv)) // 1024} KiB)"
     )
     print(
-        f"AlertSink.handle      {alert / n * 1e6:7.2f} us/event with the 5 default rules "
+        f"AlertSink.handle      {alert / n * 1e6:7.2f} us/event with the {len(rules.defaults())} default rules "
         f"(async no-op {alert_base / n * 1e6:.3f} us/event, ratio {alert / alert_base:.0f}x); "
         f"{sink.statistics().delivered} deliveries, {sink.statistics().suppressed} suppressed"
     )

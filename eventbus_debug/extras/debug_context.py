@@ -192,8 +192,26 @@ def debug_context(
 
     Raises:
         ValueError: if *name* is empty.
+        TypeError: if *publish* is not callable (pass ``bus.publish_nowait``, not the bus), or
+            *step* is neither an int, a callable nor ``None`` (checked here, not at the end of
+            the block, where the block's work would be lost to the error).
     """
     if not isinstance(name, str) or not name:
         msg = f"name must be a non-empty string, got {name!r}"
         raise ValueError(msg)
+    if publish is not None and not callable(publish):
+        hint = (
+            " (pass its publish_nowait method, or sync_bus.publish)"
+            if callable(getattr(publish, "publish_nowait", None))
+            else ""
+        )
+        msg = f"publish must be a callable taking an event, or None, got {type(publish).__qualname__}{hint}"
+        raise TypeError(msg)
+    if (
+        step is not None
+        and not callable(step)
+        and (isinstance(step, bool) or not isinstance(step, int))
+    ):
+        msg = f"step must be an int, a callable returning one, or None, got {type(step).__qualname__} {step!r}"
+        raise TypeError(msg)
     return DebugContext(name, publish=publish, step=step, detect_anomaly=detect_anomaly, cuda=cuda)

@@ -213,10 +213,11 @@ class RankAgreement(Joinable):
         if not isinstance(overlap, bool):
             msg = f"overlap must be a bool, got {overlap!r}"
             raise TypeError(msg)
+        # the arguments first: a bad timeout is named wherever the agreement is built
+        self.timeout = positive_seconds("timeout", timeout)
         if not (dist.is_available() and dist.is_initialized()):
             msg = "RankAgreement needs an initialized torch.distributed process group"
             raise RuntimeError(msg)
-        self.timeout = positive_seconds("timeout", timeout)
         self._wait_timeout = timedelta(seconds=self.timeout)
         self.overlap = overlap
         self.rank = dist.get_rank()

@@ -71,12 +71,13 @@ class RecoveryPolicy(Enum):
         SAFE: the default, what a careful engineer does unattended on a three-day run: skip a
             step whose loss or gradients are non-finite, restore non-finite parameters and
             buffers from the last good state, clip only a gradient norm two orders of magnitude
-            beyond anything the run has seen, and roll back (with a temporary LR cut) only on a
-            *sustained* loss spike, a bounded number of times. Never stops a run that can be
-            brought back to a finite state; never touches a healthy one.
-        AGGRESSIVE: also clip every detected explosion, roll back on single loss spikes, and
-            lower the learning rate (temporarily) when faults repeat; stops when every strategy
-            for an incident is exhausted.
+            beyond anything the run has seen, and report loss spikes, single or sustained,
+            without acting (a loss signal alone cannot tell a fault from a shift of the data).
+            Never an LR change or a rollback; never stops a run that can be brought back to a
+            finite state; never touches a healthy one.
+        AGGRESSIVE: also clip every detected explosion, roll back (with a temporary LR cut) on
+            single and sustained loss spikes, and lower the learning rate (temporarily) when
+            faults repeat; stops when every strategy for an incident is exhausted.
     """
 
     OBSERVE = "observe"

@@ -31,16 +31,29 @@ class _SustainedAbove:
     threshold: float
     sustain: int
     _runs: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
+    # rank -> the published event judged last and the answer: one rule registered with several
+    # handlers (or in several sinks) is asked about the same event once per registration, and
+    # that must count as one reading, not several
+    _last: dict[int, tuple[Event, bool]] = field(default_factory=dict, compare=False, repr=False)
 
     def __call__(self, event: Event) -> bool:
         if isinstance(event, ResourceThresholdExceeded):
             return event.metric == self.metric and event.value > self.threshold
+        rank = event.rank
+        if event.seq >= 0:  # published: judged once, whoever asks again
+            last = self._last.get(rank)
+            if last is not None and last[0] is event:
+                return last[1]
         value = getattr(event, self.metric, None)
         if not isinstance(value, (int, float)) or math.isnan(value) or value <= self.threshold:
-            self._runs.pop(event.rank, None)
-            return False
-        run = self._runs[event.rank] = self._runs.get(event.rank, 0) + 1
-        return run >= self.sustain
+            self._runs.pop(rank, None)
+            matched = False
+        else:
+            run = self._runs[rank] = self._runs.get(rank, 0) + 1
+            matched = run >= self.sustain
+        if event.seq >= 0:
+            self._last[rank] = (event, matched)
+        return matched
 
 
 @dataclass(frozen=True, slots=True)
