@@ -26,6 +26,7 @@ import contextlib
 import importlib
 import importlib.metadata
 import logging
+import math
 import os
 import sys
 import time
@@ -353,7 +354,7 @@ def _cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
     if args.steps is not None:
         if args.steps < 1:
             msg = f"--steps must be >= 1, got {args.steps}"
-            raise CommandError(msg)
+            raise UsageError(msg)
         options["steps"] = args.steps
     log_dir: Path = args.log_dir
 
@@ -413,8 +414,11 @@ def _cmd_tail(args: argparse.Namespace, out: IO[str]) -> int:
     if args.lines < 0:
         msg = f"--lines must be >= 0, got {args.lines}"
         raise UsageError(msg)
-    if args.poll_interval <= 0:
-        msg = f"--poll-interval must be > 0, got {args.poll_interval}"
+    if not (math.isfinite(args.poll_interval) and args.poll_interval > 0):
+        msg = f"--poll-interval must be a finite number of seconds > 0, got {args.poll_interval}"
+        raise UsageError(msg)
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout >= 0):
+        msg = f"--timeout must be a finite number of seconds >= 0, got {args.timeout}"
         raise UsageError(msg)
     kinds = _known_kinds(args.kind)
     floor = Severity(args.min_severity)
@@ -437,32 +441,32 @@ def _cmd_tail(args: argparse.Namespace, out: IO[str]) -> int:
             return encode_event(event).decode().rstrip("\n")
         return format_event(event, colors=colors)
 
-    follower = LogFollower(args.logdir, from_end=False, strict=not args.skip_bad_lines)
-    past = follower.poll()
-    shown = [e for e in past if wanted(e)]
-    if not args.all:
-        shown = list(deque(shown, maxlen=args.lines)) if args.lines else []
-    for event in shown:
-        out.write(show(event) + "\n")
-    out.flush()
-    if not args.follow:
+    with LogFollower(args.logdir, from_end=False, strict=not args.skip_bad_lines) as follower:
+        past = follower.poll()
+        shown = [e for e in past if wanted(e)]
+        if not args.all:
+            shown = list(deque(shown, maxlen=args.lines)) if args.lines else []
+        for event in shown:
+            out.write(show(event) + "\n")
+        out.flush()
+        if not args.follow:
+            return 0
+        if args.exit_on_end and any(isinstance(e, SessionEnded) for e in past):
+            return 0
+        try:
+            while deadline is None or time.monotonic() < deadline:
+                time.sleep(args.poll_interval)
+                ended = False
+                for event in follower.poll():
+                    ended = ended or isinstance(event, SessionEnded)
+                    if wanted(event):
+                        out.write(show(event) + "\n")
+                out.flush()
+                if ended and args.exit_on_end:
+                    break
+        except KeyboardInterrupt:
+            pass
         return 0
-    if args.exit_on_end and any(isinstance(e, SessionEnded) for e in past):
-        return 0
-    try:
-        while deadline is None or time.monotonic() < deadline:
-            time.sleep(args.poll_interval)
-            ended = False
-            for event in follower.poll():
-                ended = ended or isinstance(event, SessionEnded)
-                if wanted(event):
-                    out.write(show(event) + "\n")
-            out.flush()
-            if ended and args.exit_on_end:
-                break
-    except KeyboardInterrupt:
-        pass
-    return 0
 
 
 def _fmt_opt(value: float | None, spec: str = ".4g") -> str:

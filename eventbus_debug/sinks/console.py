@@ -61,6 +61,8 @@ class ConsoleSink:
         ValueError: if *step_every* is below 1.
         TypeError: if an entry of *event_types* or *exclude* is not an Event subclass, or
             *telemetry* is not a bool.
+        ArgumentTypeError: if *stream* has no ``write`` method or *colors* is not a bool or
+            None (a ``TypeError``).
     """
 
     def __init__(
@@ -82,6 +84,15 @@ class ConsoleSink:
         if not isinstance(telemetry, bool):
             msg = f"telemetry must be a bool, got {telemetry!r}"
             raise TypeError(msg)
+        if stream is not None and not callable(getattr(stream, "write", None)):
+            msg = (
+                f"stream must be a text stream (an object with a write(str) method) or None "
+                f"(sys.stderr), got {type(stream).__name__} {stream!r:.60}"
+            )
+            raise ArgumentTypeError(msg)
+        if colors is not None and not isinstance(colors, bool):
+            msg = f"colors must be True, False or None (auto), got {colors!r:.60}"
+            raise ArgumentTypeError(msg)
         self._types = _check_types("event_types", event_types)
         self._exclude = _check_types("exclude", exclude)
         self._stream = stream
