@@ -34,8 +34,9 @@ from typing_extensions import Self
 
 from eventbus_debug.diagnostics import get_logger
 
-from .._validate import publisher
+from .._validate import positive_int, publisher
 from ..events import Event, ProfileCaptured
+from ..exceptions import ArgumentTypeError
 from ..typing import Publisher
 
 __all__ = ("ProfileSchedule", "StepProfiler", "TraceStore", "profiling")
@@ -66,7 +67,11 @@ class ProfileSchedule:
         for name in ("wait", "warmup", "active"):
             value = getattr(self, name)
             low = 1 if name == "active" else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, int):
+                # the wrong type: a TypeError that is also the ValueError raised before
+                msg = f"{name} must be an int >= {low} (steps), got {value!r}"
+                raise ArgumentTypeError(msg)
+            if value < low:
                 msg = f"{name} must be an int >= {low} (steps), got {value!r}"
                 raise ValueError(msg)
 
@@ -78,6 +83,7 @@ class TraceStore:
     *max_bytes* bytes remain (the newest trace is always kept).
 
     Raises:
+        ArgumentTypeError: if *max_traces* or *max_bytes* is not an int (a ``TypeError``).
         ValueError: if *max_traces* or *max_bytes* is below 1.
     """
 
@@ -88,15 +94,9 @@ class TraceStore:
         max_traces: int = DEFAULT_MAX_TRACES,
         max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
-        if max_traces < 1:
-            msg = f"max_traces must be >= 1, got {max_traces}"
-            raise ValueError(msg)
-        if max_bytes < 1:
-            msg = f"max_bytes must be >= 1, got {max_bytes}"
-            raise ValueError(msg)
         self.directory = Path(directory)
-        self.max_traces = max_traces
-        self.max_bytes = max_bytes
+        self.max_traces = positive_int("max_traces", max_traces)
+        self.max_bytes = positive_int("max_bytes", max_bytes)
 
     def traces(self) -> list[Path]:
         """The traces kept, oldest first."""

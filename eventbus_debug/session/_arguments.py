@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .._validate import int64_count, real_number
+from ..exceptions import ArgumentTypeError
 from ..probes import StepProbe
 from ..probes.step.probe import loss_value
 
@@ -62,12 +63,14 @@ def loss_argument(loss: object) -> Any:
 def _number(name: str, value: object) -> float:
     """*value* (a real number or a dense one-element real tensor) as a float."""
     if isinstance(value, torch.Tensor):
-        if (
-            value.numel() != 1
-            or value.layout is not torch.strided
-            or value.is_meta
-            or value.is_complex()
-        ):
+        if value.is_complex() or value.dtype is torch.bool:
+            # as a complex or bool number is: the wrong type (also a ValueError, as before)
+            msg = (
+                f"{name} must be a real number or a one-element real tensor, got a "
+                f"{value.dtype} tensor"
+            )
+            raise ArgumentTypeError(msg)
+        if value.numel() != 1 or value.layout is not torch.strided or value.is_meta:
             msg = (
                 f"{name} must be a number or a one-element real tensor (dense), got shape "
                 f"{tuple(value.shape)} {value.dtype} {value.layout}"

@@ -219,7 +219,12 @@ class SessionBase(Generic[BusT]):
         options = self.options
         self.agreement = agreement_for(options.distributed, AGREE_TIMEOUT)
         probe = self.probe = build_probe(
-            options, self.model, self.optimizer, bus, agreement=self.agreement
+            options,
+            self.model,
+            self.optimizer,
+            bus,
+            agreement=self.agreement,
+            level=self.plan.level,
         )
         if self.leak_detector is not None:
             self.leak_detector.bind(bus)
@@ -231,6 +236,7 @@ class SessionBase(Generic[BusT]):
             agreement=self.agreement,
             on_restore=probe.rebaseline,
             device_skip=self.device_skip,
+            probe=probe,
         )
         self.recovery = recovery.engine
         elsewhere = sharing.join(bus, self.name)

@@ -18,7 +18,7 @@ from .._bus._adapter import default_name
 from ..extras.validation import InputValidator, ValidationPolicy
 from ..probes import AnomalyArming, LeakDetector, StepProbe, SystemSampler
 from ..probes.anomaly_arming import arm_on_incidents
-from ..probes.levels import Cadence, checks_due
+from ..probes.levels import Cadence, DebugLevel, checks_due
 from ..recovery import RecoveryEngine, SafePoint, ScalerMonitor
 from ..recovery.agreement import Agreement, RankAgreement
 from ..recovery.device_skip import DeviceSkip
@@ -38,6 +38,7 @@ __all__ = (
     "build_leak_detector",
     "build_probe",
     "build_recovery",
+    "check_engine_bus",
     "build_sinks",
     "build_system",
     "build_validator",
@@ -147,12 +148,14 @@ def build_probe(
     bus: BusT,
     *,
     agreement: Agreement | None,
+    level: DebugLevel | None = None,
 ) -> StepProbe:
-    """The step probe, publishing on *bus*."""
+    """The step probe, publishing on *bus*, at *level* (the session's level now: set before
+    the entry or during an earlier one), else the options' level."""
     return StepProbe(
         model,
         bus,
-        level=options.plan.level,
+        level=options.plan.level if level is None else level,
         thresholds=options.thresholds,
         cadence=options.cadence,
         source=f"{options.name}.step_probe",
@@ -229,15 +232,17 @@ def build_recovery(
     agreement: Agreement | None,
     on_restore: Callable[[], None],
     device_skip: DeviceSkip | None = None,
+    probe: StepProbe | None = None,
 ) -> Recovery:
     """The recovery engine on *bus*, its safe point and the AMP watcher.
 
     *on_restore* runs after every restore (the probe's rebaseline). With *device_skip* the
-    safe point drops the decisions about a step the device already skipped.
+    safe point drops the decisions about a step the device already skipped. *probe* (the
+    session's step probe) tells an overlapped agreement which steps check rank-local state.
 
     Raises:
         ValueError: if *device_skip* is given in a process group that agrees (the ranks would
-            skip on their own flags).
+            skip on their own flags), or a ``recovery=`` engine is on another bus.
     """
     if device_skip is not None:
         if agreement is not None:
@@ -256,12 +261,13 @@ def build_recovery(
         )
     elif isinstance(options.recovery, RecoveryEngine):
         engine = options.recovery
+        check_engine_bus(options, bus)
     if engine is None:
         return Recovery(amp=amp)
     if isinstance(agreement, RankAgreement):
         engine.agreement = agreement  # retried calls agree across ranks
         if optimizer is not None:
-            _overlap_agreement(options, model, engine, agreement)
+            _overlap_agreement(options, model, engine, agreement, probe)
     if optimizer is None:
         return Recovery(engine=engine, amp=amp)
     safe_point = SafePoint(
@@ -279,8 +285,40 @@ def build_recovery(
     return Recovery(engine=engine, safe_point=safe_point, amp=amp)
 
 
+def _host(bus: object) -> object:
+    """The event loop's bus behind *bus* (a :class:`SyncEventBus` runs an ``EventBus``)."""
+    return bus.bus if isinstance(bus, SyncEventBus) else bus
+
+
+def check_engine_bus(options: SessionOptions, bus: object | None) -> None:
+    """Refuse a ``recovery=`` engine that is not subscribed to *bus*, the session's bus
+    (``None``: a bus of the session's own, which no engine built before it can be on).
+
+    Raises:
+        ValueError: naming ``recovery``: the engine would never hear the session's incidents
+            (a NaN step would be stepped).
+    """
+    engine = options.recovery
+    if not isinstance(engine, RecoveryEngine):
+        return
+    if bus is not None and _host(engine.bus) is _host(bus):
+        return
+    where = "a bus the session builds itself" if bus is None else f"{bus!r}"
+    msg = (
+        f"recovery= must be a RecoveryEngine subscribed to the session's bus ({where}), got one "
+        f"on {engine.bus!r}: it would never hear this session's incidents. Pass recovery=True "
+        "for the session's own engine, or share your bus: "
+        "Session(model, optimizer, bus=bus, recovery=RecoveryEngine(bus))"
+    )
+    raise ValueError(msg)
+
+
 def _overlap_agreement(
-    options: SessionOptions, model: nn.Module, engine: RecoveryEngine, agreement: RankAgreement
+    options: SessionOptions,
+    model: nn.Module,
+    engine: RecoveryEngine,
+    agreement: RankAgreement,
+    probe: StepProbe | None = None,
 ) -> None:
     """Hide the agreement behind DDP's backward where the checks allow it (else it blocks).
 
@@ -296,7 +334,13 @@ def _overlap_agreement(
     level, cadence = options.plan.level, options.cadence or Cadence()
 
     def blocking_at(step: int) -> bool:
-        due = checks_due(level, cadence, step)
+        # the probe's level and cadence now: a level set at run time (``set_level``) moves
+        # the parameter and activation checks, and with them the blocking rounds
+        due = (
+            checks_due(probe.level, probe.cadence, step)
+            if probe is not None
+            else checks_due(level, cadence, step)
+        )
         return due.params or due.activations
 
     agreement.attach(model, engine, blocking_at=blocking_at)

@@ -20,7 +20,7 @@ from ..exceptions import BusClosedError
 from ..probes import AnomalyArming, StepProfiler
 from ..step_context import bind_step_source
 from ._base import TELEMETRY_LATENCY, SessionBase, options_from
-from ._wiring import build_sinks, build_system
+from ._wiring import build_sinks, build_system, check_engine_bus
 from .options import SessionKnobs, SessionOptions
 from .verdict import TrainingStepResult, Verdict
 
@@ -92,6 +92,7 @@ class Session(SessionBase[EventBus]):
         if bus is not None and not isinstance(bus, EventBus):
             msg = f"bus must be an EventBus or None, got {bus!r}; for plain loops use SyncSession"
             raise TypeError(msg)
+        check_engine_bus(self.options, bus)
         self._given_bus = bus
         self._stack: contextlib.AsyncExitStack | None = None
         self._anomaly: AnomalyArming | None = None

@@ -319,14 +319,15 @@ class StepBoundary:
         return self._check_end(started, self._decided(step, verdict, safe_point, decision))
 
     def _check_begin(self, step: int) -> float:
-        """The start of a step's checks: its number, and the time they started."""
+        """The start of a step's checks: the time they started (*step* checked)."""
         if step.__class__ is not int or not 0 <= step <= INT64_MAX:
             StepProbe._validate(step, None)  # a refused step never becomes the session's step
-        self.step = step
         return self.meter.clock()
 
     def _probed(self, step: int, loss: torch.Tensor | float | None, verdict: StepVerdict) -> None:
-        """After the probe: hand its results to the parts that take them."""
+        """After the probe: *step* becomes the session's step (a loss the probe refused
+        leaves it as it was), and the probe's results go to the parts that take them."""
+        self.step = step
         if self.device_skip is not None:
             self.device_skip.launched(step, self.probe.in_flight(step), loss, verdict)
         if verdict.overflow and self.amp is not None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
+from ..exceptions import ArgumentTypeError
 from ..probes import DebugLevel
 
 __all__ = ("DebugMode", "DebugPlan", "plan_for")
@@ -69,16 +70,30 @@ def plan_for(*modes: DebugMode | str | Iterable[DebugMode | str]) -> DebugPlan:
     The level is the highest any mode asks for; the instruments are the union.
 
     Raises:
+        ArgumentTypeError: (a ``TypeError`` and a ``ValueError``) if a mode is neither a
+            :class:`DebugMode`, a name nor an iterable of them.
         ValueError: if a name is not a :class:`DebugMode` value (the valid ones are listed).
     """
     flat: list[DebugMode] = []
+    valid = ", ".join(x.value for x in DebugMode)
     for m in modes:
-        items: Iterable[DebugMode | str] = (m,) if isinstance(m, DebugMode | str) else m
+        if isinstance(m, DebugMode | str):
+            items: Iterable[DebugMode | str] = (m,)
+        elif isinstance(m, Iterable):
+            items = m
+        else:
+            msg = f"mode must be a DebugMode, its name, or several of them; got {m!r}"
+            raise ArgumentTypeError(msg)
         for item in items:
+            if isinstance(item, DebugMode):
+                flat.append(item)
+                continue
+            if not isinstance(item, str):
+                msg = f"mode must be a DebugMode or one of {valid}; got {item!r}"
+                raise ArgumentTypeError(msg)
             try:
-                flat.append(item if isinstance(item, DebugMode) else DebugMode(item))
+                flat.append(DebugMode(item.lower()))  # names in any case, as levels take them
             except ValueError:
-                valid = ", ".join(x.value for x in DebugMode)
                 msg = f"mode must be one of {valid}; got {item!r}"
                 raise ValueError(msg) from None
     level = DebugLevel.OFF

@@ -17,7 +17,7 @@ from ..events import TensorRole
 from ..probes import AnomalyArming
 from ..step_context import bind_step_source
 from ._base import TELEMETRY_LATENCY, SessionBase, options_from
-from ._wiring import Sinks, build_sinks, build_system
+from ._wiring import Sinks, build_sinks, build_system, check_engine_bus
 from .options import SessionKnobs, SessionOptions
 from .verdict import TrainingStepResult, Verdict
 
@@ -73,6 +73,7 @@ class SyncSession(SessionBase[SyncEventBus]):
         if "bus" in knobs:
             raise TypeError(_BUS_MESSAGE)
         super().__init__(model, optimizer, options_from(options, knobs, caller="SyncSession"))
+        check_engine_bus(self.options, None)
         self._system_task: Future[None] | None = None
         self._flusher_task: Future[None] | None = None
         self._anomaly: AnomalyArming | None = None  # DebugMode.ANOMALY_DETECTION's localization

@@ -120,8 +120,9 @@ class LeakDetector:
 
     Raises:
         ValueError: if *every* is below 1.
-        TypeError: if *bus* is not a Publisher (either bus) or None, *every* not an int, or
-            *thresholds* not a :class:`LeakThresholds` or None.
+        TypeError: if *bus* is not a Publisher (either bus) or None, *every* not an int,
+            *thresholds* not a :class:`LeakThresholds` or None, *count_tensors* or
+            *publish_samples* not a bool, or *source* not a str.
     """
 
     def __init__(
@@ -137,6 +138,13 @@ class LeakDetector:
         self.every = positive_int("every", every)
         if thresholds is not None and not isinstance(thresholds, LeakThresholds):
             msg = f"thresholds must be a LeakThresholds or None, got {thresholds!r}"
+            raise TypeError(msg)
+        for flag, value in (("count_tensors", count_tensors), ("publish_samples", publish_samples)):
+            if not isinstance(value, bool):
+                msg = f"{flag} must be a bool, got {type(value).__qualname__} {value!r}"
+                raise TypeError(msg)
+        if not isinstance(source, str):
+            msg = f"source must be a str, got {type(source).__qualname__} {source!r}"
             raise TypeError(msg)
         self.thresholds = thresholds if thresholds is not None else LeakThresholds()
         self.count_tensors = count_tensors

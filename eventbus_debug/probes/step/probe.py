@@ -92,7 +92,8 @@ class StepProbe:
 
     Raises:
         TypeError: if *model* is not an ``nn.Module``, *bus* is not a Publisher or ``None``, or
-            *level*/*cadence*/*thresholds*/*scaler* have the wrong type.
+            *level*/*cadence*/*thresholds*/*scaler*/*optimizer*/*deferred*/*global_spikes*/
+            *source* have the wrong type.
         ValueError: if the model has parameters on the meta device (they hold no values),
             *level* is not a level name, or *offload_numel* is not an int >= 1.
     """
@@ -123,6 +124,19 @@ class StepProbe:
             raise TypeError(msg)
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             msg = f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__qualname__}"
+            raise TypeError(msg)
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            msg = (
+                "optimizer must be a torch.optim.Optimizer or None, got "
+                f"{type(optimizer).__qualname__}"
+            )
+            raise TypeError(msg)
+        for flag, value in (("deferred", deferred), ("global_spikes", global_spikes)):
+            if not isinstance(value, bool):
+                msg = f"{flag} must be a bool, got {type(value).__qualname__} {value!r}"
+                raise TypeError(msg)
+        if not isinstance(source, str):
+            msg = f"source must be a str, got {type(source).__qualname__} {source!r}"
             raise TypeError(msg)
         named_model = named_root(model)  # a compiled model's names are the model's
         meta = [n for n, p in named_model.named_parameters() if p.is_meta]
