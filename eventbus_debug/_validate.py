@@ -179,6 +179,21 @@ def fraction(name: str, value: object, *, inclusive: bool = True) -> float:
     return float(value)
 
 
+def flags_and_source(source: object, **flags: object) -> None:
+    """Check a component's bool *flags* and its ``source`` str (the shared constructor rule).
+
+    Raises:
+        TypeError: naming the first argument of the wrong type.
+    """
+    for flag, value in flags.items():
+        if not isinstance(value, bool):
+            msg = f"{flag} must be a bool, got {type(value).__qualname__} {value!r}"
+            raise TypeError(msg)
+    if not isinstance(source, str):
+        msg = f"source must be a str, got {type(source).__qualname__} {source!r}"
+        raise TypeError(msg)
+
+
 def publisher(name: str, value: object) -> Publisher | None:
     """*value* as a :class:`~eventbus_debug.typing.Publisher` (either bus, or a test double), or None.
 

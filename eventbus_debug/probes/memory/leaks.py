@@ -18,7 +18,7 @@ import torch
 
 from eventbus_debug.diagnostics import get_logger
 
-from ..._validate import fraction, non_negative, positive_int, publisher
+from ..._validate import flags_and_source, fraction, non_negative, positive_int, publisher
 from ...events import MemoryLeakSuspected, MemorySampled
 from ...typing import Publisher
 from .snapshot import MIB, _live_tensors, memory_snapshot
@@ -139,13 +139,7 @@ class LeakDetector:
         if thresholds is not None and not isinstance(thresholds, LeakThresholds):
             msg = f"thresholds must be a LeakThresholds or None, got {thresholds!r}"
             raise TypeError(msg)
-        for flag, value in (("count_tensors", count_tensors), ("publish_samples", publish_samples)):
-            if not isinstance(value, bool):
-                msg = f"{flag} must be a bool, got {type(value).__qualname__} {value!r}"
-                raise TypeError(msg)
-        if not isinstance(source, str):
-            msg = f"source must be a str, got {type(source).__qualname__} {source!r}"
-            raise TypeError(msg)
+        flags_and_source(source, count_tensors=count_tensors, publish_samples=publish_samples)
         self.thresholds = thresholds if thresholds is not None else LeakThresholds()
         self.count_tensors = count_tensors
         self.publish_samples = publish_samples

@@ -28,7 +28,14 @@ from torch import nn
 from eventbus_debug.diagnostics import get_logger
 
 from ..._modules import float_parameters, named_root
-from ..._validate import INT64_MAX, int64_count, positive_int, publisher, real_number
+from ..._validate import (
+    INT64_MAX,
+    flags_and_source,
+    int64_count,
+    positive_int,
+    publisher,
+    real_number,
+)
 from ...events import Event, LossSpiked
 from ...typing import Publisher
 from ..levels import Cadence, Checks, DebugLevel, Thresholds, checks_due, level_of
@@ -131,13 +138,7 @@ class StepProbe:
                 f"{type(optimizer).__qualname__}"
             )
             raise TypeError(msg)
-        for flag, value in (("deferred", deferred), ("global_spikes", global_spikes)):
-            if not isinstance(value, bool):
-                msg = f"{flag} must be a bool, got {type(value).__qualname__} {value!r}"
-                raise TypeError(msg)
-        if not isinstance(source, str):
-            msg = f"source must be a str, got {type(source).__qualname__} {source!r}"
-            raise TypeError(msg)
+        flags_and_source(source, deferred=deferred, global_spikes=global_spikes)
         named_model = named_root(model)  # a compiled model's names are the model's
         meta = [n for n, p in named_model.named_parameters() if p.is_meta]
         if meta:
