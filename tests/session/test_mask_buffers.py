@@ -62,3 +62,23 @@ async def test_an_infinite_mask_is_not_a_fault_and_a_nan_buffer_is(level: DebugL
     faults = [e for e in recorder.of_type(NonFiniteDetected) if e.role is TensorRole.BUFFER]
     assert faults and faults[0].names == ("norm.running_mean",)
     assert "mask" not in {n for e in faults for n in e.names}
+
+
+def test_a_refused_snapshot_is_logged_once_a_streak(caplog: pytest.LogCaptureFixture) -> None:
+    """A state that stays non-finite is retried at every good step, and said once."""
+    from eventbus_debug.recovery import StateSnapshots
+
+    model = nn.Linear(2, 1)
+    snapshots = StateSnapshots(every=1)
+    with torch.no_grad():
+        model.weight[0, 0] = math.nan
+    with caplog.at_level("INFO"):
+        for step in range(5):
+            assert not snapshots.maybe_capture(step, model, None)
+        with torch.no_grad():
+            model.weight.zero_()
+        assert snapshots.maybe_capture(5, model, None)
+    refused = [r for r in caplog.records if "snapshot_refused" in r.getMessage()]
+    resumed = [r for r in caplog.records if "snapshot_resumed" in r.getMessage()]
+    assert len(refused) == 1 and len(resumed) == 1
+    assert snapshots.refusals == 5 and snapshots.captures == 1

@@ -261,6 +261,10 @@ class StateSnapshots:
         self._step: int | None = None
         self._good_since = 0
         self.captures = 0
+        self.refusals = 0
+        """Captures refused (a non-finite state); the first of a streak is logged, its length
+        at the next capture."""
+        self._refused_since: int | None = None  # the step a streak of refusals started
         self.restores = 0
         if checkpoint is not None:
             self.load(checkpoint)
@@ -303,12 +307,18 @@ class StateSnapshots:
             plan = None  # the live tensors changed: plan the copies again
         groups = plan.finite if plan is not None else _finite_groups(model, optimizer)
         if not _all_finite(groups):
-            _log.warning(
-                "snapshot_refused",
-                step=step,
-                reason="non-finite parameters or optimizer moments, or NaN buffers",
-            )
+            self.refusals += 1
+            if self._refused_since is None:  # retried at every good step: said once a streak
+                self._refused_since = step
+                _log.warning(
+                    "snapshot_refused",
+                    step=step,
+                    reason="non-finite parameters or optimizer moments, or NaN buffers",
+                )
             return False
+        if self._refused_since is not None:
+            _log.info("snapshot_resumed", step=step, refused_since=self._refused_since)
+            self._refused_since = None
         if plan is None:
             plan = self._plan = _Plan.build(model, optimizer, groups)
         else:
