@@ -62,7 +62,10 @@ def _text(value: Any) -> str:
     elif hasattr(value, "value") and hasattr(type(value), "__members__"):  # an enum member
         text = str(value.value)
     else:
-        text = str(value)
+        try:
+            text = str(value)
+        except Exception:  # that value alone is left out of the line, never the line
+            text = f"<unprintable {type(value).__name__}>"
     text = text.replace("\n", " | ")
     if len(text) > _MAX_VALUE:
         text = text[: _MAX_VALUE - 1] + "…"
