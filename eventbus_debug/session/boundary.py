@@ -236,11 +236,7 @@ class StepBoundary:
         # The body of _completed without its generator (this runs on every step): the same
         # two halves around the async hand-over.
         started, event = self._completed_begin(step, loss, learning_rate, samples)
-        if self._publish is not None:
-            await self._publish(event)  # _hand_over, without its coroutine
-        else:
-            self.publisher.publish_nowait(event)
-            await anyio.lowlevel.checkpoint()
+        await self._hand_over(event)
         self._completed_end(started)
 
     def completed_sync(
@@ -416,12 +412,13 @@ class StepBoundary:
         ended = meter.clock()
         meter.step_finished(ended, ended - started)
 
-    async def _hand_over(self, event: StepCompleted) -> None:
+    def _hand_over(self, event: StepCompleted) -> Awaitable[None]:
+        """Hand *event* over; the awaitable of the step's one turn of the event loop (returned,
+        not awaited here: no coroutine of its own on the every-step path)."""
         if self._publish is not None:
-            await self._publish(event)
-        else:
-            self.publisher.publish_nowait(event)
-            await anyio.lowlevel.checkpoint()
+            return self._publish(event)
+        self.publisher.publish_nowait(event)
+        return anyio.lowlevel.checkpoint()
 
     def _hand_over_sync(self, event: StepCompleted) -> None:
         self.publisher.publish_nowait(event)
