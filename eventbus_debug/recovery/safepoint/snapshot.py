@@ -41,12 +41,13 @@ class _Checks:
     Attributes:
         groups: the floating parameters and the optimizer state shaped like them, grouped by
             device and dtype (one reduction each): none may be NaN or infinite.
-        buffers: the floating buffers: none may be NaN. An infinite buffer can be by
-            construction (a causal attention mask of ``-inf`` registered as a buffer).
+        buffers: the floating buffers, grouped the same way: none may be NaN. An infinite
+            buffer can be by construction (a causal attention mask of ``-inf`` registered as a
+            buffer).
     """
 
     groups: list[list[torch.Tensor]]
-    buffers: list[torch.Tensor]
+    buffers: list[list[torch.Tensor]]
 
 
 def _finite_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> _Checks:
@@ -59,49 +60,56 @@ def _finite_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     would come back with every restore).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    buffers: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
 
-    def add(t: torch.Tensor) -> None:
+    def add(
+        into: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]], t: torch.Tensor
+    ) -> None:
         if t.is_floating_point() or t.is_complex():
-            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+            into.setdefault((t.device, t.dtype), []).append(t.detach())
 
     for p in model.parameters():
-        add(p)
+        add(groups, p)
     if optimizer is not None:
         for param, state in optimizer.state.items():
             shape = getattr(param, "shape", None)
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.shape == shape:
-                    add(v)  # a moment of the parameter
-    buffers = [b.detach() for b in model.buffers() if b.is_floating_point() or b.is_complex()]
-    return _Checks(list(groups.values()), buffers)
+                    add(groups, v)  # a moment of the parameter
+    for b in model.buffers():
+        add(buffers, b)
+    return _Checks(list(groups.values()), list(buffers.values()))
 
 
 def _all_finite(checks: _Checks) -> bool:
     """A few fused reductions and one host transfer: does *checks* hold no NaN/Inf (no NaN in
     the buffers)?
 
-    Each group's norms (half precision ones computed in float32, so a large half-precision
-    model does not overflow its own dtype's range) are summed into one number, NaN or Inf as
-    soon as one value is (a model whose norms add up past the float32 range is refused too: it
-    is not healthy).
+    One number per group (:func:`_norm_sum`; a model whose norms add up past the float32
+    range is refused too: it is not healthy).
     """
-    totals: list[torch.Tensor] = []
-    for ts in checks.groups:
-        low = ts[0].is_floating_point() and ts[0].dtype.itemsize < 4
-        norms = torch._foreach_norm(ts, 2, dtype=torch.float32) if low else torch._foreach_norm(ts)
-        v = torch.stack(norms)
-        full = getattr(v, "full_tensor", None)  # FSDP2 / DTensor: the norm over every shard
-        totals.append((full() if callable(full) else v).sum())
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for b in checks.buffers:
-        by_device.setdefault(b.device, []).append(b.isnan().any())
-    for flags in by_device.values():
-        totals.append(torch.where(torch.stack(flags).any(), math.inf, 0.0))  # inf: a NaN buffer
+    totals = [_norm_sum(ts) for ts in checks.groups]
+    for ts in checks.buffers:
+        # The norm of a tensor holding a NaN is NaN, whatever else it holds; an infinite one
+        # (a -inf mask) or one past the float range is not: only the NaN counts (as inf here).
+        total = _norm_sum(ts)
+        totals.append(torch.where(total.isnan(), math.inf, 0.0))
     if not totals:
         return True
     if len(totals) == 1:
         return math.isfinite(totals[0].item())
     return bool(torch.isfinite(torch.stack([t.float().cpu() for t in totals])).all().item())
+
+
+def _norm_sum(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the 2-norms of *ts* (one device and dtype), in one fused reduction: NaN or
+    Inf as soon as one value is. Half precision norms are computed in float32, so a large
+    half-precision model does not overflow its own dtype's range."""
+    low = ts[0].is_floating_point() and ts[0].dtype.itemsize < 4
+    norms = torch._foreach_norm(ts, 2, dtype=torch.float32) if low else torch._foreach_norm(ts)
+    v = torch.stack(norms)
+    full = getattr(v, "full_tensor", None)  # FSDP2 / DTensor: the norm over every shard
+    return (full() if callable(full) else v).sum()
 
 
 def _live_key(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, ...]:
