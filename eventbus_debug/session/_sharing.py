@@ -14,24 +14,26 @@ import threading
 import weakref
 from collections.abc import Callable
 
+from .._bus import SyncEventBus
 from ..events import Anomaly
 
-__all__ = ("join", "leave")
+__all__ = ("host", "join", "leave")
 
 _lock = threading.Lock()
 _names: weakref.WeakKeyDictionary[object, list[str]] = weakref.WeakKeyDictionary()
 """The names of the sessions running on each bus (a name twice when two sessions share it)."""
 
 
-def _key(bus: object) -> object:
-    """A ``SyncEventBus`` and the ``EventBus`` it runs are one bus."""
-    return getattr(bus, "bus", bus)
+def host(bus: object) -> object:
+    """The event loop's bus behind *bus*: a ``SyncEventBus`` and the ``EventBus`` it runs are
+    one bus."""
+    return bus.bus if isinstance(bus, SyncEventBus) else bus
 
 
 def join(bus: object, name: str) -> Callable[[Anomaly], bool]:
     """Count session *name* as running on *bus*; returns the test of an incident that belongs
     to another session running on it (the one :meth:`RecoveryEngine.ignore` takes)."""
-    key = _key(bus)
+    key = host(bus)
     with _lock:
         _names.setdefault(key, []).append(name)
 
@@ -47,7 +49,7 @@ def join(bus: object, name: str) -> Callable[[Anomaly], bool]:
 
 def leave(bus: object, name: str) -> None:
     """Session *name* no longer runs on *bus* (idempotent per :func:`join`)."""
-    key = _key(bus)
+    key = host(bus)
     with _lock:
         names = _names.get(key)
         if names is not None and name in names:

@@ -25,6 +25,7 @@ from ..recovery.device_skip import DeviceSkip
 from ..sinks import AlertSink, ConsoleSink, LogAlert, ReportWriter, RotatingFileSink, rules
 from ..step_context import StepSource
 from ..typing import BatchSink, Handler, Publisher, Sink
+from ._sharing import host
 from .options import SessionOptions, SinkOption
 
 __all__ = (
@@ -260,8 +261,7 @@ def build_recovery(
             bus, name=f"{options.name}.recovery", policy=options.recovery_policy
         )
     elif isinstance(options.recovery, RecoveryEngine):
-        engine = options.recovery
-        check_engine_bus(options, bus)
+        engine = options.recovery  # on the session's bus: checked when the session was made
     if engine is None:
         return Recovery(amp=amp)
     if isinstance(agreement, RankAgreement):
@@ -285,11 +285,6 @@ def build_recovery(
     return Recovery(engine=engine, safe_point=safe_point, amp=amp)
 
 
-def _host(bus: object) -> object:
-    """The event loop's bus behind *bus* (a :class:`SyncEventBus` runs an ``EventBus``)."""
-    return bus.bus if isinstance(bus, SyncEventBus) else bus
-
-
 def check_engine_bus(options: SessionOptions, bus: object | None) -> None:
     """Refuse a ``recovery=`` engine that is not subscribed to *bus*, the session's bus
     (``None``: a bus of the session's own, which no engine built before it can be on).
@@ -301,7 +296,7 @@ def check_engine_bus(options: SessionOptions, bus: object | None) -> None:
     engine = options.recovery
     if not isinstance(engine, RecoveryEngine):
         return
-    if bus is not None and _host(engine.bus) is _host(bus):
+    if bus is not None and host(engine.bus) is host(bus):
         return
     where = "a bus the session builds itself" if bus is None else f"{bus!r}"
     msg = (
