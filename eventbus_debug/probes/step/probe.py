@@ -284,20 +284,26 @@ class StepProbe:
             ValueError: if *step* is negative, *loss* has more than one element, is a meta
                 tensor, or a number too large for a float (``10**400``).
         """
-        loss = self._validate(step, loss)
-        checks = checks_due(self._level, self.cadence, step)
-        if checks.any and self._offload(checks):
-            # The worker thread reduces and judges; the events are published here, on the
-            # loop's thread (a bus is not published to from other threads but by
-            # publish_threadsafe: on trio a worker's publish raised, on asyncio it raced).
-            events: list[Event] = []
-            verdict = await anyio.to_thread.run_sync(self._check, step, loss, checks, events)
-            if self._bus is not None:
-                self._bus.publish_many_nowait(events)
-            return verdict
-        verdict = self._check(step, loss, checks)
+        verdict = self.check_inline(step, loss)
+        if verdict is None:
+            return await self._check_offloaded(step, loss)
         if checkpoint:
             await anyio.lowlevel.checkpoint()
+        return verdict
+
+    async def _check_offloaded(self, step: int, loss: torch.Tensor | float | None) -> StepVerdict:
+        """The step's check with its reductions in a worker thread (``offload_numel``).
+
+        The worker thread reduces and judges; the events are published here, on the loop's
+        thread (a bus is not published to from other threads but by publish_threadsafe: on
+        trio a worker's publish raised, on asyncio it raced).
+        """
+        loss = self._validate(step, loss)  # validated by check_inline already: cheap, and rare
+        checks = checks_due(self._level, self.cadence, step)
+        events: list[Event] = []
+        verdict = await anyio.to_thread.run_sync(self._check, step, loss, checks, events)
+        if self._bus is not None:
+            self._bus.publish_many_nowait(events)
         return verdict
 
     def check_inline(
