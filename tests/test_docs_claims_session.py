@@ -41,6 +41,7 @@ from eventbus_debug.exceptions import ArgumentTypeError, BusClosedError, Subscri
 from eventbus_debug.probes import StepVerdict, non_finite_counts
 from eventbus_debug.session.modes import plan_for
 from eventbus_debug.testing import RecordingSink
+from tests._doubles import RecordingPublisher
 
 pytestmark = pytest.mark.anyio
 
@@ -810,22 +811,13 @@ async def test_a_non_finite_gradient_checks_parameters_at_once_whatever_param_ev
 
 def test_gradient_explosion_cap_before_history_is_reported_once_with_rule_cap() -> None:
     model = nn.Linear(4, 1)
-    recorder: list[GradientExploded] = []
-
-    class Pub:
-        def publish_nowait(self, event: object) -> None:
-            if isinstance(event, GradientExploded):
-                recorder.append(event)
-
-        def publish_many_nowait(self, events: Any) -> None:
-            for e in events:
-                self.publish_nowait(e)
-
-    probe = StepProbe(model, Pub())
+    published = RecordingPublisher()
+    probe = StepProbe(model, published)
     for step in range(3):
         for p in model.parameters():
             p.grad = torch.full_like(p, 1e7)
         probe.check_step_sync(step)
+    recorder = [e for e in published.events if isinstance(e, GradientExploded)]
     assert [e.rule for e in recorder] == ["cap"]
     assert Thresholds().explosion == 1e6
 
@@ -1358,28 +1350,18 @@ async def test_check_step_refuses_a_bad_loss_and_the_step_stays_the_sessions() -
 
 def test_gradient_explosion_with_history_is_growth_with_baseline_and_largest() -> None:
     model = nn.Linear(4, 1)
-    fired: list[GradientExploded] = []
-
-    class Pub:
-        def publish_nowait(self, event: object) -> None:
-            if isinstance(event, GradientExploded):
-                fired.append(event)
-
-        def publish_many_nowait(self, events: Any) -> None:
-            for e in events:
-                self.publish_nowait(e)
-
-    probe = StepProbe(model, Pub())
+    published = RecordingPublisher()
+    probe = StepProbe(model, published)
     torch.manual_seed(0)
     for step in range(20):
         for p in model.parameters():
             p.grad = torch.randn_like(p) * (1 + 0.05 * step % 3)
         probe.check_step_sync(step)
-    assert not fired
+    assert not [e for e in published.events if isinstance(e, GradientExploded)]
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e4)
     probe.check_step_sync(20)
-    (event,) = fired
+    (event,) = [e for e in published.events if isinstance(e, GradientExploded)]
     assert event.rule == "growth" and event.baseline is not None and event.largest is not None
     assert event.total_norm > 10 * event.baseline
 
@@ -1593,17 +1575,10 @@ def test_basic_checks_parameters_every_10th_step_extreme_every_step() -> None:
 
 
 def test_all_zero_gradients_are_reported_once_as_vanished_with_all_zero() -> None:
-    events: list[Any] = []
-
-    class Pub:
-        def publish_nowait(self, event: object) -> None:
-            events.append(event)
-
-        def publish_many_nowait(self, batch: Any) -> None:
-            events.extend(batch)
-
+    published = RecordingPublisher()
+    events = published.events
     model, _ = _setup()
-    probe = StepProbe(model, Pub())
+    probe = StepProbe(model, published)
     for step in range(30):
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
@@ -1617,17 +1592,10 @@ def test_all_zero_gradients_are_reported_once_as_vanished_with_all_zero() -> Non
 def test_tiny_gradients_vanish_after_10_vanishing_checks() -> None:
     from eventbus_debug.events import GradientVanished
 
-    events: list[Any] = []
-
-    class Pub:
-        def publish_nowait(self, event: object) -> None:
-            events.append(event)
-
-        def publish_many_nowait(self, batch: Any) -> None:
-            events.extend(batch)
-
+    published = RecordingPublisher()
+    events = published.events
     model, _ = _setup()
-    probe = StepProbe(model, Pub())
+    probe = StepProbe(model, published)
     for step in range(100):
         for p in model.parameters():
             p.grad = torch.full_like(p, 1e-9)
