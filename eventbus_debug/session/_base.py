@@ -15,7 +15,7 @@ from torch import nn
 from .._bus import Subscription
 from .._bus.bus import DEFAULT_CLOSE_TIMEOUT
 from .._modules import named_root
-from ..events import Event, NonFiniteDetected, SessionEnded, SessionStarted, TensorRole
+from ..events import Anomaly, Event, NonFiniteDetected, SessionEnded, SessionStarted, TensorRole
 from ..exceptions import TrainingStopped
 from ..extras.debug_context import DebugContext, debug_context
 from ..extras.validation import InputValidator, OutputChecker
@@ -133,6 +133,8 @@ class SessionBase(Generic[BusT]):
         """The found-inf flag handed to the fused optimizer (None unless ``device_skip=True``)."""
         self.agreement: Agreement | None = None
         self._joined: object | None = None  # the bus the session counts as running on
+        self._elsewhere: Callable[[Anomaly], bool] = _nobody_else
+        """Whether an incident belongs to another session on the bus (set by :meth:`_join`)."""
         """How this rank agrees with the others (None outside a process group)."""
         self.amp: ScalerMonitor | None = None
         self.system: SystemSampler | None = None
@@ -182,6 +184,16 @@ class SessionBase(Generic[BusT]):
         return DEFAULT_CLOSE_TIMEOUT if timeout is None else timeout
 
     # -- parts ------------------------------------------------------------------------------------
+
+    def _join(self, bus: BusT) -> None:
+        """Count the session as running on *bus* (first thing at entry, before anything is
+        subscribed: a second session of this name on the bus is refused with nothing to undo).
+
+        Raises:
+            SubscriptionError: if a session of this name runs on *bus* already.
+        """
+        self._elsewhere = sharing.join(bus, self.name)
+        self._joined = bus
 
     def _subscribe(self, bus: BusT, sinks: Sinks) -> list[Subscription]:
         """Subscribe *sinks* to *bus* under the session's name; keep the report and alerts."""
@@ -239,8 +251,7 @@ class SessionBase(Generic[BusT]):
             probe=probe,
         )
         self.recovery = recovery.engine
-        elsewhere = sharing.join(bus, self.name)
-        self._joined = bus
+        elsewhere = self._elsewhere
         if options.recovery is True and recovery.engine is not None:
             # the session's own engine: removed with the session's other subscriptions, and
             # deaf to the incidents of another session sharing the bus
@@ -459,6 +470,11 @@ class SessionBase(Generic[BusT]):
             steps=self.steps_completed,
             duration_s=time.perf_counter() - self._started,
         )
+
+
+def _nobody_else(incident: Anomaly) -> bool:
+    """No incident belongs to another session (before the session joined a bus)."""
+    return False
 
 
 def _model_name(model: nn.Module) -> str:

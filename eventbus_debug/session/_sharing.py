@@ -16,12 +16,14 @@ from collections.abc import Callable
 
 from .._bus import SyncEventBus
 from ..events import Anomaly
+from ..exceptions import SubscriptionError
 
 __all__ = ("host", "join", "leave")
 
 _lock = threading.Lock()
 _names: weakref.WeakKeyDictionary[object, list[str]] = weakref.WeakKeyDictionary()
-"""The names of the sessions running on each bus (a name twice when two sessions share it)."""
+"""The names of the sessions running on each bus (each name once: :func:`join` refuses a
+second session of a name on a bus)."""
 
 
 def host(bus: object) -> object:
@@ -32,10 +34,23 @@ def host(bus: object) -> object:
 
 def join(bus: object, name: str) -> Callable[[Anomaly], bool]:
     """Count session *name* as running on *bus*; returns the test of an incident that belongs
-    to another session running on it (the one :meth:`RecoveryEngine.ignore` takes)."""
+    to another session running on it (the one :meth:`RecoveryEngine.ignore` takes).
+
+    Raises:
+        SubscriptionError: if a session of that name runs on *bus* already (both would take
+            each other's incidents for their own: each engine would skip, restore or retune its
+            model for the other model's faults).
+    """
     key = host(bus)
     with _lock:
-        _names.setdefault(key, []).append(name)
+        names = _names.setdefault(key, [])
+        if name in names:
+            msg = (
+                f"a session named {name!r} is already running on this bus; give each session "
+                f"sharing a bus its own name (Session(..., bus=bus, name='generator'))"
+            )
+            raise SubscriptionError(msg)
+        names.append(name)
 
     def elsewhere(incident: Anomaly) -> bool:
         source = incident.source

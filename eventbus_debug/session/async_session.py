@@ -131,6 +131,7 @@ class Session(SessionBase[EventBus]):
                 EventBus(telemetry_latency=TELEMETRY_LATENCY, close_timeout=self._close_timeout)
             )
         self._bus = bus
+        self._join(bus)
         sinks = build_sinks(options, bus)
         self._subscriptions.extend(self._subscribe(bus, sinks))
         if sinks.flusher is not None:

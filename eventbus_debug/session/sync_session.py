@@ -118,6 +118,7 @@ class SyncSession(SessionBase[SyncEventBus]):
 
     def _start(self, bus: SyncEventBus) -> None:
         options = self.options
+        self._join(bus)
         # Sinks are built on the bus's thread: some create anyio primitives.
         sinks: Sinks = bus.portal.call(build_sinks, options, bus.bus)
         self._subscriptions.extend(self._subscribe(bus, sinks))

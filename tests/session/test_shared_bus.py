@@ -6,11 +6,13 @@ from __future__ import annotations
 import math
 
 import anyio
+import pytest
 import torch
 from torch import nn
 
 from eventbus_debug import EventBus, Session
 from eventbus_debug.events import NonFiniteDetected, StepSkipped, TensorRole
+from eventbus_debug.exceptions import SubscriptionError
 from eventbus_debug.testing import RecordingSink
 
 
@@ -61,3 +63,22 @@ async def test_each_session_recovers_from_its_own_incidents_only() -> None:
     assert sorted((e.step, e.source) for e in recorder.of_type(StepSkipped))[:1] == [
         (3, "recovery.safe_point")
     ]
+
+
+async def test_a_second_session_of_the_same_name_on_a_bus_is_refused_first() -> None:
+    """Two sessions named alike would take each other's incidents for their own (each engine
+    skipping or restoring its model for the other model's faults): the second is refused, with
+    a message naming the way out, before it subscribes anything."""
+    async with EventBus() as bus:
+        async with Session(*_model(0), bus=bus, log_dir=None, report=False) as first:
+            before = sorted(sub.name for sub in bus.subscriptions)
+            second = Session(*_model(1), bus=bus, log_dir=None, report=False)
+            with pytest.raises(SubscriptionError, match=r"named 'training' is already running"):
+                await second.__aenter__()
+            assert sorted(sub.name for sub in bus.subscriptions) == before  # nothing left behind
+            # the refused session may be entered under its own name later; the first runs on
+            verdict = await first.check_step(0, loss=1.0)
+            assert verdict.should_step
+        # the name is free again once the first session left
+        async with Session(*_model(1), bus=bus, log_dir=None, report=False) as again:
+            assert (await again.check_step(0, loss=1.0)).should_step
