@@ -21,33 +21,41 @@ others' agreements (after the model's own collectives).
 
 Never a bit mask reduced with MAX: "skip" on one rank and "clip" on another are two flags, and
 both survive.
+
+The parts: the :class:`Agreement` protocol and its answers (:mod:`.agreement_types`), the
+blocking collective, the join context and the group's end (:mod:`.agreement_blocking`), the
+vector (:mod:`.agreement_codec`), the backward hook and the late decisions
+(:mod:`.agreement_overlap`); here, :class:`RankAgreement`'s overlapped path and the choice of an
+agreement (:func:`agreement_for`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Final, NoReturn, Protocol, final, runtime_checkable
+from typing import Any, Final, final
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
-from .._validate import positive_seconds
 from ..diagnostics import get_logger
-from ..events import Anomaly, NonFiniteDetected, TensorRole
-from ..exceptions import TrainingStopped
+from ..events import NonFiniteDetected, TensorRole
 from . import agreement_codec as codec
 from .actions import ClipGradients, DecidedAction, Decision, RestoreState, SkipStep, Stop
+from .agreement_blocking import WAITS_KEPT, BlockingAgreement, _at, _kinds, _same
 from .agreement_codec import Slot
 from .agreement_overlap import OutputGradLaunch, split_late
+from .agreement_types import (
+    AgreedStep as AgreedStep,
+    Agreement as Agreement,
+    CallAgreed as CallAgreed,
+    DecisionSource as DecisionSource,
+)
 
 __all__ = (
     "AGREE_TIMEOUT",
@@ -65,78 +73,10 @@ _log = get_logger(__name__)
 AGREE_TIMEOUT: Final = 300.0
 """Seconds a rank waits for the others at an agreement (torch's default is 30 minutes): long
 enough for a rank-0-only checkpoint or evaluation between two steps."""
-WAITS_KEPT: Final = 4096
-"""How many recent waits :attr:`RankAgreement.waits` keeps."""
-_DECISION_SLOTS: Final = tuple(range(Slot.ANY, Slot.STOP_RANK + 1))
 _NON_FINITE_LOSS: Final = NonFiniteDetected(
     source="recovery.agreement", role=TensorRole.LOSS, names=("loss",)
 )
 """What a strategy would be asked about a non-finite loss (to know whether one answers)."""
-_retired: list[RankAgreement] = []
-"""The agreements closed by their sessions (:meth:`RankAgreement.close`), whose groups are
-destroyed when the next agreement creates its own: every rank is past its own close by then (the
-new group connects them all), so none is still reducing on a group destroyed under it."""
-
-
-class DecisionSource(Protocol):
-    """What an overlapped agreement takes its decisions from (the recovery engine)."""
-
-    def take_for_agreement(self) -> tuple[tuple[DecidedAction, ...], int]:
-        """Remove and return the pending step decisions and the count of incidents noted."""
-        ...
-
-    def answers(self, incident: Anomaly) -> bool:
-        """Whether some strategy is asked about incidents like *incident*."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class AgreedStep:
-    """What the group agreed at one safe point.
-
-    Attributes:
-        decisions: the decisions every rank applies (the same on every rank).
-        noted: True when some rank had an incident this step (no rank counts it as good).
-        loss: the step's loss averaged over the ranks (``None`` when no rank gave one); the
-            probe judges loss spikes on it.
-    """
-
-    decisions: tuple[DecidedAction, ...]
-    noted: bool
-    loss: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class CallAgreed:
-    """What the group agreed after one attempt of a retried call.
-
-    Attributes:
-        failed: some rank's attempt failed and will be retried: every rank re-runs.
-        fatal: some rank's attempt failed for good (no strategy, or exhausted): every rank
-            stops.
-        batch_size: the smallest batch size any rank will use next (``None``: none set).
-    """
-
-    failed: bool
-    fatal: bool
-    batch_size: int | None
-
-
-@runtime_checkable
-class Agreement(Protocol):
-    """Turns this rank's pending decisions into the decisions every rank applies."""
-
-    def agree(
-        self,
-        step: int,
-        decisions: Sequence[DecidedAction],
-        noted: bool,
-        /,
-        *,
-        loss: float | None = None,
-    ) -> AgreedStep:
-        """Agree with the other ranks; called at every safe point on every rank."""
-        ...
 
 
 def distributed_active() -> bool:
@@ -156,7 +96,7 @@ class _Launched:
 
 
 @final
-class RankAgreement(Joinable):
+class RankAgreement(BlockingAgreement):
     """The :class:`Agreement` of a torch.distributed process group (one collective per step).
 
     Built by the session when it runs inside an initialized process group (opt out with
@@ -209,50 +149,21 @@ class RankAgreement(Joinable):
     def __init__(
         self, *, timeout: float = AGREE_TIMEOUT, group: Any = None, overlap: bool = False
     ) -> None:
-        super().__init__()  # Joinable: no join context yet
         if not isinstance(overlap, bool):
             msg = f"overlap must be a bool, got {overlap!r}"
             raise TypeError(msg)
-        # the arguments first: a bad timeout is named wherever the agreement is built
-        self.timeout = positive_seconds("timeout", timeout)
-        if not (dist.is_available() and dist.is_initialized()):
-            msg = "RankAgreement needs an initialized torch.distributed process group"
-            raise RuntimeError(msg)
-        self._wait_timeout = timedelta(seconds=self.timeout)
+        super().__init__(timeout=timeout, group=group)
         self.overlap = overlap
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
-        self._owns_group = group is None
-        """Whether the agreement created its group (then :meth:`close` retires it)."""
-        self._closed = False
-        self.group = (
-            group
-            if group is not None
-            else dist.new_group(backend="gloo", timeout=self._wait_timeout)
-        )
-        if self._owns_group:
-            _destroy_retired()
-        self.agreements = 0
-        """Agreements run (one per safe point)."""
-        self.disagreements = 0
-        """Agreements in which the ranks' pending decisions differed."""
         self.overlapped = 0
         """Agreements that were launched during backward (the rest blocked at the safe point)."""
         self.waits: deque[float] = deque(maxlen=WAITS_KEPT)
         """Seconds recent safe points waited for an agreement launched during backward."""
-        self.blocking_waits: deque[float] = deque(maxlen=WAITS_KEPT)
-        """Seconds recent blocking agreements took (the collective, at the safe point)."""
         self.launches: deque[float] = deque(maxlen=WAITS_KEPT)
         """Seconds recent overlapped launches held the training thread during backward (the
         asynchronous ``all_reduce`` call: handing the collective to the backend's thread)."""
-        self._vec = codec.vector(self.world)
         self._spare: torch.Tensor | None = None
         """The overlapped agreement's vector, collected at the last safe point (reused)."""
         self._launcher: OutputGradLaunch | None = None
-        self._model: nn.Module | None = None
-        """The model the session trains (for the join context's checks)."""
-        self._step = -1
-        """The last step agreed (a joined rank shadows the steps after it)."""
         self._engine: DecisionSource | None = None
         self._blocking_at: Callable[[int], bool] | None = None
         self._launched: _Launched | None
@@ -330,94 +241,6 @@ class RankAgreement(Joinable):
         self._launcher = None
         self._engine = None
 
-    def close(self) -> None:
-        """End the agreement with its session: no collective, idempotent.
-
-        The backward hook is removed (:meth:`detach`) and a group the agreement created is
-        retired: destroyed when the next :class:`RankAgreement` creates its own, once every
-        rank is past this close. A session calls it at its exit for the agreement it built, so
-        a job that enters one session per epoch holds one agreement group, not one per epoch
-        (each held sockets and threads until the process group was destroyed). An agreement
-        passed as ``distributed=`` is only detached: pass the same one to every session.
-        """
-        self.detach()
-        if self._owns_group and not self._closed:
-            _retired.append(self)
-        self._closed = True
-
-    def abort(self) -> None:
-        """End the agreement because this rank's session ended with an error: its group, if
-        the agreement created it, is destroyed at once (no collective), so the peers waiting
-        in their next agreement fail now (the connection closes) instead of after
-        :attr:`timeout`, and stop together. Idempotent; a closed agreement refuses to agree.
-        """
-        self.detach()
-        if self._owns_group and self.group is not None:
-            group, self.group = self.group, None
-            with contextlib.suppress(ValueError, RuntimeError):  # gone with the default group
-                dist.destroy_process_group(group)
-        self._closed = True
-
-    def _check_open(self) -> None:
-        """Refuse to agree once closed (its group may be destroyed: ``None`` would mean WORLD).
-
-        Raises:
-            RuntimeError: if :meth:`close` was called.
-        """
-        if self._closed:
-            msg = (
-                "this RankAgreement was closed when its session ended; a new session builds its "
-                "own (or pass one RankAgreement as distributed= to every session)"
-            )
-            raise RuntimeError(msg)
-
-    def agree_call(self, *, failed: bool, fatal: bool, batch_size: int | None) -> CallAgreed:
-        """Agree on the outcome of one attempt of a retried call (one small collective).
-
-        Every rank calls it after every attempt of a :class:`~eventbus_debug.recovery.Retrying`
-        block (the retry does, when its engine has an agreement), so an OOM on one rank makes
-        every rank re-run with the same, smallest batch size and step counts stay equal.
-
-        Raises:
-            TrainingStopped: if the other ranks do not answer within :attr:`timeout`.
-            RuntimeError: if the agreement was closed (its session ended).
-        """
-        self._check_open()
-        v = torch.tensor(
-            [float(failed), float(fatal), -float(batch_size) if batch_size else -math.inf],
-            dtype=torch.float64,
-        )
-        self._reduce(v, lambda: f"a retried call (this rank failed: {failed})")
-        any_failed, any_fatal, neg_batch = v.tolist()
-        return CallAgreed(
-            failed=bool(any_failed),
-            fatal=bool(any_fatal),
-            batch_size=int(-neg_batch) if math.isfinite(neg_batch) else None,
-        )
-
-    def agree(
-        self,
-        step: int,
-        decisions: Sequence[DecidedAction],
-        noted: bool,
-        /,
-        *,
-        loss: float | None = None,
-    ) -> AgreedStep:
-        """Agree on *step*'s decisions, and average the loss, with every rank: one collective.
-
-        Raises:
-            TrainingStopped: if the other ranks do not answer within :attr:`timeout` (this
-                rank's own pending decisions are named).
-            RuntimeError: if the agreement was closed (its session ended), or the join
-                context does not shadow it.
-        """
-        self._check_open()
-        self._check_join()
-        self._step = step
-        self.agreements += 1
-        return self._agree(step, decisions, noted, loss)
-
     def _agree(
         self, step: int, decisions: Sequence[DecidedAction], noted: bool, loss: float | None
     ) -> AgreedStep:
@@ -432,57 +255,6 @@ class RankAgreement(Joinable):
             self._applied = _applied(agreed.decisions, agreed.noted)
             return agreed
         return self._agree_overlapped(step, launched, decisions, noted, loss)
-
-    # -- uneven inputs: torch.distributed.algorithms.join ----------------------------------------
-
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """The hook a rank out of inputs runs while others train: it shadows their agreements."""
-        return _ShadowAgreement(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        """The device of the join context's own collectives (the model's, listed first)."""
-        return torch.device("cpu")
-
-    @property
-    def join_process_group(self) -> Any:
-        """The join context's process group: the model's (the agreement's own is separate)."""
-        return getattr(self._model, "process_group", None) or dist.group.WORLD
-
-    def _check_join(self) -> None:
-        """Refuse a join context that does not shadow the agreement (it would stall, then stop).
-
-        Raises:
-            RuntimeError: if the model is in a join context without the agreement, or the
-                agreement is listed before the model.
-        """
-        mine = self._join_config
-        if mine.enable and mine.is_first_joinable:
-            msg = (
-                "the agreement must be listed after the model in the join context: "
-                "Join([model, session.agreement])"
-            )
-            raise RuntimeError(msg)
-        theirs = getattr(self._model, "_join_config", None)
-        if theirs is not None and theirs.enable and not mine.enable:
-            msg = (
-                "the model is in a join context (model.join() or Join([model])) that does not "
-                "shadow the session's agreement: a rank out of inputs would leave the others "
-                "waiting at the next safe point. Use Join([model, session.agreement]), or "
-                "Session(..., distributed=False), or give every rank as many batches"
-            )
-            raise RuntimeError(msg)
-
-    def _shadow(self) -> None:
-        """Match one agreement of the ranks still training (MAX's identity: all ``-inf``).
-
-        It runs after the model's join hook, as the others agree after DDP's backward; a
-        retried call's agreement (before backward) is not shadowed.
-        """
-        self._step += 1
-        step = self._step
-        v = torch.full((codec.vector(self.world).numel(),), -math.inf, dtype=torch.float64)
-        self._reduce(v, lambda: _joined(step))
 
     # -- the overlapped path -------------------------------------------------------------------
 
@@ -566,83 +338,6 @@ class RankAgreement(Joinable):
             _log.info("ranks_agreed", step=step, rank=self.rank, local=local, overlapped=True)
         return AgreedStep(decisions=decisions, noted=noted_now, loss=mean)
 
-    # -- the blocking path ---------------------------------------------------------------------
-
-    def _agree_blocking(
-        self, step: int, decisions: Sequence[DecidedAction], noted: bool, loss: float | None
-    ) -> AgreedStep:
-        v = codec.encode(self._vec, decisions, noted, self.rank, loss)
-        started = time.perf_counter()
-        self._reduce(v, lambda: _at(step, decisions))
-        self.blocking_waits.append(time.perf_counter() - started)
-        agreed = v.tolist()
-        if agreed[Slot.ANY] or decisions:
-            if not _same(decisions, agreed):
-                self.disagreements += 1
-            local = _kinds(decisions)
-            _log.info("ranks_agreed", step=step, rank=self.rank, local=local, overlapped=False)
-        return AgreedStep(
-            decisions=codec.decode(agreed, decisions, step, self.world),
-            noted=bool(agreed[Slot.NOTED]),
-            loss=codec.mean_loss(agreed),
-        )
-
-    def _reduce(self, tensor: torch.Tensor, what: Callable[[], str]) -> None:
-        """All-reduce *tensor* with MAX; *what* names what was being agreed if that fails."""
-        started = time.monotonic()
-        try:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
-        except RuntimeError as exc:  # gloo raises on a timeout or a peer that left
-            self._failed(what(), exc, waited=time.monotonic() - started)
-
-    def _failed(self, what: str, exc: RuntimeError, *, waited: float | None = None) -> NoReturn:
-        if waited is not None and waited < 0.9 * self.timeout:
-            # a peer's connection closed (it crashed, or its session ended with an error)
-            when = f"after {waited:.1f} s (the timeout is {self.timeout:g} s)"
-        else:
-            when = f"within {self.timeout:g} s"
-        msg = (
-            f"rank {self.rank} of {self.world} could not agree on {what} {when}: another rank "
-            f"stopped, crashed or hangs ({exc}). If a rank may pause longer between two steps "
-            "(a checkpoint, an evaluation), raise the timeout: "
-            "Session(..., distributed=RankAgreement(timeout=SECONDS))"
-        )
-        _log.error("agreement_failed", rank=self.rank, what=what)
-        self.detach()
-        raise TrainingStopped(msg) from exc
-
-
-@final
-class _ShadowAgreement(JoinHook):
-    """A joined rank's hook: one shadowed agreement per training iteration of the others."""
-
-    def __init__(self, agreement: RankAgreement) -> None:
-        self.agreement = agreement
-
-    def main_hook(self) -> None:
-        self.agreement._shadow()
-
-
-def _joined(step: int) -> str:
-    """What a joined rank's failed shadow was about."""
-    return f"step {step} (this rank is out of inputs: it decided nothing)"
-
-
-def _kinds(decisions: Sequence[DecidedAction]) -> str:
-    """The kinds of *decisions*, for the log (``"nothing"`` when there are none)."""
-    return ", ".join(d.kind.value for d in decisions) or "nothing"
-
-
-def _at(step: int, decisions: Sequence[DecidedAction]) -> str:
-    """What a failed agreement was about: *step* and this rank's own *decisions*."""
-    return f"step {step} (this rank decided: {_kinds(decisions)})"
-
-
-def _same(local: Sequence[DecidedAction], agreed: Sequence[float]) -> bool:
-    """Whether this rank's own decisions are what the group agreed (for the statistics)."""
-    mine = codec.encode(codec.vector(1), local, False, 0).tolist()
-    return all(mine[s] == agreed[s] for s in _DECISION_SLOTS)
-
 
 def _applied(decisions: Sequence[DecidedAction], noted: bool) -> tuple[bool, bool, bool]:
     """What a safe point applies, for the next agreement's check: (skipped, clipped, noted)."""
@@ -664,16 +359,6 @@ def _diverged(step: int, mismatch: str, world: int) -> DecidedAction:
         trigger_seq=-1,
         step=step,
     )
-
-
-def _destroy_retired() -> None:
-    """Destroy the groups of the agreements closed so far (not a collective)."""
-    while _retired:
-        agreement = _retired.pop()
-        group, agreement.group = agreement.group, None  # its sockets close once unreferenced
-        # Gone already when the default group was destroyed since (a ValueError then).
-        with contextlib.suppress(ValueError, RuntimeError):
-            dist.destroy_process_group(group)
 
 
 def agreement_for(distributed: bool | Agreement | None, timeout: float) -> Agreement | None:
