@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eventbus_debug import Anomaly, Event, EventBus, RecoveryEngine, SafePoint, StepProbe
 from eventbus_debug.recovery import StateSnapshots
-from eventbus_debug.recovery.safepoint.snapshot import _all_finite, _finite_groups
+from eventbus_debug.recovery.safepoint._plan import all_finite, finite_groups
 
 Step = Callable[[int], Awaitable[None]]
 
@@ -113,7 +113,7 @@ def capture_vs_walk(label: str, model: nn.Module, n: int) -> None:
     held: list[Any] = [None, None]
 
     def old_capture() -> None:
-        assert _all_finite(_finite_groups(model))
+        assert all_finite(finite_groups(model))
         held[0] = tree_copy(held[0], model.state_dict())
         held[1] = tree_copy(held[1], opt.state_dict())
 

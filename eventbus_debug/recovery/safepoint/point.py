@@ -282,7 +282,12 @@ class SafePoint:
                     self._publish(step, RecoveryAction.RESTORE_STATE, str(exc), "failed")
                     self._stop(step, f"{restores[0].reason}; {exc}")
                 # A precaution with nothing to restore: the step is skipped, nothing is lost.
-                detail = f"no good state held yet, nothing restored ({exc})"
+                # A held state that does not fit the model any more (its structure changed:
+                # the restore refused it and changed nothing) is the same case.
+                if self.snapshots.available:
+                    detail = f"nothing restored: {exc}"
+                else:
+                    detail = f"no good state held yet, nothing restored ({exc})"
                 self._publish(step, RecoveryAction.RESTORE_STATE, detail, "skipped")
             else:
                 age = f", {step - restored} steps old" if restored is not None else ""

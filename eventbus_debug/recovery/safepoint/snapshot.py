@@ -8,10 +8,8 @@ of buffers free of NaN (an infinite buffer can be a mask), so a restore never br
 from __future__ import annotations
 
 import copy
-import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Final, final
 
 import torch
@@ -19,9 +17,10 @@ from torch import nn
 
 from eventbus_debug.diagnostics import get_logger
 
-from ..._tensors import copy_all
 from ..._validate import positive_int
 from ..lr import GROUP_LR_KEYS
+from ._fit import PER_PARAMETER, SHOWN, Layout, Undo, model_changes
+from ._plan import Plan, all_finite, finite_groups, group_settings, live_key
 
 __all__ = ("NoGoodStateError", "StateSnapshots")
 
@@ -31,209 +30,10 @@ DEFAULT_EVERY: Final = 50
 
 
 class NoGoodStateError(RuntimeError):
-    """Raised by :meth:`StateSnapshots.restore` when no good state was captured or loaded."""
-
-
-@dataclass(slots=True)
-class _Checks:
-    """What a capture checks before it copies.
-
-    Attributes:
-        groups: the floating parameters and the optimizer state shaped like them, grouped by
-            device and dtype (one reduction each): none may be NaN or infinite.
-        buffers: the floating buffers, grouped the same way: none may be NaN. An infinite
-            buffer can be by construction (a causal attention mask of ``-inf`` registered as a
-            buffer).
-    """
-
-    groups: list[list[torch.Tensor]]
-    buffers: list[list[torch.Tensor]]
-
-
-def _finite_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> _Checks:
-    """What a snapshot must hold finite.
-
-    The model's floating parameters; the optimizer's floating state shaped like its parameter
-    (NaN moments turn the restored parameters NaN at the next step; scalars such as a custom
-    optimizer's ``inf`` sentinel are not judged); and the floating buffers, for NaN (a NaN
-    written into BatchNorm's running stats leaves a train-mode loss finite: captured, it
-    would come back with every restore).
-    """
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    buffers: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-
-    def add(
-        into: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]], t: torch.Tensor
-    ) -> None:
-        if t.is_floating_point() or t.is_complex():
-            into.setdefault((t.device, t.dtype), []).append(t.detach())
-
-    for p in model.parameters():
-        add(groups, p)
-    if optimizer is not None:
-        for param, state in optimizer.state.items():
-            shape = getattr(param, "shape", None)
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.shape == shape:
-                    add(groups, v)  # a moment of the parameter
-    for b in model.buffers():
-        add(buffers, b)
-    return _Checks(list(groups.values()), list(buffers.values()))
-
-
-def _all_finite(checks: _Checks) -> bool:
-    """A few fused reductions and one host transfer: does *checks* hold no NaN/Inf (no NaN in
-    the buffers)?
-
-    One number per group (:func:`_norm_sum`; a model whose norms add up past the float32
-    range is refused too: it is not healthy).
-    """
-    totals = [_norm_sum(ts) for ts in checks.groups]
-    for ts in checks.buffers:
-        # The norm of a tensor holding a NaN is NaN, whatever else it holds; an infinite one
-        # (a -inf mask) or one past the float range is not: only the NaN counts (as inf here).
-        total = _norm_sum(ts)
-        totals.append(torch.where(total.isnan(), math.inf, 0.0))
-    if not totals:
-        return True
-    if len(totals) == 1:
-        return math.isfinite(totals[0].item())
-    return bool(torch.isfinite(torch.stack([t.float().cpu() for t in totals])).all().item())
-
-
-def _norm_sum(ts: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of the 2-norms of *ts* (one device and dtype), in one fused reduction: NaN or
-    Inf as soon as one value is. Half precision norms are computed in float32, so a large
-    half-precision model does not overflow its own dtype's range."""
-    low = ts[0].is_floating_point() and ts[0].dtype.itemsize < 4
-    norms = torch._foreach_norm(ts, 2, dtype=torch.float32) if low else torch._foreach_norm(ts)
-    v = torch.stack(norms)
-    full = getattr(v, "full_tensor", None)  # FSDP2 / DTensor: the norm over every shard
-    return (full() if callable(full) else v).sum()
-
-
-def _live_key(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, ...]:
-    """Where the tensors a snapshot copies live now: a changed buffer or state shows here.
-
-    A module that assigns a new buffer, ``param.data = ...``, ``model.to(...)`` or an optimizer
-    that creates or replaces its state all change a storage address (or the count); an
-    ``optimizer.add_param_group(...)`` (unfreezing layers) changes the groups' membership.
-    """
-    key = [t.data_ptr() for t in model.parameters()]
-    key += [t.data_ptr() for t in model.buffers()]
-    if optimizer is not None:
-        for group in optimizer.param_groups:
-            key.append(len(group["params"]))
-            key += [id(p) for p in group["params"]]
-        for state in optimizer.state.values():
-            key.append(len(state))
-            key += [v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor)]
-    return tuple(key)
-
-
-@dataclass(slots=True)
-class _Plan:
-    """Preallocated copies of one model + optimizer, refreshed with two ``_foreach_copy_``.
-
-    Attributes:
-        key: :func:`_live_key` when the plan was built (a different key: build again).
-        model: the model snapshot (a state dict of the buffers in *model_dst*).
-        model_src: the live parameters and buffers, in the order of *model_dst*.
-        model_dst: the preallocated copies.
-        optimizer: the optimizer snapshot (a state dict whose tensors are in *opt_dst*).
-        opt_src: the live optimizer state tensors, in the order of *opt_dst*.
-        opt_dst: the preallocated copies.
-        scalars: ``(snapshot state, key, live state)`` of the non-tensor state entries.
-        finite: the live tensors checked before a refresh (:class:`_Checks`).
-        params: the optimizer's parameters in the order its state dict indexes them (a restore
-            finds each one's state by identity, whatever groups the optimizer has by then).
-    """
-
-    key: tuple[int, ...]
-    model: dict[str, torch.Tensor]
-    model_src: list[torch.Tensor]
-    model_dst: list[torch.Tensor]
-    optimizer: dict[str, Any] | None
-    opt_src: list[torch.Tensor]
-    opt_dst: list[torch.Tensor]
-    scalars: list[tuple[dict[str, Any], str, Mapping[str, Any]]]
-    finite: _Checks
-    params: list[torch.Tensor]
-
-    @classmethod
-    def build(
-        cls,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        finite: _Checks,
-    ) -> _Plan:
-        """Allocate the copies (the first capture, or after the live tensors changed);
-        *finite* is :func:`_finite_groups` of *model*, already computed by the caller."""
-        key = _live_key(model, optimizer)
-        live_model = model.state_dict(keep_vars=True)
-        model_src = [t.detach() for t in live_model.values()]
-        model_dst = [t.clone() for t in model_src]
-        snapshot = dict(zip(live_model, model_dst, strict=True))
-        opt_src: list[torch.Tensor] = []
-        opt_dst: list[torch.Tensor] = []
-        scalars: list[tuple[dict[str, Any], str, Mapping[str, Any]]] = []
-        opt_snapshot: dict[str, Any] | None = None
-        params: list[torch.Tensor] = []
-        if optimizer is not None:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            live = optimizer.state_dict()  # its "state" holds the optimizer's own dicts
-            state: dict[Any, dict[str, Any]] = {}
-            for index, entries in live["state"].items():
-                copied: dict[str, Any] = {}
-                for name, value in entries.items():
-                    if isinstance(value, torch.Tensor):
-                        opt_src.append(value.detach())
-                        copied[name] = value.detach().clone()
-                        opt_dst.append(copied[name])
-                    else:
-                        copied[name] = copy.deepcopy(value)
-                        scalars.append((copied, name, entries))
-                state[index] = copied
-            opt_snapshot = {"state": state, "param_groups": _groups(live["param_groups"])}
-        return cls(
-            key,
-            snapshot,
-            model_src,
-            model_dst,
-            opt_snapshot,
-            opt_src,
-            opt_dst,
-            scalars,
-            finite,
-            params,
-        )
-
-    def refresh(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Copy the live values into the preallocated buffers (no allocation, no tree walk)."""
-        with torch.no_grad():
-            copy_all(self.model_dst, self.model_src)
-            copy_all(self.opt_dst, self.opt_src)
-        for copied, name, entries in self.scalars:
-            copied[name] = copy.deepcopy(entries[name])
-        if optimizer is not None and self.optimizer is not None:
-            groups = self.optimizer["param_groups"]
-            for group, live in zip(groups, optimizer.param_groups, strict=True):
-                group.update(_group(live, group["params"]))
-
-
-def _group(live: Mapping[str, Any], params: list[int]) -> dict[str, Any]:
-    """A param group's settings as a snapshot holds them (tensors copied, indices kept)."""
-    out = {
-        k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
-        for k, v in live.items()
-        if k != "params"
-    }
-    out["params"] = params
-    return out
-
-
-def _groups(packed: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [_group(g, list(g["params"])) for g in packed]
+    """Raised by :meth:`StateSnapshots.restore` when no good state was captured or loaded, or
+    when the one held cannot be restored into the model and optimizer as they are now (their
+    structure changed since it was taken, or the load failed part-way and was undone): in every
+    case nothing was restored, and the model and optimizer are as they were."""
 
 
 @final
@@ -264,8 +64,9 @@ class StateSnapshots:
             raise type(exc)(f"{exc} (good steps between snapshots)") from None
         self._model: dict[str, torch.Tensor] | None = None
         self._optimizer: dict[str, Any] | None = None
-        self._plan: _Plan | None = None
+        self._plan: Plan | None = None
         self._params: list[torch.Tensor] | None = None  # the optimizer's, at the capture
+        self._shapes: list[torch.Size] | None = None  # their shapes, at the capture
         self._step: int | None = None
         self._good_since = 0
         self.captures = 0
@@ -274,6 +75,9 @@ class StateSnapshots:
         at the next capture."""
         self._refused_since: int | None = None  # the step a streak of refusals started
         self.restores = 0
+        self.failed_restores = 0
+        """Restores that raised :class:`NoGoodStateError` with a state held (it did not fit the
+        model or optimizer, or its load failed part-way and was undone)."""
         if checkpoint is not None:
             self.load(checkpoint)
 
@@ -311,10 +115,10 @@ class StateSnapshots:
         # optimizer.state_dict() per tensor cost 490-610 us per capture (issue #13, item 7).
         # The plan also holds the parameters' grouping for the finite check (78 -> 30 us).
         plan = self._plan
-        if plan is not None and plan.key != _live_key(model, optimizer):
+        if plan is not None and plan.key != live_key(model, optimizer):
             plan = None  # the live tensors changed: plan the copies again
-        groups = plan.finite if plan is not None else _finite_groups(model, optimizer)
-        if not _all_finite(groups):
+        groups = plan.finite if plan is not None else finite_groups(model, optimizer)
+        if not all_finite(groups):
             self.refusals += 1
             if self._refused_since is None:  # retried at every good step: said once a streak
                 self._refused_since = step
@@ -328,12 +132,13 @@ class StateSnapshots:
             _log.info("snapshot_resumed", step=step, refused_since=self._refused_since)
             self._refused_since = None
         if plan is None:
-            plan = self._plan = _Plan.build(model, optimizer, groups)
+            plan = self._plan = Plan.build(model, optimizer, groups)
         else:
             plan.refresh(optimizer)
         self._model = plan.model
         self._optimizer = plan.optimizer
         self._params = plan.params
+        self._shapes = plan.shapes
         self._step = step
         self._good_since = 0
         self.captures += 1
@@ -348,8 +153,25 @@ class StateSnapshots:
         now: each parameter gets back the state it had at the capture (found by identity), a
         parameter added since (``add_param_group``) starts with no state, as it did when added.
 
+        All or nothing. Everything it would load is checked first against the model and the
+        optimizer as they are now: the model's entries (names, shapes, and the kind of dtype:
+        floating, complex, integer or bool), the optimizer's param groups (their sizes, when
+        the held state has no parameter identities: a checkpoint) and the shape of each
+        parameter's state. When the structure changed since the capture (a layer added or
+        replaced, a parameter reshaped, a buffer added or removed) nothing is written and the
+        error names every change. A precision or device change (``model.to(...)``) is not one:
+        the values are loaded cast, as ``load_state_dict`` casts them. A load that fails
+        part-way all the same (a load hook that raises) is undone from a copy of the model
+        taken here, and the optimizer gets its own state and groups back. After a failed
+        restore the next good step takes a new snapshot.
+
         Raises:
-            NoGoodStateError: if no good state was captured or loaded.
+            NoGoodStateError: if no good state was captured or loaded, if the one held does not
+                fit the model and optimizer, or if its load failed (that error as the cause);
+                the model and optimizer are as they were. An error that is not an
+                ``Exception`` (``KeyboardInterrupt``) is undone too, and raised as it is.
+            RuntimeError: if a load failed and there was no memory for the copy that would
+                have undone it (logged as ``restore_without_undo`` before loading).
         """
         if self._model is None:
             msg = (
@@ -357,13 +179,53 @@ class StateSnapshots:
                 "first good safe point) and no checkpoint was given"
             )
             raise NoGoodStateError(msg)
-        model.load_state_dict(self._model)
+        held = "the state held " + (
+            f"from step {self._step}" if self._step is not None else "(a checkpoint with no step)"
+        )
+        layout: Layout | None = None
         if optimizer is not None and self._optimizer is not None:
-            keys = ("lr", *GROUP_LR_KEYS)
-            lrs = [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
-            optimizer.load_state_dict(copy.deepcopy(self._remapped(optimizer, self._optimizer)))
-            for group, kept in zip(optimizer.param_groups, lrs, strict=True):
-                group.update(kept)
+            layout = self._remapped(optimizer, self._optimizer)
+        changes = model_changes(self._model, model)
+        if optimizer is not None and layout is not None:
+            changes += self._optimizer_changes(model, optimizer, layout, changes)
+        if changes:
+            self._failed()
+            shown = "; ".join(changes[:SHOWN]) + (" ..." if len(changes) > SHOWN else "")
+            _log.warning("restore_refused", step=self._step, changes=shown)
+            msg = (
+                f"{held} does not fit the model and optimizer as they are now, nothing was "
+                f"restored (both are as they were): {shown}. Their structure changed since the "
+                "snapshot; the next good step takes a new one"
+            )
+            raise NoGoodStateError(msg)
+        undo = Undo.take(model, optimizer)
+        try:
+            model.load_state_dict(self._model)
+            if optimizer is not None and layout is not None:
+                keys = ("lr", *GROUP_LR_KEYS)
+                lrs = [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
+                optimizer.load_state_dict(copy.deepcopy(layout.state_dict))
+                for group, kept in zip(optimizer.param_groups, lrs, strict=True):
+                    group.update(kept)
+        except BaseException as exc:
+            self._failed()
+            error = f"{type(exc).__name__}: {exc}"
+            undone = undo.put_back(model, optimizer)
+            if not isinstance(exc, Exception):
+                raise  # an interrupt stays one (undone, when there was memory for the copy)
+            if not undone:
+                _log.error("restore_failed", step=self._step, error=error, undone=False)
+                msg = (
+                    f"restoring {held} failed part-way ({error}) and could not be undone (no "
+                    "memory for the copy): the model may be partly restored"
+                )
+                raise RuntimeError(msg) from exc
+            _log.warning("restore_failed", step=self._step, error=error, undone=True)
+            msg = (
+                f"restoring {held} failed part-way ({error}); the model and optimizer were put "
+                "back as they were, nothing was restored"
+            )
+            raise NoGoodStateError(msg) from exc
         self.restores += 1
         # Refresh at the next good step: the restored state is good, and the next snapshot
         # must not be `every` steps away (a second fault would go back further still).
@@ -371,7 +233,13 @@ class StateSnapshots:
         _log.info("state_restored", step=self._step)
         return self._step
 
-    def _remapped(self, optimizer: torch.optim.Optimizer, held: dict[str, Any]) -> dict[str, Any]:
+    def _failed(self) -> None:
+        """Count a failed restore; the held state does not fit: take a new one at the next
+        good step rather than *every* good steps from the last capture."""
+        self.failed_restores += 1
+        self._good_since = self.every
+
+    def _remapped(self, optimizer: torch.optim.Optimizer, held: dict[str, Any]) -> Layout:
         """The held optimizer state dict laid out on *optimizer*'s param groups as they are now.
 
         With the same group sizes as at the capture it is loaded by position, as torch loads a
@@ -382,31 +250,87 @@ class StateSnapshots:
         """
         params = self._params
         if params is None:
-            return held
+            return Layout(held)
         live_groups = optimizer.param_groups
         if [len(g["params"]) for g in held["param_groups"]] == [
             len(g["params"]) for g in live_groups
         ]:
-            return held  # the same layout: by position, as torch loads a state dict
+            return Layout(held)  # the same layout: by position, as torch loads a state dict
         index = {id(p): i for i, p in enumerate(params)}
         by_members = {tuple(id(params[i]) for i in g["params"]): g for g in held["param_groups"]}
         held_state = held["state"]
         state: dict[int, Any] = {}
+        origins: dict[int, int] = {}
         groups: list[dict[str, Any]] = []
         n = 0
         for live in live_groups:
             members = tuple(id(p) for p in live["params"])
             captured = by_members.get(members)
             groups.append(
-                _group(captured if captured is not None else live, list(range(n, n + len(members))))
+                group_settings(
+                    captured if captured is not None else live, list(range(n, n + len(members)))
+                )
             )
             for j, pid in enumerate(members):
                 old = index.get(pid)
                 if old is not None and old in held_state:
                     state[n + j] = held_state[old]
+                    origins[n + j] = old
             n += len(members)
         _log.info("optimizer_groups_changed_since_snapshot", step=self._step, groups=len(groups))
-        return {"state": state, "param_groups": groups}
+        return Layout({"state": state, "param_groups": groups}, origins)
+
+    def _optimizer_changes(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        layout: Layout,
+        model_changes: list[str],
+    ) -> list[str]:
+        """What keeps *layout* from loading into *optimizer* as it is now, in words.
+
+        The param groups must have the sizes the optimizer's have (torch loads by position);
+        each state tensor that was shaped like its parameter at the capture must still be (a
+        reshaped parameter: its old moments would fail the next ``optimizer.step()``, or
+        broadcast). A checkpoint does not say which tensors were: there, the per-parameter
+        state names of torch's own optimizers are checked (``exp_avg``, ``momentum_buffer``,
+        ...). A parameter of the model whose entry is already in *model_changes* is not said
+        twice.
+        """
+        held_groups = layout.state_dict["param_groups"]
+        live_groups = optimizer.param_groups
+        held_sizes = [len(g["params"]) for g in held_groups]
+        live_sizes = [len(g["params"]) for g in live_groups]
+        if held_sizes != live_sizes:
+            return [f"optimizer param groups: sizes {live_sizes} now, {held_sizes} at the snapshot"]
+        live = [p for g in live_groups for p in g["params"]]
+        by_index = dict(zip((i for g in held_groups for i in g["params"]), live, strict=True))
+        position = {id(p): i for i, p in enumerate(live)}
+        names = {id(p): name for name, p in model.named_parameters()}
+        said = " ".join(model_changes)
+        shapes = self._shapes
+        out: list[str] = []
+        for index, entries in layout.state_dict["state"].items():
+            param = by_index.get(index)
+            if param is None or not isinstance(entries, Mapping):
+                continue  # not a parameter's state: torch keeps it as it is
+            origin = layout.origins.get(index, index) if layout.origins is not None else index
+            captured = shapes[origin] if shapes is not None and 0 <= origin < len(shapes) else None
+            name = names.get(id(param))
+            if name is not None and repr(name) in said:
+                continue
+            who = repr(name) if name is not None else f"{position[id(param)]} (not in the model)"
+            for key, value in entries.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                shaped = value.shape == captured if captured is not None else key in PER_PARAMETER
+                if shaped and value.shape != param.shape:
+                    out.append(
+                        f"optimizer state {key!r} of parameter {who}: shape "
+                        f"{tuple(value.shape)} at the snapshot, parameter shape "
+                        f"{tuple(param.shape)} now"
+                    )
+        return out
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the held state to *path* (loadable with ``weights_only=True``).
@@ -461,6 +385,7 @@ class StateSnapshots:
         _check_checkpoint(where, model, optimizer)
         self._plan = None
         self._params = None
+        self._shapes = None
         self._model = model
         self._optimizer = optimizer
         self._step = step

@@ -1,0 +1,223 @@
+"""The copy plan of a state snapshot: what a capture checks finite, where the live tensors
+are (a changed key: plan again), and the preallocated copies refreshed with two fused copies."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..._tensors import copy_all
+
+__all__ = ("Checks", "Plan", "all_finite", "finite_groups", "group_settings", "live_key")
+
+
+@dataclass(slots=True)
+class Checks:
+    """What a capture checks before it copies.
+
+    Attributes:
+        groups: the floating parameters and the optimizer state shaped like them, grouped by
+            device and dtype (one reduction each): none may be NaN or infinite.
+        buffers: the floating buffers, grouped the same way: none may be NaN. An infinite
+            buffer can be by construction (a causal attention mask of ``-inf`` registered as a
+            buffer).
+    """
+
+    groups: list[list[torch.Tensor]]
+    buffers: list[list[torch.Tensor]]
+
+
+def finite_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Checks:
+    """What a snapshot must hold finite.
+
+    The model's floating parameters; the optimizer's floating state shaped like its parameter
+    (NaN moments turn the restored parameters NaN at the next step; scalars such as a custom
+    optimizer's ``inf`` sentinel are not judged); and the floating buffers, for NaN (a NaN
+    written into BatchNorm's running stats leaves a train-mode loss finite: captured, it
+    would come back with every restore).
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    buffers: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+
+    def add(
+        into: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]], t: torch.Tensor
+    ) -> None:
+        if t.is_floating_point() or t.is_complex():
+            into.setdefault((t.device, t.dtype), []).append(t.detach())
+
+    for p in model.parameters():
+        add(groups, p)
+    if optimizer is not None:
+        for param, state in optimizer.state.items():
+            shape = getattr(param, "shape", None)
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.shape == shape:
+                    add(groups, v)  # a moment of the parameter
+    for b in model.buffers():
+        add(buffers, b)
+    return Checks(list(groups.values()), list(buffers.values()))
+
+
+def all_finite(checks: Checks) -> bool:
+    """A few fused reductions and one host transfer: does *checks* hold no NaN/Inf (no NaN in
+    the buffers)?
+
+    One number per group (:func:`norm_sum`; a model whose norms add up past the float32
+    range is refused too: it is not healthy).
+    """
+    totals = [norm_sum(ts) for ts in checks.groups]
+    for ts in checks.buffers:
+        # The norm of a tensor holding a NaN is NaN, whatever else it holds; an infinite one
+        # (a -inf mask) or one past the float range is not: only the NaN counts (as inf here).
+        total = norm_sum(ts)
+        totals.append(torch.where(total.isnan(), math.inf, 0.0))
+    if not totals:
+        return True
+    if len(totals) == 1:
+        return math.isfinite(totals[0].item())
+    return bool(torch.isfinite(torch.stack([t.float().cpu() for t in totals])).all().item())
+
+
+def norm_sum(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the 2-norms of *ts* (one device and dtype), in one fused reduction: NaN or
+    Inf as soon as one value is. Half precision norms are computed in float32, so a large
+    half-precision model does not overflow its own dtype's range."""
+    low = ts[0].is_floating_point() and ts[0].dtype.itemsize < 4
+    norms = torch._foreach_norm(ts, 2, dtype=torch.float32) if low else torch._foreach_norm(ts)
+    v = torch.stack(norms)
+    full = getattr(v, "full_tensor", None)  # FSDP2 / DTensor: the norm over every shard
+    return (full() if callable(full) else v).sum()
+
+
+def live_key(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[int, ...]:
+    """Where the tensors a snapshot copies live now: a changed buffer or state shows here.
+
+    A module that assigns a new buffer, ``param.data = ...``, ``model.to(...)`` or an optimizer
+    that creates or replaces its state all change a storage address (or the count); an
+    ``optimizer.add_param_group(...)`` (unfreezing layers) changes the groups' membership.
+    """
+    key = [t.data_ptr() for t in model.parameters()]
+    key += [t.data_ptr() for t in model.buffers()]
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            key.append(len(group["params"]))
+            key += [id(p) for p in group["params"]]
+        for state in optimizer.state.values():
+            key.append(len(state))
+            key += [v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor)]
+    return tuple(key)
+
+
+@dataclass(slots=True)
+class Plan:
+    """Preallocated copies of one model + optimizer, refreshed with two ``_foreach_copy_``.
+
+    Attributes:
+        key: :func:`live_key` when the plan was built (a different key: build again).
+        model: the model snapshot (a state dict of the buffers in *model_dst*).
+        model_src: the live parameters and buffers, in the order of *model_dst*.
+        model_dst: the preallocated copies.
+        optimizer: the optimizer snapshot (a state dict whose tensors are in *opt_dst*).
+        opt_src: the live optimizer state tensors, in the order of *opt_dst*.
+        opt_dst: the preallocated copies.
+        scalars: ``(snapshot state, key, live state)`` of the non-tensor state entries.
+        finite: the live tensors checked before a refresh (:class:`Checks`).
+        params: the optimizer's parameters in the order its state dict indexes them (a restore
+            finds each one's state by identity, whatever groups the optimizer has by then).
+        shapes: their shapes when the plan was built (a restore tells the state tensors shaped
+            like their parameter, whose shape must still be the parameter's).
+    """
+
+    key: tuple[int, ...]
+    model: dict[str, torch.Tensor]
+    model_src: list[torch.Tensor]
+    model_dst: list[torch.Tensor]
+    optimizer: dict[str, Any] | None
+    opt_src: list[torch.Tensor]
+    opt_dst: list[torch.Tensor]
+    scalars: list[tuple[dict[str, Any], str, Mapping[str, Any]]]
+    finite: Checks
+    params: list[torch.Tensor]
+    shapes: list[torch.Size]
+
+    @classmethod
+    def build(
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        finite: Checks,
+    ) -> Plan:
+        """Allocate the copies (the first capture, or after the live tensors changed);
+        *finite* is :func:`finite_groups` of *model*, already computed by the caller."""
+        key = live_key(model, optimizer)
+        live_model = model.state_dict(keep_vars=True)
+        model_src = [t.detach() for t in live_model.values()]
+        model_dst = [t.clone() for t in model_src]
+        snapshot = dict(zip(live_model, model_dst, strict=True))
+        opt_src: list[torch.Tensor] = []
+        opt_dst: list[torch.Tensor] = []
+        scalars: list[tuple[dict[str, Any], str, Mapping[str, Any]]] = []
+        opt_snapshot: dict[str, Any] | None = None
+        params: list[torch.Tensor] = []
+        if optimizer is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            live = optimizer.state_dict()  # its "state" holds the optimizer's own dicts
+            state: dict[Any, dict[str, Any]] = {}
+            for index, entries in live["state"].items():
+                copied: dict[str, Any] = {}
+                for name, value in entries.items():
+                    if isinstance(value, torch.Tensor):
+                        opt_src.append(value.detach())
+                        copied[name] = value.detach().clone()
+                        opt_dst.append(copied[name])
+                    else:
+                        copied[name] = copy.deepcopy(value)
+                        scalars.append((copied, name, entries))
+                state[index] = copied
+            opt_snapshot = {"state": state, "param_groups": groups_settings(live["param_groups"])}
+        return cls(
+            key,
+            snapshot,
+            model_src,
+            model_dst,
+            opt_snapshot,
+            opt_src,
+            opt_dst,
+            scalars,
+            finite,
+            params,
+            [p.shape for p in params],
+        )
+
+    def refresh(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Copy the live values into the preallocated buffers (no allocation, no tree walk)."""
+        with torch.no_grad():
+            copy_all(self.model_dst, self.model_src)
+            copy_all(self.opt_dst, self.opt_src)
+        for copied, name, entries in self.scalars:
+            copied[name] = copy.deepcopy(entries[name])
+        if optimizer is not None and self.optimizer is not None:
+            groups = self.optimizer["param_groups"]
+            for group, live in zip(groups, optimizer.param_groups, strict=True):
+                group.update(group_settings(live, group["params"]))
+
+
+def group_settings(live: Mapping[str, Any], params: list[int]) -> dict[str, Any]:
+    """A param group's settings as a snapshot holds them (tensors copied, indices kept)."""
+    out = {
+        k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+        for k, v in live.items()
+        if k != "params"
+    }
+    out["params"] = params
+    return out
+
+
+def groups_settings(packed: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [group_settings(g, list(g["params"])) for g in packed]
