@@ -206,3 +206,32 @@ def test_documented_import_paths_of_the_distributed_names() -> None:
     assert RankAgreement is RecoveryRankAgreement is Home
     assert current_rank is events_current_rank
     assert current_rank() == 0  # no process group in the tests' main process
+
+
+def test_every_error_the_library_defines_derives_from_eventbuserror() -> None:
+    """The exceptions module's promise: ``except EventBusError`` catches whatever the library
+    raises of its own (``NoGoodStateError`` and ``CorruptDataError`` were plain
+    ``RuntimeError`` subclasses)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import eventbus_debug
+    from eventbus_debug.exceptions import EventBusError
+
+    outside: list[str] = []
+    for info in pkgutil.walk_packages(eventbus_debug.__path__, "eventbus_debug."):
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:  # an optional extra that is not installed
+            continue
+        for name, value in vars(module).items():
+            if (
+                inspect.isclass(value)
+                and issubclass(value, BaseException)
+                and value.__module__ == module.__name__
+                and not name.startswith("_")
+                and not issubclass(value, EventBusError)
+            ):
+                outside.append(f"{module.__name__}.{name}")
+    assert outside == []

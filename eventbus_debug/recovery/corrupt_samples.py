@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from eventbus_debug.diagnostics import get_logger
 
 from ..events import SampleSkipped
+from ..exceptions import EventBusError
 from ..step_context import StepSource, current_step
 from ..typing import Publisher
 from .classify import exception_names
@@ -47,7 +48,7 @@ DEFAULT_MAX_SKIPPED: Final = 10
 _MAX_MESSAGE: Final = 2000
 
 
-class CorruptDataError(RuntimeError):
+class CorruptDataError(EventBusError, RuntimeError):
     """Raised by :class:`SkippingLoader` when a pass over the data skips more than allowed."""
 
 

@@ -416,3 +416,24 @@ async def test_session_required_restore_refused_stops_with_the_reason() -> None:
                 await session.step_completed(step)
     failed = [e for e in log.of_type(RecoveryApplied) if e.outcome == "failed"]
     assert failed and "does not fit" in failed[0].detail
+
+
+def test_a_snapshot_keeps_the_modules_state_versions() -> None:
+    """Without its ``_metadata`` a snapshot loads as a state dict of an old format: BatchNorm
+    then adds a ``num_batches_tracked`` of its own, which a module whose counter is ``None``
+    refuses ("Unexpected key"). Kept, the restore loads as the capture saved."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    bn = model[1]
+    assert isinstance(bn, nn.BatchNorm1d)
+    bn.num_batches_tracked = None  # counts no batches: momentum alone weighs the stats
+    opt = torch.optim.Adam(model.parameters())
+    _train(model, opt, 2)
+    snapshots = StateSnapshots()
+    assert snapshots.capture(2, model, opt)
+    mean = bn.running_mean.detach().clone()
+    _train(model, opt, 3)
+    assert not torch.equal(bn.running_mean, mean)
+    assert snapshots.restore(model, opt) == 2
+    assert torch.equal(bn.running_mean, mean)
+    assert snapshots.failed_restores == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -159,7 +160,12 @@ class Plan:
         live_model = model.state_dict(keep_vars=True)
         model_src = [t.detach() for t in live_model.values()]
         model_dst = [t.clone() for t in model_src]
-        snapshot = dict(zip(live_model, model_dst, strict=True))
+        snapshot: dict[str, torch.Tensor] = OrderedDict(zip(live_model, model_dst, strict=True))
+        # the modules' state versions (BatchNorm's, ...): without them load_state_dict takes
+        # the snapshot for one of an old format, and a module that loads by version misreads it
+        metadata = getattr(live_model, "_metadata", None)
+        if metadata is not None:
+            snapshot._metadata = copy.deepcopy(metadata)  # type: ignore[attr-defined]
         opt_src: list[torch.Tensor] = []
         opt_dst: list[torch.Tensor] = []
         scalars: list[tuple[dict[str, Any], str, Mapping[str, Any]]] = []

@@ -18,6 +18,7 @@ from torch import nn
 from eventbus_debug.diagnostics import get_logger
 
 from ..._validate import positive_int
+from ...exceptions import EventBusError
 from ..lr import GROUP_LR_KEYS
 from ._fit import PER_PARAMETER, SHOWN, Layout, Undo, model_changes
 from ._plan import Plan, all_finite, finite_groups, group_settings, live_key
@@ -29,7 +30,7 @@ _log = get_logger(__name__)
 DEFAULT_EVERY: Final = 50
 
 
-class NoGoodStateError(RuntimeError):
+class NoGoodStateError(EventBusError, RuntimeError):
     """Raised by :meth:`StateSnapshots.restore` when no good state was captured or loaded, or
     when the one held cannot be restored into the model and optimizer as they are now (their
     structure changed since it was taken, or the load failed part-way and was undone): in every
