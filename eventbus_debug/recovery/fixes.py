@@ -25,7 +25,7 @@ from .._validate import fraction, positive_number
 from ..events import RecoveryAction, RecoveryApplied
 from ..typing import Publisher
 from .lr import scale_learning_rate
-from .safepoint import StateSnapshots
+from .safepoint import NoGoodStateError, StateSnapshots
 
 __all__ = ("CommonFixes", "apply_common_fixes")
 
@@ -104,7 +104,8 @@ def apply_common_fixes(
 
     1. parameters holding NaN/Inf: restore the last good state from *snapshots* (model and
        optimizer; the gradients, which belong to the discarded state, are dropped). Without a
-       good state they are reported in ``unrepaired_parameters`` and left alone — never zeroed;
+       good state (or with one that no longer fits the model: its structure changed since) they
+       are reported in ``unrepaired_parameters`` and left alone — never zeroed;
     2. gradients holding NaN/Inf: all gradients are dropped (``grad = None``), so an
        ``optimizer.step()`` now does nothing;
     3. a total gradient norm above *max_grad_norm*: clipped to it (and the LR multiplied by
@@ -175,8 +176,15 @@ def apply_common_fixes(
     grads_dropped = False
     if bad_params:
         shown = ", ".join(bad_params[:10])
+        refused: NoGoodStateError | None = None
+        restored = False
         if snapshots is not None and snapshots.available:
-            restored_step = snapshots.restore(model, optimizer)
+            try:
+                restored_step = snapshots.restore(model, optimizer)
+                restored = True
+            except NoGoodStateError as exc:  # it no longer fits the model: nothing was changed
+                refused = exc
+        if restored:
             drop_grads()
             grads_dropped = True
             record(
@@ -186,11 +194,16 @@ def apply_common_fixes(
             )
         else:
             unrepaired = bad_params
+            why = (
+                f"the good state held could not be restored ({refused})"
+                if refused is not None
+                else "no good state to restore"
+            )
             record(
                 NAN_PARAMETER_FIX,
                 RecoveryAction.RESTORE_STATE,
-                f"non-finite parameters ({shown}) and no good state to restore: left as they "
-                "are (not zeroed); pass snapshots= or load a checkpoint",
+                f"non-finite parameters ({shown}) and {why}: left as they are (not zeroed); "
+                "pass snapshots= or load a checkpoint",
                 outcome="failed",
             )
 

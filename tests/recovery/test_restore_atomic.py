@@ -437,3 +437,26 @@ def test_a_snapshot_keeps_the_modules_state_versions() -> None:
     assert snapshots.restore(model, opt) == 2
     assert torch.equal(bn.running_mean, mean)
     assert snapshots.failed_restores == 0
+
+
+def test_common_fixes_report_a_state_that_no_longer_fits() -> None:
+    """``apply_common_fixes`` with a held state the model outgrew: the parameters are reported
+    unrepaired (never zeroed, never half restored), no error escapes."""
+    from eventbus_debug.recovery import apply_common_fixes
+
+    model, opt = _model()
+    _train(model, opt, 2)
+    snapshots = StateSnapshots()
+    assert snapshots.capture(2, model, opt)
+    model.append(nn.Linear(1, 1))  # the structure changed since the capture
+    with torch.no_grad():
+        model[0].weight[0, 0] = math.nan
+    before = copy.deepcopy(model.state_dict())
+    fixes = apply_common_fixes(model, opt, snapshots=snapshots)
+    assert not fixes.healthy
+    assert fixes.restored_step is None
+    assert "0.weight" in fixes.unrepaired_parameters
+    assert "could not be restored" in fixes.details[0]
+    after = model.state_dict()
+    assert all(torch.equal(after[k], before[k]) or k == "0.weight" for k in before)
+    assert torch.isnan(after["0.weight"][0, 0])
