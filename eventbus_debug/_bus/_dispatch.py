@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ DISPATCH_ROUND: Final = 4096
 HOLD_MAX: Final = 512
 """With a ``telemetry_latency``, this many waiting events are dispatched without waiting more."""
 _INCIDENT: Final = Delivery.INCIDENT
+_get_ident: Final = threading.get_ident
 
 
 class _State(Enum):
@@ -102,6 +105,10 @@ class BusDispatcher:
     _dispatcher_done: anyio.Event | None
     _stop_dispatcher: bool
     _dispatcher_scope: anyio.CancelScope | None
+    _loop_ident: int  # the thread of the bus's event loop (set on entering)
+    _call_soon_threadsafe: Callable[[Callable[[], object]], object] | None
+    _after_close_lock: threading.Lock  # serializes _settle_after_close (any thread)
+    _after_close_logged: bool
 
     # -- the dispatcher ------------------------------------------------------------------------
 
@@ -113,7 +120,18 @@ class BusDispatcher:
             self._end_hold()
 
     def _end_hold(self) -> None:
-        """Stop the dispatcher's wait for more telemetry: dispatch now."""
+        """Stop the dispatcher's wait for more telemetry: dispatch now.
+
+        On the loop's thread only (a waiter's trigger raises on trio and races the loop on
+        asyncio elsewhere): from another thread (a ``publish_nowait`` there that found a burst
+        pending) it is handed to the loop. Rare: an incident or a full buffer during a hold.
+        """
+        if _get_ident() != self._loop_ident:
+            schedule = self._call_soon_threadsafe
+            if schedule is not None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: the bus closed
+                    schedule(self._end_hold)
+            return
         self._holding = False
         self._trigger()
 
@@ -134,7 +152,11 @@ class BusDispatcher:
             return
         self._thread_wake_pending = False  # the next wake from a thread is scheduled again
         queued = tuple(self._thread_queue)
-        if len(queued) + len(self._buffer) >= HOLD_MAX or has_incident(queued):
+        if (
+            len(queued) + len(self._buffer) >= HOLD_MAX
+            or has_incident(queued)
+            or self._buffered_incident_count()  # publish_nowait from a thread: in the buffer
+        ):
             self._end_hold()
 
     def _signal_progress(self) -> None:
@@ -151,6 +173,49 @@ class BusDispatcher:
             buf = self._buffer
             for _ in range(n):
                 buf.append(tq.popleft())
+
+    def _settle_after_close(self) -> None:
+        """Account for what was handed over after the close's last dispatch: events that a
+        publisher on another thread handed over as the bus closed (it found the bus running,
+        then lost the race). Any thread, once the bus is CLOSED: the close calls it last, and
+        a publisher that finds the bus closed after handing its event over calls it too.
+
+        They are routed as the dispatcher routes, to sinks all closed by now: each sink they
+        were for counts them in its ``undelivered``, the close's one way of counting what a sink
+        did not get (as ``_commit_staged`` does for what reaches a sink after its close), and
+        they are stamped, so that ``statistics()`` counts them published and dispatched. Also
+        what a dispatcher that crashed left. Logged too (``events_after_close``, once).
+        """
+        with self._after_close_lock:  # the close and late publishers may settle at once
+            if self._state is not _State.CLOSED:
+                return
+            self._pull_thread_events()
+            late = self._buffer
+            if not late:
+                return
+            self._buffer = []
+            self._classified = self._buffered_incidents = 0
+            seq = self._seq
+            for event in late:
+                seq += 1
+                _SET_SEQ(event, seq)
+                route = self._routes.get(event.__class__) or self._resolve(event.__class__)
+                excluded = event.sink if route.self_excluding else None  # type: ignore[attr-defined]
+                for sub in route.subs:
+                    if sub.name != excluded:
+                        sub.undelivered += 1
+            self._seq = seq
+            if self._after_close_logged:
+                return
+            self._after_close_logged = True
+        _log.warning(
+            "events_after_close",
+            events=len(late),
+            detail=(
+                "events handed over from another thread as the bus closed arrived after its last "
+                "delivery; counted as undelivered in the statistics of the sinks they were for"
+            ),
+        )
 
     async def _await_progress(self) -> None:
         progress = self._progress

@@ -147,7 +147,12 @@ class BusDraining(BusPublishing):
                 if not self._dispatcher_done.is_set() and self._dispatcher_scope is not None:
                     self._dispatcher_scope.cancel()
         self._state = _State.CLOSED
+        # From here a publish_nowait from another thread takes the slow path, which sees the
+        # close; what a publisher on another thread handed over after the last dispatch (it
+        # found the bus running, then lost the race) is counted now (or by that publisher).
+        self._wake_pending = False
         _RUNNING_BUSES.discard(self)
+        self._settle_after_close()
         elapsed = time.monotonic() - started
         if elapsed > 1.0:
             _log.info("bus_close_slow", seconds=round(elapsed, 3))

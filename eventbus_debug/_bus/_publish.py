@@ -10,6 +10,7 @@ process forked from the bus's (a ``DataLoader`` worker) it is counted instead. T
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -40,11 +41,9 @@ class BusPublishing(BusDispatcher):
     # Set by EventBus.__init__ (see there).
     _accepting: bool
     _incident_only: dict[tuple[type[Event], ...], bool]
-    _call_soon_threadsafe: Callable[[Callable[[], object]], object] | None
     _forked_from: int | None  # in a forked child: the pid of the bus's process
     _checkpoint: Callable[[], Awaitable[None]]  # publish's yield (see _waiters.checkpointer)
     lost_in_fork: int
-    _loop_ident: int  # the thread of the bus's event loop (set on entering)
     _warned_thread: bool  # publish_nowait_from_thread was logged
     _not_running_hint: str = "publish inside `async with EventBus() as bus:`"
     """How to start the bus, in the refusal of a publish before it runs; a
@@ -65,6 +64,15 @@ class BusPublishing(BusDispatcher):
         # woken once per burst (the first publish after it went idle). The wake is
         # _wake_dispatcher inlined: the call costs ~50 ns of an isolated publish's 1 µs budget
         # (benchmarks/bench_publish.py).
+        #
+        # The burst's appends do not check the thread (get_ident() costs ~25 ns, a third of
+        # this path): another thread's publish_nowait that finds a burst pending appends here
+        # too. That is safe under the GIL: the check of _wake_pending and the append run with
+        # no switch of thread between them, as do the dispatcher's swap of _buffer and its
+        # last look at it before it sleeps (it clears _wake_pending with the buffer empty), so
+        # such an event is dispatched with the burst. _publish_from_thread appends to the same
+        # list, so that thread's events keep their order whichever branch they take, and
+        # _end_hold hands itself to the loop when called from another thread.
         if self._accepting and isinstance(event, Event):
             if self._wake_pending:
                 self._buffer.append(event)
@@ -99,8 +107,10 @@ class BusPublishing(BusDispatcher):
 
     def _publish_from_thread(self, event: Event) -> None:
         """``publish_nowait`` called from a thread other than the event loop's (an autograd
-        hook, a data loader's thread, a worker of ``anyio.to_thread``): the event goes the
-        thread-safe way (:meth:`publish_threadsafe`), and the first such call is logged."""
+        hook, a data loader's thread, a worker of ``anyio.to_thread``) when no burst is
+        pending: the event joins the buffer (the list a burst's publishes append to, so the
+        thread's events keep their order) and the dispatcher is woken the thread-safe way
+        (:meth:`wake_threadsafe`, once per burst of them); the first such call is logged."""
         if not self._warned_thread:
             self._warned_thread = True
             _log.warning(
@@ -111,7 +121,11 @@ class BusPublishing(BusDispatcher):
                     "handed over thread-safely. Call bus.publish_threadsafe(event) from threads"
                 ),
             )
-        self.publish_threadsafe(event)
+        self._buffer.append(event)  # atomic under the GIL, as the dispatcher's swap of it
+        if self._state is not _State.RUNNING:  # the close began after the check of _accepting
+            self._handed_over_while_closing()
+        elif not self._thread_wake_pending:
+            self.wake_threadsafe()
 
     def publish_many_nowait(self, events: Iterable[Event], /) -> None:
         """Accept a batch of events, in order, with one wake-up of the dispatcher.
@@ -205,15 +219,29 @@ class BusPublishing(BusDispatcher):
         if self._state is not _State.RUNNING:
             if self._from_sink_while_closing(event):
                 self._thread_queue.append(event)  # the close's drain pulls it (any thread)
-                self.wake_threadsafe()
+                self._handed_over_while_closing()
                 return
             self._refuse(1)
             return
         if not isinstance(event, Event):
             raise TypeError(_not_event_message(event))
         self._thread_queue.append(event)
-        if wake and not self._thread_wake_pending:
+        if self._state is not _State.RUNNING:  # the close began after the check above
+            self._handed_over_while_closing()
+        elif wake and not self._thread_wake_pending:
             self.wake_threadsafe()
+
+    def _handed_over_while_closing(self) -> None:
+        """An event was handed over (by this thread, any thread) while the bus closes: found
+        running, then the close began (or a sink's own, see :meth:`_from_sink_while_closing`).
+        It is never refused now (it may be delivered already): the close's drain delivers it,
+        and once the bus is closed :meth:`_settle_after_close` counts it (undelivered) if the
+        close no longer could. Either way it is accounted for, whoever wins the race."""
+        if self._state is _State.CLOSING:
+            with contextlib.suppress(BusClosedError):  # the loop is gone: settled below
+                self.wake_threadsafe()
+        if self._state is _State.CLOSED:
+            self._settle_after_close()
 
     def wake_threadsafe(self) -> None:
         """From any thread: have the dispatcher pick up the events published from threads."""

@@ -75,6 +75,7 @@ class SubscriptionQueue:
         "shed",
         "shed_by_kind",
         "shed_unreported",
+        "undelivered",
     )
 
     _bus: _Owner | None
@@ -94,6 +95,8 @@ class SubscriptionQueue:
     shed: int
     shed_unreported: int
     shed_by_kind: dict[str, int]
+    undelivered: int  # events lost to the sink at close (see _commit_staged, _abandon)
+    _input_closed: bool  # (the pump's slot) its close began: nothing more is queued
 
     # -- the queue -------------------------------------------------------------------------
 
@@ -117,10 +120,19 @@ class SubscriptionQueue:
         Incidents are always queued. Telemetry beyond the room the incidents leave is shed,
         oldest first: queued telemetry before staged, one ``popleft`` per shed event. Wakes the
         pump if it waits (once per dispatch round).
+
+        Once the sink's input is closed (the bus closed it), what still reaches it (the reports
+        about the sinks closed after it, an event from a thread that raced the close) can no
+        longer be delivered: it is counted as undelivered, never left in a queue nobody reads.
         """
         staged_inc = self._staged_incidents
         staged_tel = self._staged_telemetry
         if not staged_inc and not staged_tel:
+            return 0
+        if self._input_closed:
+            self.undelivered += len(staged_inc) + len(staged_tel)
+            staged_inc.clear()
+            staged_tel.clear()
             return 0
         incidents = self._incidents
         telemetry = self._telemetry

@@ -63,6 +63,21 @@ OWN_TASKS_FAILED: Final = (
 """The message of the group raised on leaving the bus when its own tasks failed."""
 
 
+def _sink_capacity(sink: object, name: str | None, hint: object) -> int:
+    """A sink's own ``queue_capacity`` attribute, checked as the ``capacity`` argument is.
+
+    Raises:
+        ArgumentTypeError: if it is not an int (a bool, a float, a string...).
+        ValueError: if it is below 1.
+    """
+    label = f"sink {name if isinstance(name, str) and name else default_name(sink)!r}"
+    try:
+        return positive_int(f"{label}: its queue_capacity attribute", hint)
+    except ValueError as exc:  # ArgumentTypeError is a ValueError too
+        msg = f"{exc} (None, or no such attribute, gives the bus's capacity)"
+        raise type(exc)(msg) from None
+
+
 @final
 class EventBus(BusDraining):
     """Routes published events to subscribers; one bounded queue and task per subscriber.
@@ -156,6 +171,8 @@ class EventBus(BusDraining):
         self._thread_queue = collections.deque()
         self._thread_wake_pending = False
         self._call_soon_threadsafe = None
+        self._after_close_lock = threading.Lock()
+        self._after_close_logged = False
         self._subs = []
         self._routes = {}
         self._tg = None
@@ -286,7 +303,7 @@ class EventBus(BusDraining):
         Types match by subclass, so ``subscribe(sink, Event)`` receives everything.
 
         *capacity* bounds the sink's queue (default: the sink's ``queue_capacity`` attribute,
-        else the bus's). With *backpressure* (default: the sink's ``backpressure`` attribute,
+        an int >= 1, else the bus's when it is ``None`` or absent). With *backpressure* (default: the sink's ``backpressure`` attribute,
         else off) the sink is flow-controlled: while its queue is over half full, ``await
         bus.publish(...)`` waits until it is down to a quarter, so a publisher faster than
         the sink is slowed to the sink's pace instead of shedding. ``publish_nowait`` never
@@ -296,6 +313,9 @@ class EventBus(BusDraining):
         Raises:
             SubscriptionError: if *sink* is not usable, a type is not an :class:`Event`
                 subclass, *capacity* is not a positive int, or *name* is already used.
+            ArgumentTypeError: if the sink's ``queue_capacity`` attribute (used without
+                *capacity*) is not an int nor ``None`` (a bool, a float, a string).
+            ValueError: if that attribute is an int below 1 (the messages name the sink).
             BusClosedError: if the bus is closing or closed.
         """
         if self.closed:
@@ -318,9 +338,7 @@ class EventBus(BusDraining):
                 raise SubscriptionError(msg)
         if capacity is None:
             hint = getattr(sink, "queue_capacity", None)
-            capacity = hint if isinstance(hint, int) and not isinstance(hint, bool) else None
-            if capacity is None or capacity < 1:
-                capacity = self._capacity
+            capacity = self._capacity if hint is None else _sink_capacity(sink, name, hint)
         if backpressure is None:
             backpressure = getattr(sink, "backpressure", False) is True
         elif not isinstance(backpressure, bool):

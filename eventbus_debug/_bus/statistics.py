@@ -19,7 +19,9 @@ class SubscriptionStatistics:
         failed: events whose handling raised.
         shed: telemetry events dropped from its full queue.
         discarded: events not delivered because the sink was disabled.
-        undelivered: events lost because the sink did not finish within the close timeout.
+        undelivered: events lost at close: those the sink did not finish within the close
+            timeout, and those that reached it after its own close (the reports about the
+            sinks closed after it; an event from a thread that raced the bus's close).
         disabled: whether the sink was disabled after repeated failures.
     """
 

@@ -73,7 +73,6 @@ class Subscription(SubscriptionPump):
         "_sink_closed",
         "event_types",
         "sink",
-        "undelivered",
     )
 
     def __init__(
