@@ -4,6 +4,7 @@ by the framework's hooks, and the step-level plumbing around it."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Final, final
@@ -186,6 +187,16 @@ class FitSession:
                 "its own argument"
             )
             raise TypeError(msg)
+        if log_dir is not None:
+            if not isinstance(log_dir, str | os.PathLike):
+                msg = f"log_dir must be a path (str or os.PathLike) or None, got {log_dir!r}"
+                raise TypeError(msg)
+            if not os.fspath(log_dir):
+                msg = (
+                    "log_dir must not be empty (an unset variable?): pass None for no log, "
+                    "or '.' for the current directory"
+                )
+                raise ValueError(msg)
         self.framework = framework
         self.log_dir = log_dir
         self.options: dict[str, Any] = dict(options)
@@ -197,8 +208,27 @@ class FitSession:
 
     @property
     def running(self) -> bool:
-        """Whether the session is open."""
-        return self.session is not None
+        """Whether the session is open.
+
+        A session that your code ended during the fit (``callback.session.__exit__(...)``) is
+        let go here, with a warning: the fit goes on unchecked, as without the integration,
+        rather than failing at its next step.
+        """
+        session = self.session
+        if session is None:
+            return False
+        try:
+            session.bus  # noqa: B018 -- raises RuntimeError once the session has ended
+        except RuntimeError:
+            self.session = None
+            self.optimizer = None
+            _log.warning(
+                "the %s debug session was ended during the fit (not by the framework): the "
+                "rest of the fit is not checked",
+                self.framework,
+            )
+            return False
+        return True
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy``, ``pickle``) keeps the options and counts, not the open
@@ -248,7 +278,7 @@ class FitSession:
             RuntimeError: if the session is not open.
             TrainingStopped: if recovery decided to stop (the session is closed first).
         """
-        session = self.session
+        session = self.session if self.running else None
         if session is None or self.optimizer is None:
             msg = f"the {self.framework} debug session is not running (the fit has not started)"
             raise RuntimeError(msg)
@@ -273,7 +303,7 @@ class FitSession:
         samples: int | None = None,
     ) -> None:
         """Record that *step* finished (a ``StepCompleted``) and hand its events to the bus."""
-        if self.session is not None:
+        if self.running and self.session is not None:
             self.session.step_completed(
                 step, loss=loss, learning_rate=learning_rate, samples=samples
             )

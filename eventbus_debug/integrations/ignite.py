@@ -252,6 +252,8 @@ class EventBusDebugHandler(FitViews):
         if engine is None or not self._fit.running:
             return
         self._started_at = None
+        if self._window_ended():  # without track_loss: looked at before a skip resets them
+            self._drop_window()
         step = max(engine.state.iteration - 1, 0)
         lr = learning_rate(optimizer)
         verdict = self._fit.check(step, self._loss.take(mean=True))
@@ -329,7 +331,7 @@ class EventBusDebugHandler(FitViews):
             self._report_output(bad)
 
     def _report_output(self, step: int) -> None:
-        session = self._fit.session
+        session = self._fit.session if self._fit.running else None
         if session is not None:
             session.publish(
                 NonFiniteDetected(
