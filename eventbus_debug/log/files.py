@@ -25,6 +25,7 @@ from eventbus_debug.diagnostics import get_logger
 from ..events import Event
 from ..exceptions import EventDecodeError, LogReadError
 from .encoding import decode_event
+from .runs import RunSplitter, check_run
 
 __all__ = (
     "LOG_STEM",
@@ -108,11 +109,19 @@ def read_events(
     *,
     strict: bool = True,
     stats: ReadStatistics | None = None,
+    run: str = "all",
 ) -> Iterator[Event]:
     """Yield the typed events of a log file, or of every rank's files in a log directory.
 
     A directory's ranks are merged by event time; each rank's files are read oldest first.
     Logs are untrusted input: every field is checked against its declared type.
+
+    A rerun into the same directory appends to the same files. *run* picks the events of one
+    run: ``"all"`` (default: every event of the log), ``"latest"`` (the run whose session
+    started last) or a run id (``SessionStarted.run_id``, as ``eventbus-debug summary``
+    lists them). Each rank's events belong to the run its latest ``SessionStarted``
+    announced (:mod:`eventbus_debug.log.runs`); a run is found by a first pass over the
+    session starts, then read.
 
     A *torn* line — the prefix of an event cut by a crash, a kill or a full disk, anywhere in
     a file — is skipped in both modes (and an event glued after it is recovered); it is
@@ -124,8 +133,10 @@ def read_events(
 
     Raises:
         TypeError: at the call, if *path* is not a ``str`` or an ``os.PathLike`` (a
-            ``pathlib.Path``), *strict* is not a ``bool`` or *stats* is not a
-            :class:`ReadStatistics`.
+            ``pathlib.Path``), *strict* is not a ``bool``, *stats* is not a
+            :class:`ReadStatistics` or *run* is not a ``str``.
+        ValueError: at the call, if *run* is empty; as it is iterated, if *run* is a run id
+            that the log does not hold (the message lists those it does).
         LogReadError: if *path* does not exist, or a directory holds no log file.
         EventDecodeError: if a complete line cannot be decoded (``strict=True``); the message
             names the file, the line number and the field.
@@ -137,7 +148,29 @@ def read_events(
     if stats is not None and not isinstance(stats, ReadStatistics):
         msg = f"stats must be a ReadStatistics or None, got {type(stats).__name__} {stats!r}"
         raise TypeError(msg)
-    return _read_path(p, strict, ReadStatistics() if stats is None else stats)
+    run = check_run(run)
+    stats = ReadStatistics() if stats is None else stats
+    if run == "all":
+        return _read_path(p, strict, stats)
+    return _read_run(p, strict, stats, run)
+
+
+_STARTS: Final = b"session_started"
+"""In every line of a ``SessionStarted``, whatever wrote it (the first pass of a run's read
+decodes no other line)."""
+
+
+def _read_run(p: Path, strict: bool, stats: ReadStatistics, run: str) -> Iterator[Event]:
+    """The events of the run *run* selects (two passes: the session starts, then the run)."""
+    starts = RunSplitter()
+    for event in _read_path(p, strict, ReadStatistics(), only=_STARTS):
+        starts.assign(event)
+    chosen = starts.choose(run)
+    splitter = RunSplitter()
+    for event in _read_path(p, strict, stats):
+        key, event = splitter.assign(event)
+        if key == chosen:
+            yield event
 
 
 def _as_path(value: object, argument: str) -> Path:
@@ -154,13 +187,16 @@ def _as_path(value: object, argument: str) -> Path:
     raise TypeError(msg)
 
 
-def _read_path(p: Path, strict: bool, stats: ReadStatistics) -> Iterator[Event]:
+def _read_path(
+    p: Path, strict: bool, stats: ReadStatistics, only: bytes | None = None
+) -> Iterator[Event]:
+    """The events of file or directory *p*; *only*: of the lines holding these bytes."""
     if p.is_dir():
         per_rank = log_files(p)
         if not per_rank:
             msg = f"no event log ({LOG_STEM}*{LOG_SUFFIX}) in directory {str(p)!r}"
             raise LogReadError(msg)
-        streams = [_read_many(files, strict, stats) for files in per_rank.values()]
+        streams = [_read_many(files, strict, stats, only) for files in per_rank.values()]
         if len(streams) == 1:
             yield from streams[0]
         else:
@@ -169,12 +205,14 @@ def _read_path(p: Path, strict: bool, stats: ReadStatistics) -> Iterator[Event]:
     if not p.exists():
         msg = f"log file {str(p)!r} does not exist"
         raise LogReadError(msg)
-    yield from _read_file(p, strict, stats)
+    yield from _read_file(p, strict, stats, only)
 
 
-def _read_many(files: list[Path], strict: bool, stats: ReadStatistics) -> Iterator[Event]:
+def _read_many(
+    files: list[Path], strict: bool, stats: ReadStatistics, only: bytes | None
+) -> Iterator[Event]:
     for f in files:
-        yield from _read_file(f, strict, stats)
+        yield from _read_file(f, strict, stats, only)
 
 
 def _open(path: Path) -> IO[bytes] | gzip.GzipFile:
@@ -242,7 +280,9 @@ def _decode_line(
     return event
 
 
-def _read_file(path: Path, strict: bool, stats: ReadStatistics) -> Iterator[Event]:
+def _read_file(
+    path: Path, strict: bool, stats: ReadStatistics, only: bytes | None = None
+) -> Iterator[Event]:
     try:
         fh = _open(path)
     except OSError as exc:
@@ -254,7 +294,7 @@ def _read_file(path: Path, strict: bool, stats: ReadStatistics) -> Iterator[Even
         try:
             for line in fh:
                 lineno += 1
-                if not line.strip():
+                if not line.strip() or (only is not None and only not in line):
                     continue
                 event = _decode_line(line, path, lineno, strict=strict, stats=stats)
                 if event is not None:

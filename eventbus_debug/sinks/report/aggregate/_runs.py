@@ -1,25 +1,23 @@
-"""A log that several runs appended to: which events belong to which run, one summary each.
+"""A log that several runs appended to: one summary each.
 
-:func:`summarize` folds a whole stream; :func:`summarize_runs` first splits it by run (each
-rank's events go to the run its latest ``SessionStarted`` announced), joins the ranks of one
-run that started without a shared run id, and returns the chosen run's summary naming the
-others.
+:func:`summarize` folds a whole stream; :func:`summarize_runs` first splits it by run
+(:class:`~eventbus_debug.log.runs.RunSplitter`: each rank's events go to the run its latest
+``SessionStarted`` announced, the ranks of one run that started without a shared run id
+joined) and returns the chosen run's summary naming the others.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Final
 
-from eventbus_debug.events import Event, SessionStarted
+from eventbus_debug.events import Event
+from eventbus_debug.log.runs import RUN_JOIN_WINDOW_S, RunSplitter
 
 from ..summary import RunInfo, RunSummary
 from ._aggregator import RunAggregator
 
-RUN_JOIN_WINDOW_S: Final = 60.0
-"""Ranks that start sessions of the same name within this many seconds, without a shared run
-id, are taken as one run (set ``EVENTBUS_DEBUG_RUN_ID`` to make it explicit)."""
+__all__ = ("RUN_JOIN_WINDOW_S", "summarize", "summarize_runs")
 
 
 def summarize(events: Iterable[Event], /, **options: int) -> RunSummary:
@@ -60,47 +58,17 @@ def summarize_runs(
     if run == "all":
         return summarize(events, **options)
     aggregators: dict[str, RunAggregator] = {}
-    rank_run: dict[int, str] = {}
-    alias: dict[str, str] = {}
-    starts: dict[str, tuple[str, int, set[int]]] = {}
-    window_ns = int(RUN_JOIN_WINDOW_S * 1e9)
+    splitter = RunSplitter()
     for event in events:
-        if isinstance(event, SessionStarted):
-            run_id = str(event.run_id)
-            key = alias.get(run_id)
-            if key is None:
-                key = run_id
-                for other, (name, started, ranks) in starts.items():
-                    if (
-                        other != run_id
-                        and name == event.name
-                        and event.rank not in ranks
-                        and abs(event.time_ns - started) <= window_ns
-                    ):
-                        key = other
-                        break
-                alias[run_id] = key
-            entry = starts.setdefault(key, (event.name, event.time_ns, set()))
-            entry[2].add(event.rank)
-            rank_run[event.rank] = key
-            if key != run_id:
-                event = dataclasses.replace(event, run_id=key)
-        key = rank_run.get(event.rank, "")
+        key, event = splitter.assign(event)
         aggregator = aggregators.get(key)
         if aggregator is None:
             aggregator = aggregators[key] = RunAggregator(**options)
         aggregator.add(event)
     if not aggregators:
         return RunAggregator(**options).summary()
-    named = [key for key in aggregators if key]
-    if run == "latest":
-        chosen = max(named, key=lambda k: starts[k][1]) if named else ""
-    elif run in aggregators:
-        chosen = run
-    else:
-        known = ", ".join(repr(k) for k in sorted(named)) or "none"
-        msg = f"run {run!r} is not in this log; its runs: {known}"
-        raise ValueError(msg)
+    chosen = splitter.choose(run)
+    starts = splitter.starts
     summaries = {key: agg.summary() for key, agg in aggregators.items()}
     runs: list[RunInfo] = []
     for key, summary in summaries.items():
