@@ -32,8 +32,10 @@ changing what anything else reads:
 - ``on_step_end``: records the step (its loss, learning rate and samples);
   ``on_train_end``: ends the session.
 
-``Trainer`` has no hook for a ``train()`` that raises outside the callback. The session left
-open is then closed (``SessionEnded`` saying so, the log flushed, the report written) by the
+``Trainer`` has no hook for a ``train()`` that raises. An error inside ``training_step`` (the
+wrapper sees it) ends the session there, with that error as its reason, before it leaves
+``train()``. One raised elsewhere (the data loader, another callback) leaves the session open;
+it is then closed (``SessionEnded`` saying so, the log flushed, the report written) by the
 next ``train()`` with this callback, or with another one on the same arguments or model, or
 when the callback is garbage-collected, or at the interpreter's exit.
 
@@ -357,7 +359,16 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         @functools.wraps(original)
         def training_step(model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             size = batch_size(inputs)
-            loss = original(model, inputs, *args, **kwargs)
+            try:
+                loss = original(model, inputs, *args, **kwargs)
+            except BaseException as exc:
+                # Trainer has no hook for it and train() ends here: the session ends now with
+                # the error itself (log flushed, report written, clipping given back), not at
+                # the next train() as one "ended without on_train_end".
+                failed = callback()
+                if failed is not None and failed._training_step is not None:
+                    failed._teardown(exc)
+                raise
             owner = callback()
             if owner is not None:
                 owner._micro_batch(loss, size)

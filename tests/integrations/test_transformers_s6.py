@@ -158,8 +158,28 @@ def test_the_arguments_read_the_users_max_grad_norm_during_the_run_and_in_checkp
     assert "training_step" not in vars(trainer)  # the wrapper is gone with the run
 
 
+class FailingData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """A dataset whose n-th fetch raises: ``train()`` raises outside any ``training_step``
+    (no hook of the callback sees it)."""
+
+    def __init__(self, items: list[dict[str, torch.Tensor]], n: int) -> None:
+        self.items = items
+        self.n = n
+        self.fetches = 0
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        self.fetches += 1
+        if self.fetches == self.n:
+            raise RuntimeError("planted data error")
+        return self.items[index]
+
+
 class FailAt:
-    """A forward hook raising on the n-th training forward pass (an error outside the callback)."""
+    """A forward hook raising on the n-th training forward pass (an error inside
+    ``training_step``)."""
 
     def __init__(self, model: nn.Module, n: int) -> None:
         self.calls = 0
@@ -180,13 +200,12 @@ def test_a_train_that_raised_leaves_clipping_to_a_plain_trainer_and_its_session_
     arguments clips; the next train() with a new callback on them closes the old session,
     which then ends with a reason, its steps flushed and its report written."""
     model = _model()
-    fail = FailAt(model, 5)
     args = _args(tmp_path, max_grad_norm=TINY_NORM)
     old = _callback(tmp_path, "old")
-    first = Trainer(model=model, args=args, train_dataset=_data(64), callbacks=[old])
+    failing = FailingData(_data(64), 5 * 4 + 1)  # Trainer fetches a batch ahead: step 4 fails
+    first = Trainer(model=model, args=args, train_dataset=failing, callbacks=[old])
     with pytest.raises(RuntimeError, match="planted data error"):
         first.train()
-    fail.handle.remove()
     assert args.max_grad_norm == TINY_NORM and old.session is not None
 
     applied = AppliedNorms()
@@ -208,13 +227,36 @@ def test_a_train_that_raised_leaves_clipping_to_a_plain_trainer_and_its_session_
     assert type(args.max_grad_norm) is float and args.max_grad_norm == TINY_NORM
 
 
+def test_an_error_inside_training_step_ends_the_session_with_it(tmp_path: Path) -> None:
+    """The wrapped training_step sees the error: the session ends at once with it (log
+    flushed, report written, the user's max_grad_norm and the Trainer's method given back),
+    not at the next train() as one that "ended without on_train_end"."""
+    model = _model()
+    FailAt(model, 5)
+    args = _args(tmp_path, max_grad_norm=TINY_NORM)
+    callback = _callback(tmp_path)
+    trainer = Trainer(model=model, args=args, train_dataset=_data(64), callbacks=[callback])
+    with pytest.raises(RuntimeError, match="planted data error"):
+        trainer.train()
+    assert callback.session is None
+    assert "training_step" not in vars(trainer)
+    assert type(args.max_grad_norm) is float and args.max_grad_norm == TINY_NORM
+    events = list(read_events(tmp_path / "logs"))
+    ended = [e for e in events if isinstance(e, SessionEnded)]
+    assert [e.reason for e in ended] == ["error: RuntimeError: planted data error"]
+    assert [e.step for e in events if isinstance(e, StepCompleted)] == [0, 1, 2, 3]
+    assert (tmp_path / "logs" / "report.json").exists()
+
+
 def test_a_session_left_open_is_closed_when_its_callback_is_collected(tmp_path: Path) -> None:
     """The same finalizer closes it at the interpreter's exit, when nothing else did."""
     model = _model()
-    FailAt(model, 3)
     callback = _callback(tmp_path)
     trainer = Trainer(
-        model=model, args=_args(tmp_path), train_dataset=_data(64), callbacks=[callback]
+        model=model,
+        args=_args(tmp_path),
+        train_dataset=FailingData(_data(64), 2 * 4 + 1),
+        callbacks=[callback],
     )
     try:
         trainer.train()
@@ -290,12 +332,14 @@ def _samples(event: StepCompleted) -> int | None:
 
 def test_a_training_step_of_the_trainer_object_is_wrapped_then_put_back(tmp_path: Path) -> None:
     """Your own training_step set on the Trainer object is what runs, and what is left after
-    the run; a train() that raised leaves the wrapper, the next one replaces it (no nesting)."""
+    the run; an error inside it gives it back at once; a train() that raised elsewhere (the
+    data) leaves the wrapper, and the next one replaces it (no nesting)."""
     calls: list[int] = []
     model = _model()
     callback = _callback(tmp_path)
+    failing = FailingData(_data(64), 3 * 4 + 1)  # Trainer fetches a batch ahead: step 2 fails
     trainer = Trainer(
-        model=model, args=_args(tmp_path), train_dataset=_data(64), callbacks=[callback]
+        model=model, args=_args(tmp_path), train_dataset=failing, callbacks=[callback]
     )
 
     def mine(*args: Any, **kwargs: Any) -> Any:
@@ -303,16 +347,21 @@ def test_a_training_step_of_the_trainer_object_is_wrapped_then_put_back(tmp_path
         return Trainer.training_step(trainer, *args, **kwargs)
 
     trainer.training_step = mine  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="planted"):
+        trainer.train()
+    left = vars(trainer)["training_step"]
+    assert left is not mine and left.__wrapped__ is mine
+    failing.n = 0  # healthy from now on
+    trainer.train()
+    assert vars(trainer)["training_step"] is mine and len(calls) == 2 + 8
+    checked = [e for e in read_events(tmp_path / "logs") if isinstance(e, StepChecked)]
+    assert len(checked) == 2 + 8 and all(e.loss is not None for e in checked)
+
     fail = FailAt(model, 3)
     with pytest.raises(RuntimeError, match="planted"):
         trainer.train()
     fail.handle.remove()
-    left = vars(trainer)["training_step"]
-    assert left is not mine and left.__wrapped__ is mine
-    trainer.train()
-    assert vars(trainer)["training_step"] is mine and len(calls) == 3 + 8
-    checked = [e for e in read_events(tmp_path / "logs") if isinstance(e, StepChecked)]
-    assert len(checked) == 2 + 8 and all(e.loss is not None for e in checked)
+    assert vars(trainer)["training_step"] is mine  # given back by the error itself
 
 
 def test_called_by_something_else_than_a_trainer_it_checks_the_gradients_alone(
