@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Final
 
 import anyio
+import anyio.lowlevel
 import orjson
 
 from eventbus_debug.diagnostics import get_logger
@@ -221,8 +222,10 @@ class ReportWriter:
         self._closed = False
         # Made at the first write, in the event loop that writes: an anyio lock belongs to the
         # backend running where it is made (a SyncSession built inside a trio program writes
-        # from its own asyncio thread).
+        # from its own asyncio thread); a write on another backend (the writer reused by a
+        # later run on trio) makes its own.
         self._lock: anyio.Lock | None = None
+        self._lock_backend: type | None = None  # the type of the loop's native token
         self._writing = 0  # writes inside their thread now (an abandoned one that hangs stays)
         self._writing_lock = threading.Lock()
 
@@ -269,8 +272,10 @@ class ReportWriter:
         Raises:
             OSError: if the files cannot be written.
         """
-        if self._lock is None:
+        backend = type(anyio.lowlevel.current_token().native_token)
+        if self._lock is None or self._lock_backend is not backend:
             self._lock = anyio.Lock()
+            self._lock_backend = backend
         async with self._lock:
             summary = self._aggregator.summary()
             self._last_write = self._clock()

@@ -568,3 +568,21 @@ def test_report_opens_in_headless_browser(tmp_path: Path) -> None:
     assert shot.stat().st_size > 10_000
     followed = dump_dom(f"{paths.html.as_uri()}#{sorted(hrefs)[0]}", tmp_path / "p2", budget_ms=500)
     assert sorted(hrefs)[0] in followed
+
+
+def test_a_writer_reused_by_a_run_on_another_backend_writes_there_too(tmp_path: Path) -> None:
+    """Its write lock is made where it first writes; a later run on trio (after one on asyncio)
+    used to fail on that asyncio lock ("no running event loop")."""
+    import anyio
+
+    writer = ReportWriter(tmp_path)
+    written: list[Path] = []
+
+    async def write() -> None:
+        written.append((await writer.write()).json)
+
+    anyio.run(write)
+    anyio.run(write, backend="trio")
+    anyio.run(write)
+    assert written == [tmp_path / "report.json"] * 3
+    assert (tmp_path / "report.json").exists()
