@@ -29,7 +29,13 @@ embeddings), both with AdamW and linear warm-up/decay, an fp16 AMP classifier
 runs whose loss legitimately recurs far above its median: a two-task mix (30 % classification
 batches at ~2.3, 70 % regression batches at ~0.3 falling to ~0.003) and length-bucketed batches
 of a token-summed loss (16 batches in a row of 8, 16, 32 or 64 tokens: up to 8x the short
-bucket's loss).
+bucket's loss). Then healthy phases users run for days: SGDR (``CosineAnnealingWarmRestarts``,
+T_0=250: the LR jumps back to its peak, loss and norm with it), a pre-training -> fine-tuning
+task switch a third of the way in (the loss jumps ~150x, then falls), progressive unfreezing
+(a frozen pre-trained backbone added with ``optimizer.add_param_group`` at 1/4 and 1/2 of the
+run), a GAN on a ring of eight Gaussians (generator and discriminator, each in its own session
+on one bus), a four-stage input-noise curriculum, and a batch-size ramp 8 -> 128 with an
+evaluation pass (``eval()``, ``no_grad``) every 100 steps.
 
 Faulty runs (``max(600, min(3000, steps // 5))`` steps, the fault planted a third of the way
 in): NaN in one batch's inputs, a NaN written into a parameter, the loss times 1e6 for one step,
@@ -76,11 +82,11 @@ import structlog
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.optim.lr_scheduler import CyclicLR, LambdaLR, LRScheduler
+from torch.optim.lr_scheduler import CosineAnnealingWarmRestarts, CyclicLR, LambdaLR, LRScheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eventbus_debug import Anomaly, Event, Session, SessionOptions, TrainingStopped
+from eventbus_debug import Anomaly, Event, EventBus, Session, SessionOptions, TrainingStopped
 from eventbus_debug.events import RecoveryAction, RecoveryApplied, StepSkipped
 
 DEFAULT_STEPS: Final = 20_000
@@ -138,6 +144,11 @@ class Workload:
         n_classes: the number of classes (label faults), 0 for non-classifiers.
         scheduler: the LR scheduler, stepped once per step.
         scaler: the AMP grad scaler (then the forward runs under fp16 autocast).
+        before_step: called with the step before its batch is drawn (a phase change: a frozen
+            backbone unfrozen and added to the optimizer).
+        after_step: called with the step once it completed (an evaluation pass in eval mode).
+        gan: a second model and optimizer trained adversarially against :attr:`model` (then the
+            run has two sessions on one bus, see :func:`_train_gan`).
     """
 
     model: nn.Module
@@ -148,6 +159,26 @@ class Workload:
     n_classes: int = 0
     scheduler: LRScheduler | None = None
     scaler: torch.amp.GradScaler | None = None
+    before_step: Callable[[int], None] | None = None
+    after_step: Callable[[int], None] | None = None
+    gan: Gan | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class Gan:
+    """The discriminator side of a GAN workload (the workload's model is the generator).
+
+    Attributes:
+        discriminator: the discriminator.
+        optimizer: its optimizer.
+        real: the real samples of a step.
+        noise: the generator's input of a step.
+    """
+
+    discriminator: nn.Module
+    optimizer: torch.optim.Optimizer
+    real: Callable[[int], torch.Tensor]
+    noise: Callable[[int], torch.Tensor]
 
 
 Builder = Callable[[int, float], Workload]
@@ -609,6 +640,236 @@ def _bert_hf_init(steps: int, lr_scale: float) -> Workload:
     )
 
 
+# -- healthy phases users run for days: restarts, switches, unfreezing, GANs, curricula ----------
+
+
+def _mlp(d: int, k: int, hidden: int = 64) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, k))
+
+
+def _sgdr(steps: int, lr_scale: float) -> Workload:
+    """SGDR (Loshchilov & Hutter): the classifier under SGD with momentum and
+    ``CosineAnnealingWarmRestarts(T_0=250)``: every 250 steps the LR jumps from ~0 back to its
+    peak of 0.05, and the loss and gradient norm jump with it (by design: the restart kicks the
+    model out of its basin)."""
+    d, k, n = 32, 10, 4096
+    x, y = _classification_data(SEED, n + 512, d, k, noise=0.02)
+    xt, yt, xh, yh = x[:n], y[:n], x[n:], y[n:]
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(d, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
+                          nn.Linear(64, k))  # fmt: skip
+    idx = _sampler(n, steps, 32, SEED + 1)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=0.1 * lr_scale, momentum=0.9, weight_decay=5e-4
+    )
+    return Workload(
+        model=model,
+        optimizer=optimizer,
+        batch=lambda step: (xt[idx[step]], yt[idx[step]]),
+        loss=lambda m, xb, yb: F.cross_entropy(m(xb), yb),
+        heldout=lambda m: _eval(m, lambda: F.cross_entropy(m(xh), yh)),
+        n_classes=k,
+        scheduler=CosineAnnealingWarmRestarts(optimizer, T_0=250, eta_min=1e-5 * lr_scale),
+    )
+
+
+def _task_switch(steps: int, lr_scale: float) -> Workload:
+    """Pre-training then fine-tuning in one loop: a classifier trained on task A (one teacher)
+    for the first third of the run, then on task B (another teacher, the same inputs' law,
+    the same head) for the rest. At the switch the converged model is confidently wrong: the
+    loss jumps ~10x above its converged level and the gradient norm with it, then both fall
+    as it learns B."""
+    d, k, n = 32, 10, 4096
+    xa, ya = _classification_data(SEED, n, d, k, noise=0.02)
+    xb, yb = _classification_data(SEED + 7, n + 512, d, k, noise=0.02)
+    xbt, ybt, xh, yh = xb[:n], yb[:n], xb[n:], yb[n:]
+    switch = steps // 3
+    torch.manual_seed(SEED)
+    model = _mlp(d, k, 128)
+    idx = _sampler(n, steps, 32, SEED + 1)
+
+    def batch(step: int) -> Batch:
+        if step < switch:
+            return xa[idx[step]], ya[idx[step]]
+        return xbt[idx[step]], ybt[idx[step]]
+
+    return Workload(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3 * lr_scale, fused=True),
+        batch=batch,
+        loss=lambda m, xb_, yb_: F.cross_entropy(m(xb_), yb_),
+        heldout=lambda m: _eval(m, lambda: F.cross_entropy(m(xh), yh)),
+        n_classes=k,
+    )
+
+
+def _unfreezing(steps: int, lr_scale: float) -> Workload:
+    """Progressive unfreezing (ULMFiT style): a backbone pre-trained on task A (500 plain steps
+    in the builder) and a new head for task B. At first only the head trains (the backbone's
+    ``requires_grad`` is False, the optimizer holds the head alone); at a quarter of the run
+    the backbone's top layer is unfrozen and added with ``optimizer.add_param_group`` at a
+    tenth of the head's LR, at half the run its bottom layer: the gradients of parameters that
+    had none appear, and the total gradient norm jumps."""
+    d, k, n = 32, 10, 4096
+    xa, ya = _classification_data(SEED, n, d, k, noise=0.02)
+    xb, yb = _classification_data(SEED + 7, n + 512, d, k, noise=0.05)
+    xbt, ybt, xh, yh = xb[:n], yb[:n], xb[n:], yb[n:]
+    torch.manual_seed(SEED)
+    bottom = nn.Sequential(nn.Linear(d, 128), nn.ReLU())
+    top = nn.Sequential(nn.Linear(128, 64), nn.ReLU())
+    pre = nn.Sequential(bottom, top, nn.Linear(64, k))
+    opt_a = torch.optim.AdamW(pre.parameters(), lr=1e-3)
+    ga = torch.Generator().manual_seed(SEED + 5)
+    for _ in range(500):  # pre-training: not part of the run
+        i = torch.randint(0, n, (32,), generator=ga)
+        F.cross_entropy(pre(xa[i]), ya[i]).backward()  # type: ignore[no-untyped-call]
+        opt_a.step()
+        opt_a.zero_grad(set_to_none=True)
+    model = nn.Sequential(bottom, top, nn.Linear(64, k))  # the backbone and a new head
+    for p in (*bottom.parameters(), *top.parameters()):
+        p.requires_grad_(False)
+    head_lr = 1e-3 * lr_scale
+    optimizer = torch.optim.AdamW(model[2].parameters(), lr=head_lr, fused=True)
+    idx = _sampler(n, steps, 32, SEED + 1)
+    stages = {max(1, steps // 4): top, max(2, steps // 2): bottom}
+
+    def before_step(step: int) -> None:
+        part = stages.get(step)
+        if part is not None:
+            for p in part.parameters():
+                p.requires_grad_(True)
+            optimizer.add_param_group({"params": list(part.parameters()), "lr": 0.1 * head_lr})
+
+    return Workload(
+        model=model,
+        optimizer=optimizer,
+        batch=lambda step: (xbt[idx[step]], ybt[idx[step]]),
+        loss=lambda m, xb_, yb_: F.cross_entropy(m(xb_), yb_),
+        heldout=lambda m: _eval(m, lambda: F.cross_entropy(m(xh), yh)),
+        n_classes=k,
+        before_step=before_step,
+    )
+
+
+def _curriculum(steps: int, lr_scale: float) -> Workload:
+    """Curriculum learning: the classifier's inputs get noisier in four stages (input noise
+    std 0, 0.5, 1, 1.5 over each quarter of the run; the labels are the clean inputs'), so
+    each stage starts with a loss well above the last one's converged level (0.1 -> 1.5) and
+    the gradient norm rises with it."""
+    d, k, n = 32, 10, 4096
+    x, y = _classification_data(SEED, n + 512, d, k, noise=0.0)
+    xt, yt, xh, yh = x[:n], y[:n], x[n:], y[n:]
+    g = torch.Generator().manual_seed(SEED + 9)
+    noise = torch.randn(max(steps, 1), 32, d, generator=g)
+    held_noise = torch.randn(512, d, generator=g)
+    stds = (0.0, 0.5, 1.0, 1.5)
+    quarter = max(1, steps // 4)
+    torch.manual_seed(SEED)
+    model = _mlp(d, k, 128)
+    idx = _sampler(n, steps, 32, SEED + 1)
+
+    def batch(step: int) -> Batch:
+        std = stds[min(3, step // quarter)]
+        return xt[idx[step]] + std * noise[step], yt[idx[step]]
+
+    return Workload(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3 * lr_scale, fused=True),
+        batch=batch,
+        loss=lambda m, xb, yb: F.cross_entropy(m(xb), yb),
+        heldout=lambda m: _eval(m, lambda: F.cross_entropy(m(xh + 1.5 * held_noise), yh)),
+        n_classes=k,
+    )
+
+
+def _batch_ramp(steps: int, lr_scale: float) -> Workload:
+    """A batch-size ramp (8, 16, 32, 64, 128 over five equal stages; "don't decay the LR,
+    increase the batch size") on a BatchNorm classifier, with an evaluation pass every 100
+    steps (``model.eval()``, ``torch.no_grad()``, a held-out batch, back to ``train()``)
+    between two training steps: the minibatch noise of the loss and gradient norm shrinks
+    ~4x over the run."""
+    d, k, n = 32, 10, 4096
+    x, y = _classification_data(SEED, n + 512, d, k, noise=0.02)
+    xt, yt, xh, yh = x[:n], y[:n], x[n:], y[n:]
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(d, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, k))
+    idx = _sampler(n, steps, 128, SEED + 1)
+    fifth = max(1, steps // 5)
+    evals: list[float] = []
+
+    def batch(step: int) -> Batch:
+        size = 8 << min(4, step // fifth)
+        rows = idx[step, :size]
+        return xt[rows], yt[rows]
+
+    def heldout(m: nn.Module) -> float:
+        return _eval(m, lambda: F.cross_entropy(m(xh), yh))
+
+    def after_step(step: int) -> None:
+        if step % 100 == 99:
+            evals.append(heldout(model))  # the user's validation pass
+
+    return Workload(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3 * lr_scale, fused=True),
+        batch=batch,
+        loss=lambda m, xb, yb: F.cross_entropy(m(xb), yb),
+        heldout=heldout,
+        n_classes=k,
+        after_step=after_step,
+    )
+
+
+def _ring(n: int, g: torch.Generator) -> torch.Tensor:
+    """*n* samples of eight Gaussians (std 0.05) on a circle of radius 2."""
+    angle = torch.randint(0, 8, (n,), generator=g).float() * (2 * math.pi / 8)
+    centers = 2.0 * torch.stack((angle.cos(), angle.sin()), dim=-1)
+    return centers + 0.05 * torch.randn(n, 2, generator=g)
+
+
+def _gan(steps: int, lr_scale: float) -> Workload:
+    """A small GAN on a 2-D mixture of eight Gaussians on a ring (the classic mode-collapse
+    toy): a generator (8-d noise -> 2 x 128 ReLU -> 2) and a discriminator (2 -> 2 x 128 ReLU
+    -> 1 logit), batch 64, Adam(2e-4, betas=(0.5, 0.999)) each, the non-saturating loss. Both
+    losses oscillate by design as each model gains on the other. Held-out: the mean distance
+    of 512 generated samples (fixed noise) to the nearest mode."""
+    g = torch.Generator().manual_seed(SEED)
+    batch = 64
+    real = _ring(max(steps, 1) * batch, g).view(max(steps, 1), batch, 2)
+    noise = torch.randn(max(steps, 1), batch, 8, generator=g)
+    held_noise = torch.randn(512, 8, generator=g)
+    angles = torch.arange(8).float() * (2 * math.pi / 8)
+    modes = 2.0 * torch.stack((angles.cos(), angles.sin()), dim=-1)
+    torch.manual_seed(SEED)
+    generator = nn.Sequential(nn.Linear(8, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(),
+                              nn.Linear(128, 2))  # fmt: skip
+    discriminator = nn.Sequential(nn.Linear(2, 128), nn.ReLU(), nn.Linear(128, 128),
+                                  nn.ReLU(), nn.Linear(128, 1))  # fmt: skip
+
+    def adam(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(m.parameters(), lr=2e-4 * lr_scale, betas=(0.5, 0.999))
+
+    def heldout(m: nn.Module) -> float:
+        return _eval(m, lambda: torch.cdist(m(held_noise), modes).min(1).values.mean())
+
+    def unused(m: nn.Module, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError  # the GAN loop computes its own losses
+
+    return Workload(
+        model=generator,
+        optimizer=adam(generator),
+        batch=lambda step: (noise[step], real[step]),
+        loss=unused,
+        heldout=heldout,
+        gan=Gan(
+            discriminator=discriminator,
+            optimizer=adam(discriminator),
+            real=lambda step: real[step],
+            noise=lambda step: noise[step],
+        ),
+    )
+
+
 # -- faults ---------------------------------------------------------------------------------------
 
 
@@ -701,6 +962,12 @@ RUNS: Final[tuple[RunSpec, ...]] = (
     RunSpec(name="multitask_mix", kind=RunKind.HEALTHY, build=_multitask),
     RunSpec(name="length_buckets", kind=RunKind.HEALTHY, build=_length_buckets),
     RunSpec(name="bert_hf_init", kind=RunKind.HEALTHY, build=_bert_hf_init),
+    RunSpec(name="sgdr_restarts", kind=RunKind.HEALTHY, build=_sgdr),
+    RunSpec(name="task_switch", kind=RunKind.HEALTHY, build=_task_switch),
+    RunSpec(name="unfreezing", kind=RunKind.HEALTHY, build=_unfreezing),
+    RunSpec(name="gan_two_sessions", kind=RunKind.HEALTHY, build=_gan),
+    RunSpec(name="curriculum", kind=RunKind.HEALTHY, build=_curriculum),
+    RunSpec(name="batch_ramp_eval", kind=RunKind.HEALTHY, build=_batch_ramp),
     RunSpec(
         name="nan_input",
         kind=RunKind.FAULTY,
@@ -918,6 +1185,8 @@ async def _train(
     trace.evals = evals
     for step in range(steps):
         trace.current = step
+        if wl.before_step is not None:
+            wl.before_step(step)
         x, y = wl.batch(step)
         if fault is not None:
             x, y = fault.batch(step, x, y, wl.n_classes)
@@ -950,9 +1219,64 @@ async def _train(
             wl.scheduler.step()
         if session is not None:
             await session.step_completed(step, loss=reported)
+        if wl.after_step is not None:
+            wl.after_step(step)
         trace.steps_run = step + 1
         if step >= steps - EVAL_LAST:
             evals.append(wl.heldout(model))
+
+
+async def _train_gan(
+    wl: Workload,
+    steps: int,
+    sessions: tuple[Session, Session] | None,
+    trace: _Trace,
+) -> None:
+    """The GAN loop: a discriminator step, then a generator step, each checked by its own
+    session (*sessions*: the discriminator's, the generator's; None: a plain loop)."""
+    assert wl.gan is not None
+    gen, opt_g = wl.model, wl.optimizer
+    disc, opt_d = wl.gan.discriminator, wl.gan.optimizer
+    evals: list[float] = []
+    trace.evals = evals
+    for step in range(steps):
+        trace.current = step
+        real, z = wl.gan.real(step), wl.gan.noise(step)
+        fake = gen(z)
+        real_logit, fake_logit = disc(real), disc(fake.detach())
+        d_loss = F.binary_cross_entropy_with_logits(
+            real_logit, torch.ones_like(real_logit)
+        ) + F.binary_cross_entropy_with_logits(fake_logit, torch.zeros_like(fake_logit))
+        d_loss.backward()  # type: ignore[no-untyped-call]
+        should_step, reported = True, None
+        if sessions is not None:
+            verdict = await sessions[0].check_step(step, loss=d_loss)
+            should_step, reported = verdict.should_step, verdict.loss
+        if should_step:
+            opt_d.step()
+        else:
+            trace.skipped += 1
+        opt_d.zero_grad(set_to_none=True)
+        if sessions is not None:
+            await sessions[0].step_completed(step, loss=reported)
+        logit = disc(fake)
+        g_loss = F.binary_cross_entropy_with_logits(logit, torch.ones_like(logit))
+        g_loss.backward()  # type: ignore[no-untyped-call]
+        opt_d.zero_grad(set_to_none=True)  # the discriminator's share of the generator's loss
+        should_step, reported = True, None
+        if sessions is not None:
+            verdict = await sessions[1].check_step(step, loss=g_loss)
+            should_step, reported = verdict.should_step, verdict.loss
+        if should_step:
+            opt_g.step()
+        else:
+            trace.skipped += 1
+        opt_g.zero_grad(set_to_none=True)
+        if sessions is not None:
+            await sessions[1].step_completed(step, loss=reported)
+        trace.steps_run = step + 1
+        if step >= steps - EVAL_LAST:
+            evals.append(wl.heldout(gen))
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float:
@@ -979,7 +1303,10 @@ def _final(trace: _Trace, wl: Workload) -> float:
 async def _plain(spec: RunSpec, steps: int, fault: Fault | None) -> float:
     wl = spec.build(steps, fault.lr_scale if fault is not None else 1.0)
     trace = _Trace()
-    await _train(wl, steps, fault, None, trace)
+    if wl.gan is not None:
+        await _train_gan(wl, steps, None, trace)
+    else:
+        await _train(wl, steps, fault, None, trace)
     return _final(trace, wl)
 
 
@@ -998,6 +1325,9 @@ async def _library(
     stop_reason = ""
     crash: str | None = None
     try:
+        if wl.gan is not None:
+            await _library_gan(wl, steps, tally, trace)
+            return trace, wl, tally, stop_reason, crash
         async with Session(
             wl.model,
             wl.optimizer,
@@ -1014,6 +1344,27 @@ async def _library(
     except Exception as exc:  # a library crash is a measured outcome, not the end of the battery
         crash = f"{type(exc).__name__}: {exc}"
     return trace, wl, tally, stop_reason, crash
+
+
+async def _library_gan(wl: Workload, steps: int, tally: _Tally, trace: _Trace) -> None:
+    """The GAN with the library: two sessions on one bus (``name="discriminator"``,
+    ``name="generator"``), each with its own model and optimizer; *tally* hears the bus."""
+    assert wl.gan is not None
+    quiet: dict[str, Any] = {
+        "log_dir": None,
+        "report": False,
+        "alerts": False,
+        "system_interval": None,
+    }
+    async with EventBus() as bus:
+        bus.subscribe(tally, name="bench-decisions")
+        async with (
+            Session(
+                wl.gan.discriminator, wl.gan.optimizer, bus=bus, name="discriminator", **quiet
+            ) as sd,
+            Session(wl.model, wl.optimizer, bus=bus, name="generator", **quiet) as sg,
+        ):
+            await _train_gan(wl, steps, (sd, sg), trace)
 
 
 def fault_steps_for(steps: int) -> int:

@@ -12,7 +12,7 @@ from typing_extensions import Self
 
 from ..._validate import positive_int, positive_number
 from ..levels import Thresholds
-from ._windows import SCALE_VALUES, Outliers, RecentMax, RunningMedian
+from ._windows import SCALE_VALUES, LrRange, Outliers, RecentMax, RunningMedian
 
 __all__ = ("ExplosionDetector", "ExplosionVerdict")
 
@@ -111,6 +111,7 @@ class ExplosionDetector:
         "_above_cap",
         "_checks",
         "_largest",
+        "_lr_range",
         "_peaks",
         "_streak",
         "_streak_norms",
@@ -144,6 +145,8 @@ class ExplosionDetector:
         self._peaks = RecentMax(self.memory, 0.0)
         """The largest median of accepted norms of the last *memory* checks (the run's
         healthy scale)."""
+        self._lr_range = LrRange(self.memory)
+        """The medians the run had by LR: in its scale while the LR rose (a warm restart)."""
         self._checks = 0
         self._tail = Outliers()
         """Recent accepted norms above half the growth bar (the run's heavy tail)."""
@@ -181,11 +184,19 @@ class ExplosionDetector:
         self._streak = 0
         self._streak_norms.clear()
 
-    def observe(self, norm: float) -> ExplosionVerdict | None:
-        """Judge one finite total norm; returns the verdict when it exploded, else ``None``."""
+    def observe(self, norm: float, lr: float | None = None) -> ExplosionVerdict | None:
+        """Judge one finite total norm; returns the verdict when it exploded, else ``None``.
+
+        *lr* is the learning rate of the step (the optimizer's, ``None``: unknown): while it
+        is at least twice its lowest value of the last *memory* checks (a warm restart), the
+        run's scale also holds the largest median it had at an LR of that order, however long
+        ago (:class:`~._windows.LrRange`).
+        """
         if norm == 0.0:
             return None  # a zero gradient (a converged or satisfied loss) says nothing of scale
         checks = self._checks = self._checks + 1
+        lr_range = self._lr_range
+        lr_range.step(checks, lr)
         horizon = checks - self.memory
         tail, peaks = self._tail, self._peaks
         if tail.order and tail.order[0][0] < horizon:
@@ -197,6 +208,7 @@ class ExplosionDetector:
             baseline = window.median()
             if len(window) >= SCALE_VALUES:
                 peaks.feed(baseline)
+                lr_range.feed(baseline)
             # A converged model's norms shrink by orders of magnitude while a hard batch, or
             # harder data, still has the norms of early training: 10x that tiny median is the
             # data, not an explosion, as long as it stays within what the run has already
@@ -206,6 +218,9 @@ class ExplosionDetector:
                 self.floor * self._largest,
                 self.reach * peaks.largest,
             )
+            if norm > threshold and lr_range.raised:
+                # the LR rose: the scale the run had at this LR, however long ago, is its own
+                threshold = max(threshold, self.reach * lr_range.largest())
             if norm > 0.5 * self.factor * baseline:
                 if not self._streak:
                     self._streak = checks  # the first check of this streak
@@ -238,7 +253,10 @@ class ExplosionDetector:
             return False
         last = list(itertools.islice(norms, len(norms) - settle, None))
         high = max(last)
-        scale = max(self.floor * self._largest, self.reach * self._peaks.largest)
+        scale = max(
+            self.floor * self._largest,
+            self.reach * max(self._peaks.largest, self._lr_range.largest()),
+        )
         return high <= 2.0 * min(last) and high <= self.factor * scale
 
     def _restart(self) -> None:

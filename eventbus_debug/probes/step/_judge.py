@@ -109,6 +109,10 @@ class Judge:
         """Loss spikes are judged only in :meth:`spike`, on the ranks' mean loss."""
         self._loss_scale = 0.0
         self._converged = False
+        self.lr: float | None = None
+        """The learning rate of the step being judged (the probe reads it from the optimizer
+        at each check; ``None``: unknown). A loss or gradient norm climbing back after the LR
+        rose (a warm restart) is judged against the run's levels at that LR."""
         self.l1_wanted = True
         """Whether the next vanishing-due step needs the mean ``|grad|`` pass: decided from the
         last judged gradients (``mean|g| >= Σ‖g‖₂ / n``, so while that bound clears the
@@ -265,7 +269,7 @@ class Judge:
 
     def spike(self, step: int, loss: float) -> LossSpiked | None:
         """Judge one finite loss for spikes; the incident, or ``None``."""
-        verdict = self._spikes.observe(loss)
+        verdict = self._spikes.observe(loss, self.lr)
         if verdict is None:
             return None
         base = verdict.baseline
@@ -403,7 +407,7 @@ class Judge:
             total = math.sqrt(math.fsum(v * v for v in l2))
             if not math.isfinite(total):
                 total = math.inf
-        exploded = self._explosions.observe(total) if math.isfinite(total) else None
+        exploded = self._explosions.observe(total, self.lr) if math.isfinite(total) else None
         if exploded is not None or total == math.inf:
             top = sorted(
                 zip(self._slot_names(lay.grad_slots), l2, strict=True),

@@ -13,7 +13,7 @@ from typing_extensions import Self
 
 from ..._validate import positive_int, positive_number
 from ..levels import Thresholds
-from ._windows import SCALE_VALUES, Outliers, RecentMax, RunningMedian
+from ._windows import SCALE_VALUES, LrRange, Outliers, RecentMax, RunningMedian
 
 __all__ = ("LossSpikeDetector", "SpikeRule", "SpikeVerdict")
 
@@ -140,6 +140,7 @@ class LossSpikeDetector:
 
     __slots__ = (
         "_judged",
+        "_lr_range",
         "_outliers",
         "_peak_held",
         "_peaks",
@@ -201,6 +202,8 @@ class LossSpikeDetector:
         self._peaks = RecentMax(self.memory, -math.inf)
         """The largest healthy baseline (running median, signed) of the last *memory*
         observations: the run's range."""
+        self._lr_range = LrRange(self.memory)
+        """The baselines the run had by LR: in the range while the LR rose (a warm restart)."""
         self._peak_held = 0
         """The observation of a sustained restart (0: none), until the baseline is back at or
         below the peak or has held for *memory* observations: until then the reported level
@@ -246,9 +249,17 @@ class LossSpikeDetector:
         self._run.clear()
         self._run_length = 0
 
-    def observe(self, loss: float) -> SpikeVerdict | None:
-        """Judge one finite loss; returns the verdict when it is a spike, else ``None``."""
+    def observe(self, loss: float, lr: float | None = None) -> SpikeVerdict | None:
+        """Judge one finite loss; returns the verdict when it is a spike, else ``None``.
+
+        *lr* is the learning rate the loss was computed under (the optimizer's, ``None``:
+        unknown): while it is at least twice its lowest value of the last *memory*
+        observations (a warm restart), the range also holds the largest baseline the run had
+        at an LR of that order, however long ago (:class:`~._windows.LrRange`).
+        """
         judged = self._judged = self._judged + 1
+        lr_range = self._lr_range
+        lr_range.step(judged, lr)
         outliers, runs = self._outliers, self._runs
         horizon = judged - self.memory
         oldest = outliers.order
@@ -267,10 +278,11 @@ class LossSpikeDetector:
         median = window.median()
         self._scale = max(self._scale, abs(median))
         held = self._peak_held
-        if held and (judged - held > self.memory or median <= peaks.largest):
+        if held and (judged - held > self.memory or median <= self._range()):
             held = self._peak_held = 0  # back within the range, or the run's level by now
         if not held and len(window) >= SCALE_VALUES:
             peaks.feed(median)
+            lr_range.feed(median)
         excess = loss - median
         if excess <= 0.0:
             if self._run_length:
@@ -330,12 +342,20 @@ class LossSpikeDetector:
         # toward its early losses; that is the data), but it is remembered as an outlier like
         # any other, so a level it shows is learned and the losses of one streak still never
         # vouch for each other.
-        if spike and not (known or earlier >= self.recurrence) and loss > peaks.largest:
+        if spike and not (known or earlier >= self.recurrence) and loss > self._range():
             return SpikeVerdict(SpikeRule.SPIKE, median, tolerance, self._streak)  # kept out
         if not spike:
             self._tail = max(self._tail, z)
         window.add(loss)  # an elevated or recurring loss is the data
         return None
+
+    def _range(self) -> float:
+        """The run's range: its largest healthy baseline of the last *memory* observations,
+        or, while the LR rose, of any time at an LR of the current one's order."""
+        largest = self._peaks.largest
+        if self._lr_range.raised:
+            return max(largest, self._lr_range.largest())
+        return largest
 
     def _extend_run(self, loss: float) -> None:
         """Add *loss* to the current run of outliers (its *patience* largest are kept)."""
@@ -366,7 +386,7 @@ class LossSpikeDetector:
         self._end_run()  # remembered: the same shift again is a known level
         self._window.clear()
         self._window.add(loss)  # the new level is the baseline from here on
-        if loss <= self._peaks.largest:
+        if loss <= self._range():
             return None  # a shift back within the run's range: the data moved, not reported
         self._peak_held = self._judged  # a reported level is not a healthy baseline of the run
         return SpikeVerdict(SpikeRule.SUSTAINED, median, tolerance, streak)

@@ -36,13 +36,18 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from typing import Final
 
-__all__ = ("RecentMax", "RunningMedian", "Outliers", "SCALE_VALUES")
+__all__ = ("LR_RISE", "LrRange", "RecentMax", "RunningMedian", "Outliers", "SCALE_VALUES")
 
 SCALE_VALUES: Final = 5
 """Values in a window before its median counts as a baseline the run has had (the largest such
 baseline of the last *memory* observations is the run's range, see :class:`LossSpikeDetector`
 and :class:`ExplosionDetector`): one value, a first loss or a first norm, is a sample, not a
 level."""
+
+LR_RISE: Final = 2.0
+"""The learning rate *rose* when it is at least this many times its lowest value of the last
+*memory* observations (a warm restart, a cyclic schedule's upswing, a warm-up): see
+:class:`LrRange`."""
 
 _RECENT_BLOCKS: Final = 20
 """How many blocks the run's range (:class:`RecentMax`) splits *memory* observations into."""
@@ -203,3 +208,63 @@ class RecentMax:
         self.end += (passed + 1) * size
         self.current = empty
         self.largest = max(blocks)
+
+
+class LrRange:
+    """The run's healthy baselines by learning rate: its range where the LR just rose.
+
+    An LR that rises (SGDR's warm restart, a cyclic schedule's upswing, a warm-up) kicks the
+    model out of the basin the low LR let it settle in: the loss and the gradient norm climb
+    back, for a while, to levels the run showed when it last trained at that LR, however long
+    ago that was (a restart every 250 steps after 13,000 steps climbed 6x its converged
+    median, to a level it had only shown in its first cycle). The detectors' range (their
+    largest healthy baseline) is recent, so that a converged run spiking back to its first
+    losses is reported; this class widens it exactly where the optimizer says the rise is
+    expected: while the LR is at least :data:`LR_RISE` times its lowest value of the last
+    *memory* observations, the largest baseline the run ever had at an LR of the same order
+    (the same octave, or the ones next to it: within a factor of 2 to 4) is in the range too.
+    With a constant or decaying LR nothing changes. The LR is read from the optimizer's
+    ``param_groups`` (the largest group's); without an optimizer there is none (``None``).
+
+    Costs one ``log2``, two comparisons and a dict update per observation.
+
+    Attributes:
+        raised: the LR of the current observation rose (see above).
+    """
+
+    __slots__ = ("_lows", "_octave", "_octaves", "raised")
+
+    def __init__(self, memory: int) -> None:
+        self._lows = RecentMax(memory, -math.inf)  # negated LRs: the lowest recent LR
+        self._octaves: dict[int, float] = {}  # floor(log2(lr)) -> largest baseline there
+        self._octave: int | None = None  # the current observation's (None: no LR known)
+        self.raised = False
+
+    def step(self, now: int, lr: float | None) -> None:
+        """Observation *now* runs at *lr* (``None``: unknown); call it once per observation,
+        before :meth:`feed` and :meth:`largest`."""
+        if lr is None or not 0.0 < lr < math.inf:
+            self._octave = None
+            self.raised = False
+            return
+        lows = self._lows
+        if now >= lows.end:
+            lows.roll(now)
+        lows.feed(-lr)
+        self._octave = math.floor(math.log2(lr))
+        self.raised = lr >= -LR_RISE * lows.largest
+
+    def feed(self, baseline: float) -> None:
+        """A healthy baseline of the current observation."""
+        octave = self._octave
+        if octave is not None and baseline > self._octaves.get(octave, -math.inf):
+            self._octaves[octave] = baseline
+
+    def largest(self) -> float:
+        """The largest baseline the run had at an LR of the current one's order, while the
+        LR rose; ``-inf`` otherwise."""
+        octave = self._octave
+        if not self.raised or octave is None:
+            return -math.inf
+        get = self._octaves.get
+        return max(get(octave - 1, -math.inf), get(octave, -math.inf), get(octave + 1, -math.inf))

@@ -44,7 +44,7 @@ from ._launch import Launcher, Pending
 from .activations import ActivationHooks
 from .verdict import StepVerdict
 
-__all__ = ("OFFLOAD_NUMEL", "StepProbe", "loss_value")
+__all__ = ("OFFLOAD_NUMEL", "StepProbe", "loss_value", "optimizer_lr")
 
 _log = get_logger(__name__)
 
@@ -434,6 +434,8 @@ class StepProbe:
             return StepVerdict(step=step, checked=False)  # nothing to do: no lock needed
         with self._lock:
             vanishing = checks.vanishing and self._judge.l1_wanted
+            if self._optimizer is not None:
+                self._judge.lr = optimizer_lr(self._optimizer)
             # torch.no_grad() without its context-manager object (2 us -> 0.5 us per step)
             grad_mode = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)
@@ -490,6 +492,29 @@ class StepProbe:
         # The scale is a float32 power of two (growth and backoff factors 2 and 0.5 by
         # default): its reciprocal is exact, and one kernel.
         return scale.reciprocal()
+
+
+def optimizer_lr(optimizer: torch.optim.Optimizer) -> float | None:
+    """The largest learning rate of *optimizer*'s parameter groups (``None``: none readable).
+
+    An LR held in a tensor is read only on the CPU (a device tensor would synchronize)."""
+    groups = optimizer.param_groups
+    if len(groups) == 1:
+        lr = groups[0].get("lr")
+        if lr.__class__ is float:
+            return lr  # the usual case, on every check
+    best: float | None = None
+    for group in groups:
+        lr = group.get("lr")
+        if isinstance(lr, torch.Tensor):
+            if lr.device.type != "cpu" or lr.numel() != 1:
+                continue
+            lr = lr.item()
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+            value = float(lr)
+            if best is None or value > best:
+                best = value
+    return best
 
 
 def loss_value(loss: object) -> float | None:
