@@ -15,6 +15,7 @@ from torch import nn
 from .._bus import Subscription
 from .._bus.bus import DEFAULT_CLOSE_TIMEOUT
 from .._modules import named_root
+from ..diagnostics import get_logger
 from ..events import Anomaly, Event, NonFiniteDetected, SessionEnded, SessionStarted, TensorRole
 from ..exceptions import TrainingStopped
 from ..extras.debug_context import DebugContext, debug_context
@@ -47,6 +48,8 @@ from ._wiring import (
 from .boundary import StepBoundary
 from .modes import DebugPlan
 from .options import SessionKnobs, SessionOptions, level_of
+
+_log = get_logger(__name__)
 
 TELEMETRY_LATENCY: Final = 0.1
 """A session's own bus fans telemetry out in batches at most this old (incidents at once):
@@ -388,6 +391,24 @@ class SessionBase(Generic[BusT]):
         self.plan = replace(self.plan, level=lvl)
         if self.probe is not None:
             self.probe.level = lvl
+
+    def rebaseline(self) -> None:
+        """Say the data changed on purpose (a new task or dataset for fine-tuning, the next
+        stage of a curriculum): the loss-spike and gradient-explosion baselines restart from
+        the next check, as after a restore.
+
+        A loss or gradient norm that jumps because the data changed looks, to the detectors,
+        exactly like one that jumps because something broke; only you know which it is. The
+        non-finite checks, recovery and everything else go on as before; the jump at the
+        change is judged against the new data's own first steps.
+
+        Raises:
+            RuntimeError: if the session is not running.
+        """
+        self._running()
+        assert self.probe is not None  # a running session has its probe
+        self.probe.rebaseline()
+        _log.info("detectors_rebaselined", session=self.name, step=self.step)
 
     def set_level(self, value: DebugLevel | str) -> None:
         """Set :attr:`level` (``"basic"``, ``"advanced"``... accepted); for the HTTP endpoint.
