@@ -431,11 +431,13 @@ def test_a_snapshot_keeps_the_modules_state_versions() -> None:
     _train(model, opt, 2)
     snapshots = StateSnapshots()
     assert snapshots.capture(2, model, opt)
-    mean = bn.running_mean.detach().clone()
+    running = bn.running_mean
+    assert running is not None
+    mean = running.detach().clone()
     _train(model, opt, 3)
-    assert not torch.equal(bn.running_mean, mean)
+    assert not torch.equal(running, mean)
     assert snapshots.restore(model, opt) == 2
-    assert torch.equal(bn.running_mean, mean)
+    assert torch.equal(running, mean)
     assert snapshots.failed_restores == 0
 
 
@@ -449,8 +451,10 @@ def test_common_fixes_report_a_state_that_no_longer_fits() -> None:
     snapshots = StateSnapshots()
     assert snapshots.capture(2, model, opt)
     model.append(nn.Linear(1, 1))  # the structure changed since the capture
+    first = model[0]
+    assert isinstance(first, nn.Linear)
     with torch.no_grad():
-        model[0].weight[0, 0] = math.nan
+        first.weight[0, 0] = math.nan
     before = copy.deepcopy(model.state_dict())
     fixes = apply_common_fixes(model, opt, snapshots=snapshots)
     assert not fixes.healthy
