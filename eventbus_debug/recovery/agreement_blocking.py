@@ -27,7 +27,7 @@ from .._validate import positive_seconds
 from ..diagnostics import get_logger
 from ..exceptions import TrainingStopped
 from . import agreement_codec as codec
-from .actions import DecidedAction
+from .actions import DecidedAction, Decision, Stop
 from .agreement_codec import Slot
 from .agreement_types import AgreedStep, CallAgreed
 
@@ -62,11 +62,7 @@ class BlockingAgreement(Joinable):
         self._owns_group = group is None
         """Whether the agreement created its group (then :meth:`close` retires it)."""
         self._closed = False
-        self.group = (
-            group
-            if group is not None
-            else dist.new_group(backend="gloo", timeout=self._wait_timeout)
-        )
+        self.group = group if group is not None else self._new_group()
         if self._owns_group:
             _destroy_retired()
         self.agreements = 0
@@ -80,6 +76,25 @@ class BlockingAgreement(Joinable):
         """The model the session trains (for the join context's checks)."""
         self._step = -1
         """The last step agreed (a joined rank shadows the steps after it)."""
+
+    def _new_group(self) -> Any:
+        """A new gloo group over the default group's ranks (a collective: every rank builds its
+        agreement, within :attr:`timeout`).
+
+        Raises:
+            RuntimeError: if some rank did not build its agreement in time (it opted out with
+                ``distributed=False``, entered no session, or hangs).
+        """
+        try:
+            return dist.new_group(backend="gloo", timeout=self._wait_timeout)
+        except RuntimeError as exc:
+            msg = (
+                f"rank {self.rank} of {self.world} could not create the agreement's group within "
+                f"{self.timeout:g} s ({exc}): every rank must enter its session (or build its "
+                "RankAgreement) at the same point, with the same distributed= option; one "
+                "with distributed=False on some ranks only never joins"
+            )
+            raise RuntimeError(msg) from exc
 
     def detach(self) -> None:
         """Go back to the blocking agreement (idempotent): nothing to undo here
@@ -234,7 +249,7 @@ class BlockingAgreement(Joinable):
     def _agree_blocking(
         self, step: int, decisions: Sequence[DecidedAction], noted: bool, loss: float | None
     ) -> AgreedStep:
-        v = codec.encode(self._vec, decisions, noted, self.rank, loss)
+        v = codec.encode(self._vec, decisions, noted, self.rank, loss, step=step)
         started = time.perf_counter()
         self._reduce(v, lambda: _at(step, decisions))
         self.blocking_waits.append(time.perf_counter() - started)
@@ -244,8 +259,12 @@ class BlockingAgreement(Joinable):
                 self.disagreements += 1
             local = _kinds(decisions)
             _log.info("ranks_agreed", step=step, rank=self.rank, local=local, overlapped=False)
+        decided = codec.decode(agreed, decisions, step, self.world)
+        apart = codec.steps_apart(agreed)
+        if apart is not None:
+            decided = (*decided, _steps_apart(step, apart, self.world))
         return AgreedStep(
-            decisions=codec.decode(agreed, decisions, step, self.world),
+            decisions=decided,
             noted=bool(agreed[Slot.NOTED]),
             loss=codec.mean_loss(agreed),
         )
@@ -284,6 +303,22 @@ class _ShadowAgreement(JoinHook):
 
     def main_hook(self) -> None:
         self.agreement._shadow()
+
+
+def _steps_apart(step: int, apart: tuple[int, int], world: int) -> DecidedAction:
+    """The stop every rank applies when the ranks passed different steps to one safe point."""
+    reason = (
+        f"the {world} ranks called check_step with different step numbers at the same safe "
+        f"point (from {apart[0]} to {apart[1]}; this rank: {step}): their decisions, snapshots "
+        "and logs would not line up, so every rank stops here; pass the same step on every rank"
+    )
+    return DecidedAction(
+        decision=Decision(action=Stop(), reason=reason),
+        strategy="agreed",
+        trigger_kind="agreement",
+        trigger_seq=-1,
+        step=step,
+    )
 
 
 def _joined(step: int) -> str:

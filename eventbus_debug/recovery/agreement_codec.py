@@ -41,6 +41,7 @@ __all__ = (
     "digest_mismatch",
     "encode",
     "mean_loss",
+    "steps_apart",
     "vector",
 )
 
@@ -69,6 +70,8 @@ class Slot(IntEnum):
     NEG_APPLIED_CLIP = 18
     APPLIED_NOTED = 19
     NEG_APPLIED_NOTED = 20
+    STEP = 21  # blocking: the step each rank passed to check_step ...
+    NEG_STEP = 22  # ... as x and -x: the ranks passed the same iff both maxima match
 
 
 SIZE: Final = len(Slot)
@@ -97,10 +100,13 @@ def encode(
     *,
     loss_grad_bad: bool = False,
     applied: tuple[bool, bool, bool] = NOTHING_APPLIED,
+    step: int | None = None,
 ) -> torch.Tensor:
     """Write this rank's part into *v* (in place, returned): its decisions, flags and loss.
 
-    A non-finite or missing *loss* leaves the rank's loss slot at ``-inf`` (not averaged).
+    A non-finite or missing *loss* leaves the rank's loss slot at ``-inf`` (not averaged); a
+    missing *step* (an overlapped launch, before the step is known) leaves the step slots at
+    ``-inf`` (not compared).
     A rank with nothing to say (no decision, no incident, no flag: a healthy step) copies a
     cached vector and writes its loss, without building the head slot by slot.
     """
@@ -109,8 +115,13 @@ def encode(
         slots[:] = _quiet(len(slots))
         if loss is not None and math.isfinite(loss):
             slots[SIZE + rank] = loss
+        if step is not None:
+            slots[Slot.STEP] = step
+            slots[Slot.NEG_STEP] = -step
         return v
     head = _head(decisions, noted, rank, loss_grad_bad, applied)
+    if step is not None:
+        head[Slot.STEP], head[Slot.NEG_STEP] = float(step), -float(step)
     losses = [-math.inf] * (len(v) - SIZE)
     if loss is not None and math.isfinite(loss):
         losses[rank] = float(loss)
@@ -128,6 +139,7 @@ def _head(
     """The slots before the losses: one flag per action, the factors, the flags, the digest."""
     head = [0.0] * SIZE
     head[Slot.NEG_MAX_NORM] = -math.inf
+    head[Slot.STEP] = head[Slot.NEG_STEP] = -math.inf
     head[Slot.NOTED] = float(noted)
     head[Slot.LOSS_GRAD_BAD] = float(loss_grad_bad)
     for (pos, neg, _), flag in zip(_DIGEST, applied, strict=True):
@@ -178,6 +190,15 @@ def digest_mismatch(agreed: Sequence[float]) -> str | None:
     """What the ranks applied differently at the previous safe point (``None``: the same)."""
     differ = [what for pos, neg, what in _DIGEST if agreed[pos] != -agreed[neg]]
     return ", ".join(differ) if differ else None
+
+
+def steps_apart(agreed: Sequence[float]) -> tuple[int, int] | None:
+    """The smallest and largest step the ranks passed, when they differ (``None``: the same,
+    or no rank said its step)."""
+    largest, smallest = agreed[Slot.STEP], -agreed[Slot.NEG_STEP]
+    if not math.isfinite(largest) or largest == smallest:
+        return None
+    return int(smallest), int(largest)
 
 
 def decode(

@@ -30,7 +30,13 @@ from ..probes import (
 )
 from ..probes.finite import non_finite_counts
 from ..recovery import RecoveryEngine, SafePoint, ScalerMonitor
-from ..recovery.agreement import AGREE_TIMEOUT, Agreement, RankAgreement, agreement_for
+from ..recovery.agreement import (
+    AGREE_TIMEOUT,
+    Agreement,
+    RankAgreement,
+    agreement_for,
+    distributed_active,
+)
 from ..typing import Publisher
 from . import _sharing as sharing
 from ._wiring import (
@@ -302,6 +308,8 @@ class SessionBase(Generic[BusT]):
             publish=publish,
             flush=flush,
         )
+        if self.options.distributed is None and self.agreement is None:
+            self._boundary.lone = _refuse_a_later_group
         return self._boundary
 
     @property
@@ -503,3 +511,21 @@ def _model_name(model: nn.Module) -> str:
     root = named_root(model)
     name = type(root).__name__
     return name if root is model else f"{name} (compiled)"
+
+
+def _refuse_a_later_group() -> None:
+    """At the safe point of a session entered alone with ``distributed=None``: refuse to go on
+    once a process group of several ranks exists (it was initialized after the session's
+    entry), instead of letting each rank decide alone, silently.
+
+    Raises:
+        RuntimeError: naming the order to follow, or ``distributed=False``.
+    """
+    if distributed_active():
+        msg = (
+            "this session was entered before torch.distributed.init_process_group(), so it "
+            "does not agree its decisions with the other ranks (they could skip, restore or "
+            "stop apart): enter the session after init_process_group(), or pass "
+            "distributed=False to decide on each rank alone"
+        )
+        raise RuntimeError(msg)

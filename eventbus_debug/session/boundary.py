@@ -167,6 +167,9 @@ class StepBoundary:
         self.output_checker = output_checker
         self.skip_non_finite = skip_non_finite
         self.device_skip = device_skip
+        self.lone: Callable[[], None] | None = None
+        """Set by a session that would have agreed had a process group existed at its entry
+        (``distributed=None``): called at each safe point, it raises once one exists."""
         self._publish = publish
         self._flush = flush
         self.meter = OverheadMeter(probe, overhead_budget)
@@ -318,6 +321,8 @@ class StepBoundary:
         """The start of a step's checks: the time they started (*step* checked)."""
         if step.__class__ is not int or not 0 <= step <= INT64_MAX:
             StepProbe._validate(step, None)  # a refused step never becomes the session's step
+        if self.lone is not None:
+            self.lone()
         return self.meter.clock()
 
     def _probed(self, step: int, loss: torch.Tensor | float | None, verdict: StepVerdict) -> None:
