@@ -147,6 +147,8 @@ class Workload:
         before_step: called with the step before its batch is drawn (a phase change: a frozen
             backbone unfrozen and added to the optimizer).
         after_step: called with the step once it completed (an evaluation pass in eval mode).
+        rebaseline_at: the step before which the library's loop tells its session that the
+            data changed on purpose (``session.rebaseline()``).
         gan: a second model and optimizer trained adversarially against :attr:`model` (then the
             run has two sessions on one bus, see :func:`_train_gan`).
     """
@@ -162,6 +164,7 @@ class Workload:
     before_step: Callable[[int], None] | None = None
     after_step: Callable[[int], None] | None = None
     gan: Gan | None = None
+    rebaseline_at: int | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -673,6 +676,14 @@ def _sgdr(steps: int, lr_scale: float) -> Workload:
     )
 
 
+def _task_switch_told(steps: int, lr_scale: float) -> Workload:
+    """:func:`_task_switch`, with the loop telling the session at the switch
+    (``session.rebaseline()``), as a user fine-tuning on purpose would."""
+    wl = _task_switch(steps, lr_scale)
+    wl.rebaseline_at = steps // 3
+    return wl
+
+
 def _task_switch(steps: int, lr_scale: float) -> Workload:
     """Pre-training then fine-tuning in one loop: a classifier trained on task A (one teacher)
     for the first third of the run, then on task B (another teacher, the same inputs' law,
@@ -964,6 +975,7 @@ RUNS: Final[tuple[RunSpec, ...]] = (
     RunSpec(name="bert_hf_init", kind=RunKind.HEALTHY, build=_bert_hf_init),
     RunSpec(name="sgdr_restarts", kind=RunKind.HEALTHY, build=_sgdr),
     RunSpec(name="task_switch", kind=RunKind.HEALTHY, build=_task_switch),
+    RunSpec(name="task_switch_told", kind=RunKind.HEALTHY, build=_task_switch_told),
     RunSpec(name="unfreezing", kind=RunKind.HEALTHY, build=_unfreezing),
     RunSpec(name="gan_two_sessions", kind=RunKind.HEALTHY, build=_gan),
     RunSpec(name="curriculum", kind=RunKind.HEALTHY, build=_curriculum),
@@ -1187,6 +1199,8 @@ async def _train(
         trace.current = step
         if wl.before_step is not None:
             wl.before_step(step)
+        if session is not None and step == wl.rebaseline_at:
+            session.rebaseline()  # the user says the data changes here
         x, y = wl.batch(step)
         if fault is not None:
             x, y = fault.batch(step, x, y, wl.n_classes)
