@@ -514,7 +514,8 @@ def _model_name(model: nn.Module) -> str:
 
 
 def _refuse_a_later_group() -> None:
-    """At the safe point of a session entered alone with ``distributed=None``: refuse to go on
+    """At a check of a session entered alone with ``distributed=None`` (its first, then every
+    ``LONE_EVERY``-th): refuse to go on
     once a process group of several ranks exists (it was initialized after the session's
     entry), instead of letting each rank decide alone, silently.
 

@@ -36,6 +36,10 @@ from .verdict import TrainingStepResult, Verdict
 
 __all__ = ("Body", "StepBoundary", "Wait", "run", "run_sync")
 
+LONE_EVERY: Final = 64
+"""A session that did not agree at its entry asks torch whether a process group exists at its
+first check and every this many checks after (see :attr:`StepBoundary.lone`)."""
+
 R = TypeVar("R")
 
 _SKIP: Final = ("skip_step",)
@@ -169,7 +173,9 @@ class StepBoundary:
         self.device_skip = device_skip
         self.lone: Callable[[], None] | None = None
         """Set by a session that would have agreed had a process group existed at its entry
-        (``distributed=None``): called at each safe point, it raises once one exists."""
+        (``distributed=None``): called at the first check and every :data:`LONE_EVERY`-th
+        after, it raises once one exists (asking torch costs ~2 µs inside a training loop)."""
+        self._lone_in = 0  # checks until the next call of lone
         self._publish = publish
         self._flush = flush
         self.meter = OverheadMeter(probe, overhead_budget)
@@ -322,7 +328,11 @@ class StepBoundary:
         if step.__class__ is not int or not 0 <= step <= INT64_MAX:
             StepProbe._validate(step, None)  # a refused step never becomes the session's step
         if self.lone is not None:
-            self.lone()
+            if self._lone_in:
+                self._lone_in -= 1
+            else:
+                self._lone_in = LONE_EVERY - 1
+                self.lone()
         return self.meter.clock()
 
     def _probed(self, step: int, loss: torch.Tensor | float | None, verdict: StepVerdict) -> None:

@@ -150,3 +150,23 @@ class TestStepBoundary:
         boundary, _, _, _ = _boundary(optimizer=False)
         with pytest.raises(RuntimeError, match="needs an optimizer"):
             boundary.training_step_sync(*batch(), nn.functional.mse_loss)
+
+
+def test_a_session_that_did_not_agree_asks_for_a_process_group_every_64th_check() -> None:
+    """Asking torch whether a group exists costs ~2 µs inside a loop: the lone session asks
+    at its first check (a group initialized before it is found at once) and every
+    LONE_EVERY-th after."""
+    from eventbus_debug import SyncSession
+    from eventbus_debug.session.boundary import LONE_EVERY
+
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    asked: list[int] = []
+    with SyncSession(model, opt, log_dir=None, report=False, alerts=False) as session:
+        boundary = session._boundary
+        assert boundary is not None and boundary.lone is not None  # distributed=None, no group
+        boundary.lone = lambda: asked.append(session.steps_completed)
+        for step in range(2 * LONE_EVERY + 1):
+            session.check_step(step, loss=1.0)
+            session.step_completed(step)
+    assert asked == [0, LONE_EVERY, 2 * LONE_EVERY]
