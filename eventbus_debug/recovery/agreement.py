@@ -46,8 +46,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ..diagnostics import get_logger
 from ..events import NonFiniteDetected, TensorRole
 from . import agreement_codec as codec
-from .actions import ClipGradients, DecidedAction, Decision, RestoreState, SkipStep, Stop
-from .agreement_blocking import WAITS_KEPT, BlockingAgreement, _at, _kinds, _same
+from .actions import ClipGradients, DecidedAction, RestoreState, SkipStep
+from .agreement_blocking import WAITS_KEPT, BlockingAgreement, _at, _kinds, _same, agreed_stop
 from .agreement_codec import Slot
 from .agreement_overlap import OutputGradLaunch, split_late
 from .agreement_types import (
@@ -352,13 +352,7 @@ def _diverged(step: int, mismatch: str, world: int) -> DecidedAction:
         f"(not all {mismatch}): their states may differ, so every rank stops here; "
         "run with RankAgreement(overlap=False) to agree every decision before applying it"
     )
-    return DecidedAction(
-        decision=Decision(action=Stop(), reason=reason),
-        strategy="agreed",
-        trigger_kind="agreement",
-        trigger_seq=-1,
-        step=step,
-    )
+    return agreed_stop(step, reason)
 
 
 def agreement_for(distributed: bool | Agreement | None, timeout: float) -> Agreement | None:

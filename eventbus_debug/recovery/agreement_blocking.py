@@ -31,7 +31,7 @@ from .actions import DecidedAction, Decision, Stop
 from .agreement_codec import Slot
 from .agreement_types import AgreedStep, CallAgreed
 
-__all__ = ("WAITS_KEPT", "BlockingAgreement")
+__all__ = ("WAITS_KEPT", "BlockingAgreement", "agreed_stop")
 
 # The agreement's records keep the logger name they always had.
 _log = get_logger("eventbus_debug.recovery.agreement")
@@ -312,6 +312,11 @@ def _steps_apart(step: int, apart: tuple[int, int], world: int) -> DecidedAction
         f"point (from {apart[0]} to {apart[1]}; this rank: {step}): their decisions, snapshots "
         "and logs would not line up, so every rank stops here; pass the same step on every rank"
     )
+    return agreed_stop(step, reason)
+
+
+def agreed_stop(step: int, reason: str) -> DecidedAction:
+    """The stop every rank applies at *step* for *reason* (decided by the agreement itself)."""
     return DecidedAction(
         decision=Decision(action=Stop(), reason=reason),
         strategy="agreed",
