@@ -1602,6 +1602,9 @@ def test_debug_server_checks_its_arguments_when_built(
         http.DebugServer(**options)
 
 
+@pytest.mark.asyncio_only(
+    "serves with uvicorn, which runs only on asyncio (README: on trio it says so at start)"
+)
 async def test_debug_server_serves_once_and_refuses_a_non_loopback_bind_without_token() -> None:
     http = pytest.importorskip("eventbus_debug.sinks.http")
     with pytest.raises(ValueError, match="token"):
