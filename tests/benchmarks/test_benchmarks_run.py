@@ -86,6 +86,12 @@ RUNS = [
         id="anomaly_arming",
     ),
     pytest.param(
+        "bench_long_run.py",
+        ["--steps", "40"],
+        [r"last tenth / first: [\d.]+x step time", r"published [\d,]+ events"],
+        id="long_run",
+    ),
+    pytest.param(
         "bench_probe_overhead.py",
         ["--repeats", "1", "--only", "W1"],
         [r"probe call alone, default set"],
