@@ -16,10 +16,12 @@ no-op for the parameters and the optimizer state.
   inside the training run, too), it raises a ``ValueError`` saying so.
 - optimizer step pre-hook: checks the gradients, and the loss when ``loss_fn`` was wrapped
   with :meth:`EventBusDebugHandler.track_loss`.
-- ``Events.ITERATION_COMPLETED``: checks ``engine.state.output`` exactly as Ignite's
-  ``TerminateOnNan`` does (numbers, tensors, and tuples, lists and dicts of them, through
-  ``ignite.utils.apply_to_type``); a non-finite value not already reported by the step's check
-  becomes a ``NonFiniteDetected`` (role OUTPUT: reported, never acted on after the fact). With
+- ``Events.ITERATION_COMPLETED``: checks ``engine.state.output`` as Ignite's
+  ``TerminateOnNan`` does (NaN, +Inf, -Inf in numbers, tensors, and tuples, lists and dicts of
+  them, nested), and numpy arrays too; what holds nothing to check (``None``, strings, other
+  objects) is left out, never raised; a non-finite value not already reported by the step's
+  check becomes a ``NonFiniteDetected`` (role OUTPUT: reported, never acted on after the fact;
+  the run is not terminated: add ``TerminateOnNan`` beside the handler for that). With
   gradient accumulation, an iteration that does not step waits for the step that closes its
   window: one fault, one incident (the step's own check usually reports it, through the
   gradients). Then the step is recorded (``StepCompleted``: its loss the checked one, else the
@@ -42,7 +44,7 @@ Ignite's own parameter schedulers are not torch LR schedulers: pass the underlyi
 
 from __future__ import annotations
 
-import math
+import logging
 import numbers
 import weakref
 from collections.abc import Callable
@@ -65,17 +67,18 @@ require("ignite", "ignite")
 
 import torch  # noqa: E402
 from ignite.engine import Engine, Events  # noqa: E402
-from ignite.utils import apply_to_type  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.hooks import RemovableHandle  # noqa: E402
 
 from .._validate import positive_number  # noqa: E402
 from ..events import NonFiniteDetected, TensorRole  # noqa: E402
+from ..probes.finite import non_finite_counts  # noqa: E402
 from ..session import Verdict  # noqa: E402
 
 __all__ = ("EventBusDebugHandler",)
 
 OUTPUT_NAME = "engine.state.output"
+_log = logging.getLogger(__name__)
 
 
 def _identity(output: Any) -> Any:
@@ -370,17 +373,22 @@ class EventBusDebugHandler(FitViews):
 
 
 def _finite(output: Any) -> bool:
-    """``TerminateOnNan``'s test: every number and tensor in *output* is finite."""
-    finite = True
+    """``TerminateOnNan``'s test: every number and tensor in *output* is finite.
 
-    def visit(x: numbers.Number | torch.Tensor) -> numbers.Number | torch.Tensor:
-        nonlocal finite
-        if isinstance(x, numbers.Number):
-            if isinstance(x, numbers.Complex) and not math.isfinite(abs(complex(x))):
-                finite = False
-        elif not bool(torch.isfinite(x).all()):
-            finite = False
-        return x
-
-    apply_to_type(output, (numbers.Number, torch.Tensor), visit)
-    return finite
+    Walks what ``TerminateOnNan`` walks (numbers, tensors, and tuples, lists, named tuples and
+    mappings of them, nested) and more: numpy arrays and scalars, any tensor layout (sparse,
+    nested), each in its own precision. It only reads *output*, never rebuilds its containers
+    (``ignite.utils.apply_to_type`` calls ``type(x)(...)``, which fails for a ``defaultdict``
+    or a ``range``). What holds nothing to check (``None``: an update function that returns
+    nothing; strings; other objects) is left out rather than raised, and a structure that
+    cannot be walked (one that contains itself) is not checked: the handler never ends a run
+    over an output it cannot read (``TerminateOnNan`` raises ``TypeError`` on ``None`` or a
+    numpy array).
+    """
+    if output is None:
+        return True
+    try:
+        return non_finite_counts(output, name=OUTPUT_NAME, skip_unknown=True).finite
+    except ValueError:  # contains itself, or nested deeper than the walk goes
+        _log.warning("%s cannot be walked; it is not checked for NaN/Inf", OUTPUT_NAME)
+        return True

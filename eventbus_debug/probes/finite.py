@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Final
@@ -115,7 +115,8 @@ class NonFiniteCounts:
         non_finite: the paths of the leaves holding NaN or Inf (``"loss"``, ``"out['logits']"``,
             ``"metrics[1]"``), in traversal order.
         skipped: the paths of non-numeric leaves inside containers (strings, bytes, ``None``),
-            which hold no numbers and are left out, as Ignite's ``TerminateOnNan`` does.
+            which hold no numbers and are left out, as Ignite's ``TerminateOnNan`` does (with
+            ``skip_unknown=True``, every leaf of a type that is not checked).
     """
 
     name: str
@@ -134,9 +135,10 @@ class NonFiniteCounts:
 class _Walk:
     """One traversal: host-side counts of numbers and arrays, tensors kept for the device."""
 
-    __slots__ = ("checked", "counts", "on_path", "skipped", "tensors")
+    __slots__ = ("checked", "counts", "lenient", "on_path", "skipped", "tensors")
 
-    def __init__(self) -> None:
+    def __init__(self, *, lenient: bool = False) -> None:
+        self.lenient = lenient  # leaves of other types are skipped, not a TypeError
         self.counts: dict[str, tuple[int, int]] = {}  # path -> (nan, inf), in visit order
         self.tensors: list[tuple[str, torch.Tensor]] = []  # (path, stored values) to reduce
         self.checked = 0
@@ -145,7 +147,13 @@ class _Walk:
 
     def visit(self, value: object, path: str, *, top: bool) -> None:
         if isinstance(value, torch.Tensor):
-            v = stored_values(value, name=path)
+            try:
+                v = stored_values(value, name=path)
+            except (TypeError, ValueError):  # raw bits, a meta tensor: no values to check
+                if not self.lenient:
+                    raise
+                self.skipped.append(path)
+                return
             self.checked += v.numel()
             if (v.is_floating_point() or v.is_complex()) and v.numel():
                 self.counts[path] = (0, 0)
@@ -158,12 +166,15 @@ class _Walk:
             self._number(value, path)
             return
         if isinstance(value, str | bytes | bytearray) or value is None:
-            if top:
+            if top and not self.lenient:
                 msg = f"{path} must be a number, a tensor, a numpy array or a tuple/list/mapping of them, got {type(value).__qualname__}"
                 raise TypeError(msg)
             self.skipped.append(path)
             return
-        if isinstance(value, tuple | list | Mapping):
+        if isinstance(value, range):  # integers only: finite, nothing to walk
+            self.checked += len(value)
+            return
+        if isinstance(value, Sequence | Mapping):  # tuples, lists, deques, named tuples
             if id(value) in self.on_path:
                 msg = f"{path} contains itself; a nested structure to check must be a tree"
                 raise ValueError(msg)
@@ -185,6 +196,9 @@ class _Walk:
             finally:
                 self.on_path.discard(id(value))
             return
+        if self.lenient:
+            self.skipped.append(path)
+            return
         msg = f"{path} is a {type(value).__qualname__}; non-finite checks take numbers, tensors, numpy arrays and tuples, lists and mappings of them"
         raise TypeError(msg)
 
@@ -202,6 +216,10 @@ class _Walk:
             nan = int(math.isnan(z.real) or math.isnan(z.imag))
             inf = int(not nan and (math.isinf(z.real) or math.isinf(z.imag)))
         else:
+            if self.lenient:
+                self.checked -= 1
+                self.skipped.append(path)
+                return
             msg = f"{path} is a number of type {type(value).__qualname__} that is neither real nor complex"
             raise TypeError(msg)
         self.counts[path] = (nan, inf)
@@ -212,6 +230,10 @@ class _Walk:
         if kind in "biu":  # bool, signed and unsigned integers
             return
         if kind not in "fc":
+            if self.lenient:
+                self.checked -= a.size
+                self.skipped.append(path)
+                return
             msg = f"{path} is a numpy array of dtype {a.dtype}; non-finite checks take bool, integer, floating or complex arrays"
             raise TypeError(msg)
         nan_mask = np.isnan(a)
@@ -234,14 +256,20 @@ class _Walk:
                 self.counts[path] = (int(nan), int(inf))
 
 
-def non_finite_counts(value: object, *, name: str = "value") -> NonFiniteCounts:
+def non_finite_counts(
+    value: object, *, name: str = "value", skip_unknown: bool = False
+) -> NonFiniteCounts:
     """Count the NaN and infinite values in *value*, whatever a training loop produced.
 
     Takes Python numbers (bool, int, float, complex, ``Decimal``, ``Fraction``), tensors of any
     dtype and layout (each checked in its own precision), numpy arrays and scalars, and tuples,
-    lists and mappings (dicts, ``OrderedDict``, Hugging Face ``ModelOutput``) of them, nested.
+    lists (any sequence: a ``deque``, a named tuple) and mappings (dicts, ``OrderedDict``, Hugging Face ``ModelOutput``) of them, nested.
     Strings, bytes and ``None`` inside a container are left out (listed in ``skipped``).
     Tensor counts are reduced on the tensors' devices and moved to the host once per device.
+    With ``skip_unknown=True`` nothing is refused for its type: a leaf of any other type (an
+    object, ``None`` or a string at the top, an object-dtype array, a meta tensor) is left out
+    and listed in ``skipped``, for callers that check whatever a loop hands them (the Ignite
+    handler's output check).
 
     Example::
 
@@ -251,14 +279,15 @@ def non_finite_counts(value: object, *, name: str = "value") -> NonFiniteCounts:
 
     Raises:
         TypeError: if *value*, or a leaf inside it, is of another type (the path names it), or
-            a tensor's dtype holds raw bits.
-        ValueError: if a tensor is a meta tensor (no values), a container contains itself, or
-            containers are nested more than :data:`MAX_NESTING` (100) deep.
+            a tensor's dtype holds raw bits (neither with ``skip_unknown=True``).
+        ValueError: if a tensor is a meta tensor (no values; not with ``skip_unknown=True``), a
+            container contains itself, or containers are nested more than
+            :data:`MAX_NESTING` (100) deep.
     """
     if not isinstance(name, str):
         msg = f"name must be a str, got {type(name).__qualname__}"
         raise TypeError(msg)
-    walk = _Walk()
+    walk = _Walk(lenient=bool(skip_unknown))
     walk.visit(value, name, top=True)
     walk.reduce_tensors()
     bad = [(p, n, i) for p, (n, i) in walk.counts.items() if n or i]
