@@ -1240,6 +1240,27 @@ async def _train(
             evals.append(wl.heldout(model))
 
 
+async def _gan_half(
+    step: int,
+    loss: torch.Tensor,
+    opt: torch.optim.Optimizer,
+    session: Session | None,
+    trace: _Trace,
+) -> None:
+    """One side's optimizer step of a GAN step, checked by its own *session* (None: plain)."""
+    should_step, reported = True, None
+    if session is not None:
+        verdict = await session.check_step(step, loss=loss)
+        should_step, reported = verdict.should_step, verdict.loss
+    if should_step:
+        opt.step()
+    else:
+        trace.skipped += 1
+    opt.zero_grad(set_to_none=True)
+    if session is not None:
+        await session.step_completed(step, loss=reported)
+
+
 async def _train_gan(
     wl: Workload,
     steps: int,
@@ -1262,32 +1283,12 @@ async def _train_gan(
             real_logit, torch.ones_like(real_logit)
         ) + F.binary_cross_entropy_with_logits(fake_logit, torch.zeros_like(fake_logit))
         d_loss.backward()  # type: ignore[no-untyped-call]
-        should_step, reported = True, None
-        if sessions is not None:
-            verdict = await sessions[0].check_step(step, loss=d_loss)
-            should_step, reported = verdict.should_step, verdict.loss
-        if should_step:
-            opt_d.step()
-        else:
-            trace.skipped += 1
-        opt_d.zero_grad(set_to_none=True)
-        if sessions is not None:
-            await sessions[0].step_completed(step, loss=reported)
+        await _gan_half(step, d_loss, opt_d, sessions[0] if sessions else None, trace)
         logit = disc(fake)
         g_loss = F.binary_cross_entropy_with_logits(logit, torch.ones_like(logit))
         g_loss.backward()  # type: ignore[no-untyped-call]
         opt_d.zero_grad(set_to_none=True)  # the discriminator's share of the generator's loss
-        should_step, reported = True, None
-        if sessions is not None:
-            verdict = await sessions[1].check_step(step, loss=g_loss)
-            should_step, reported = verdict.should_step, verdict.loss
-        if should_step:
-            opt_g.step()
-        else:
-            trace.skipped += 1
-        opt_g.zero_grad(set_to_none=True)
-        if sessions is not None:
-            await sessions[1].step_completed(step, loss=reported)
+        await _gan_half(step, g_loss, opt_g, sessions[1] if sessions else None, trace)
         trace.steps_run = step + 1
         if step >= steps - EVAL_LAST:
             evals.append(wl.heldout(gen))
