@@ -253,6 +253,9 @@ def _before_init(rank: int, world: int, init: str) -> dict[str, Any]:
     with SyncSession(net, opt, log_dir=None, **QUIET) as session:
         res["agreement"] = session.agreement is not None
         _join_group(rank, world, init)
+        # every rank's init done before one refuses and leaves: a rank that left while the
+        # other still connected its mesh failed it ("Connection closed by peer")
+        dist.barrier()
         try:
             _train(session, net, opt, rank, steps=2)
         except RuntimeError as exc:
@@ -281,7 +284,7 @@ def main() -> None:
         result = {"claims": _claims, "raises": _raises, "mixed": _mixed}[mode](rank, world, out)
     if mode != "raises":
         (out / f"{mode}.rank{rank}.json").write_text(json.dumps(result))
-    if mode == "claims":
+    if mode in ("claims", "before_init"):
         dist.barrier()
     if mode != "raises":
         dist.destroy_process_group()
