@@ -338,12 +338,17 @@ async def test_drain_refuses_a_nan_negative_infinite_or_non_number_timeout_namin
 
 
 async def test_drain_timeout_raises_timeout_error_naming_the_busy_sink() -> None:
+    busy = anyio.Event()
+
     async def stuck(event: Event) -> None:
+        busy.set()
         await anyio.sleep(30)
 
     async with EventBus(close_timeout=0.2) as bus:
         bus.subscribe(stuck)
         bus.publish_nowait(StepCompleted(step=1))
+        with anyio.fail_after(5):
+            await busy.wait()  # in the sink (a drain before the dispatch names no sink yet)
         with pytest.raises(TimeoutError, match="stuck"):
             await bus.drain(timeout=0)
 
