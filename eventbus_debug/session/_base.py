@@ -141,10 +141,10 @@ class SessionBase(Generic[BusT]):
         self.device_skip = build_device_skip(options, optimizer)
         """The found-inf flag handed to the fused optimizer (None unless ``device_skip=True``)."""
         self.agreement: Agreement | None = None
+        """How this rank agrees with the others (None outside a process group)."""
         self._joined: object | None = None  # the bus the session counts as running on
         self._elsewhere: Callable[[Anomaly], bool] = _nobody_else
         """Whether an incident belongs to another session on the bus (set by :meth:`_join`)."""
-        """How this rank agrees with the others (None outside a process group)."""
         self.amp: ScalerMonitor | None = None
         self.system: SystemSampler | None = None
         """The system sampler, once the session started (None when off); see its ``summary()``."""
@@ -515,9 +515,9 @@ def _model_name(model: nn.Module) -> str:
 
 def _refuse_a_later_group() -> None:
     """At a check of a session entered alone with ``distributed=None`` (its first, then every
-    ``LONE_EVERY``-th): refuse to go on
-    once a process group of several ranks exists (it was initialized after the session's
-    entry), instead of letting each rank decide alone, silently.
+    ``LONE_EVERY``-th): refuse to go on once a process group of several ranks exists (it was
+    initialized after the session's entry), instead of letting each rank decide alone,
+    silently.
 
     Raises:
         RuntimeError: naming the order to follow, or ``distributed=False``.
