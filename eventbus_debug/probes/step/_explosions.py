@@ -220,7 +220,7 @@ class ExplosionDetector:
             )
             if norm > threshold and lr_range.raised:
                 # the LR rose: the scale the run had at this LR, however long ago, is its own
-                threshold = max(threshold, self.reach * lr_range.largest())
+                threshold = max(threshold, self._scale())
             if norm > 0.5 * self.factor * baseline:
                 if not self._streak:
                     self._streak = checks  # the first check of this streak
@@ -253,11 +253,16 @@ class ExplosionDetector:
             return False
         last = list(itertools.islice(norms, len(norms) - settle, None))
         high = max(last)
-        scale = max(
+        return high <= 2.0 * min(last) and high <= self.factor * self._scale()
+
+    def _scale(self) -> float:
+        """The scale the run has shown while healthy: *floor* times the largest norm it
+        accepted, or *reach* times its largest recent median, or, while the LR rose, its
+        largest median at an LR of the current one's order (:class:`~._windows.LrRange`)."""
+        return max(
             self.floor * self._largest,
             self.reach * max(self._peaks.largest, self._lr_range.largest()),
         )
-        return high <= 2.0 * min(last) and high <= self.factor * scale
 
     def _restart(self) -> None:
         """Restart the window at the streak's level (a shift that held); the streak ends."""
