@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import Final, TypeGuard
 
 from .exceptions import ArgumentTypeError
@@ -22,6 +23,7 @@ __all__ = (
     "brief",
     "fraction",
     "int64_count",
+    "log_dir",
     "non_negative",
     "non_negative_int",
     "positive_int",
@@ -192,6 +194,26 @@ def flags_and_source(source: object, **flags: object) -> None:
     if not isinstance(source, str):
         msg = f"source must be a str, got {type(source).__qualname__} {source!r}"
         raise TypeError(msg)
+
+
+def log_dir(value: object) -> None:
+    """Check a ``log_dir=`` argument: ``None`` (no log), or a path that is not empty.
+
+    Raises:
+        TypeError: if *value* is neither ``None`` nor a ``str``/``os.PathLike``.
+        ValueError: if it is empty (an unset environment variable, most likely).
+    """
+    if value is None:
+        return
+    if not isinstance(value, str | os.PathLike):
+        msg = f"log_dir must be a path (str or os.PathLike) or None, got {value!r}"
+        raise TypeError(msg)
+    if not os.fspath(value):
+        msg = (
+            "log_dir must not be empty (an unset variable?): pass None for no log, "
+            "or '.' for the current directory"
+        )
+        raise ValueError(msg)
 
 
 def publisher(name: str, value: object) -> Publisher | None:

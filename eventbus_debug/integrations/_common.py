@@ -4,7 +4,6 @@ by the framework's hooks, and the step-level plumbing around it."""
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Final, final
@@ -12,6 +11,7 @@ from typing import Any, ClassVar, Final, final
 import torch
 from torch import nn
 
+from .._validate import log_dir as check_log_dir
 from ..session import SyncSession, Verdict
 from ..session.options import DEFAULT_LOG_DIR
 
@@ -187,16 +187,7 @@ class FitSession:
                 "its own argument"
             )
             raise TypeError(msg)
-        if log_dir is not None:
-            if not isinstance(log_dir, str | os.PathLike):
-                msg = f"log_dir must be a path (str or os.PathLike) or None, got {log_dir!r}"
-                raise TypeError(msg)
-            if not os.fspath(log_dir):
-                msg = (
-                    "log_dir must not be empty (an unset variable?): pass None for no log, "
-                    "or '.' for the current directory"
-                )
-                raise ValueError(msg)
+        check_log_dir(log_dir)
         self.framework = framework
         self.log_dir = log_dir
         self.options: dict[str, Any] = dict(options)

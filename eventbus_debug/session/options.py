@@ -16,7 +16,7 @@ from typing import Any, Final, Protocol, TextIO, TypedDict, runtime_checkable
 import torch
 
 from .._bus._adapter import SinkAdapter, default_name
-from .._validate import brief, fraction, positive_seconds
+from .._validate import brief, fraction, log_dir as check_log_dir, positive_seconds
 from ..exceptions import ArgumentTypeError, SubscriptionError
 from ..extras.validation import InputSpec, OutputChecker
 from ..probes import Cadence, DebugLevel, LeakDetector, Thresholds
@@ -229,14 +229,7 @@ class SessionOptions:
         object.__setattr__(self, "schedulers", lr_schedulers(self.scheduler))
         object.__setattr__(self, "recovery_policy", recovery_policy(self.policy))
         object.__setattr__(self, "sinks", _sinks(self.sinks))
-        if self.log_dir is not None:
-            _check_type("log_dir", self.log_dir, (str, os.PathLike), "a path or None")
-            if not os.fspath(self.log_dir):
-                msg = (
-                    "log_dir must not be empty (an unset variable?): pass None for no log, "
-                    "or '.' for the current directory"
-                )
-                raise ValueError(msg)
+        check_log_dir(self.log_dir)
         _check_type("name", self.name, (str,), "a str")
         for knob in ("report", "alerts"):
             value = getattr(self, knob)
