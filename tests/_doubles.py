@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -48,3 +49,22 @@ def backward_once(model: nn.Module) -> None:
 def quiet(**knobs: Any) -> dict[str, Any]:
     """Session keywords for a session with no log, report, alerts or system sampler."""
     return {"log_dir": None, "report": False, "alerts": False, "system_interval": None, **knobs}
+
+
+def ignite_terminate_on_nan_table() -> list[tuple[object, bool]]:
+    """Ignite's own table for ``TerminateOnNan`` (tests/ignite/handlers/test_terminate_on_nan.py:
+    an engine output, and whether it holds a NaN or Inf), seeded as there."""
+    torch.manual_seed(12)
+    return [
+        (1.0, False),
+        (torch.tensor(123.45), False),
+        (torch.asin(torch.tensor([1.0, 2.0, 0.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0])), True),
+        (torch.asin(torch.randn(4, 4)), True),
+        ((10.0, 1.0 / torch.tensor([1.0, 2.0, 0.0, 3.0]), 1.0), True),
+        ((1.0, torch.tensor(1.0), "abc"), False),
+        (1.0 / torch.randint(0, 2, size=(4, 4)).type(torch.float), True),
+        ((float("nan"), 10.0), True),
+        (float("inf"), True),
+        ([float("nan"), 10.0], True),
+        (np.array([1.0, 2.0]), False),
+    ]

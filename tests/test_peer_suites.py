@@ -36,26 +36,9 @@ from eventbus_debug.events import (
 from eventbus_debug.integrations.ignite import EventBusDebugHandler
 from eventbus_debug.probes.finite import non_finite_counts
 from eventbus_debug.testing import RecordingSink
+from tests._doubles import ignite_terminate_on_nan_table
 
 # -- Ignite: TerminateOnNan ----------------------------------------------------------------------
-
-
-def _ignite_rows() -> list[tuple[object, bool]]:
-    """The rows of Ignite's parametrized table (output, whether it should stop), same seed."""
-    torch.manual_seed(12)
-    return [
-        (1.0, False),
-        (torch.tensor(123.45), False),
-        (torch.asin(torch.tensor([1.0, 2.0, 0.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0])), True),
-        (torch.asin(torch.randn(4, 4)), True),
-        ((10.0, 1.0 / torch.tensor([1.0, 2.0, 0.0, 3.0]), 1.0), True),
-        ((1.0, torch.tensor(1.0), "abc"), False),
-        (1.0 / torch.randint(0, 2, size=(4, 4)).type(torch.float), True),
-        ((float("nan"), 10.0), True),
-        (float("inf"), True),
-        ([float("nan"), 10.0], True),
-        (np.array([1.0, 2.0]), False),
-    ]
 
 
 class _Pair(NamedTuple):
@@ -114,13 +97,15 @@ def _output_run(
     return trainer, steps
 
 
-@pytest.mark.parametrize(("output", "bad"), _ignite_rows() + _more_rows())
+@pytest.mark.parametrize(("output", "bad"), ignite_terminate_on_nan_table() + _more_rows())
 def test_terminate_on_nan_outputs(output: object, bad: bool) -> None:
     """Every row gets Ignite's answer (NaN, +Inf, -Inf alike), and nothing raises."""
     assert non_finite_counts(output, skip_unknown=True).finite is not bad
 
 
-@pytest.mark.parametrize(("output", "bad"), _ignite_rows()[::2] + _more_rows()[-9:])
+@pytest.mark.parametrize(
+    ("output", "bad"), ignite_terminate_on_nan_table()[::2] + _more_rows()[-9:]
+)
 def test_handler_reports_what_terminate_on_nan_stops_on(
     tmp_path: Path, output: object, bad: bool
 ) -> None:

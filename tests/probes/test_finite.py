@@ -20,6 +20,7 @@ from eventbus_debug.events import NonFiniteDetected
 from eventbus_debug.probes import analyze_tensor
 from eventbus_debug.probes.finite import NonFiniteCounts, non_finite_counts, stored_values
 from eventbus_debug.testing import RecordingSink
+from tests._doubles import ignite_terminate_on_nan_table
 
 _MKLDNN: bool = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
 
@@ -34,26 +35,8 @@ def _quiet(make: object) -> torch.Tensor:
     return t
 
 
-# Ignite's own table (tests/ignite/handlers/test_terminate_on_nan.py), seeded as there.
-def _ignite_table() -> list[tuple[object, bool]]:
-    torch.manual_seed(12)
-    return [
-        (1.0, False),
-        (torch.tensor(123.45), False),
-        (torch.asin(torch.tensor([1.0, 2.0, 0.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0])), True),
-        (torch.asin(torch.randn(4, 4)), True),
-        ((10.0, 1.0 / torch.tensor([1.0, 2.0, 0.0, 3.0]), 1.0), True),
-        ((1.0, torch.tensor(1.0), "abc"), False),
-        (1.0 / torch.randint(0, 2, size=(4, 4)).type(torch.float), True),
-        ((float("nan"), 10.0), True),
-        (float("inf"), True),
-        ([float("nan"), 10.0], True),
-        (np.array([1.0, 2.0]), False),
-    ]
-
-
 class TestNonFiniteCounts:
-    @pytest.mark.parametrize(("value", "bad"), _ignite_table())
+    @pytest.mark.parametrize(("value", "bad"), ignite_terminate_on_nan_table())
     def test_ignite_terminate_on_nan_table(self, value: object, bad: bool) -> None:
         """Every row of Ignite's TerminateOnNan table gets Ignite's answer."""
         assert non_finite_counts(value).finite is not bad
