@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final
@@ -61,6 +62,9 @@ class JsonlFile:
 
         self._fd: int | None = None
         self._ino = -1
+        # False when the live path is a device or a pipe (a link to /dev/null): such a file is
+        # never rotated, as in logging.handlers (bpo-45401), and has no size to keep.
+        self._regular = True
         self._size = 0  # bytes in the live file, always at a line boundary
         self._repair = False  # the live file may end with a partial line to truncate
         # Encoded lines not written yet: while nothing else waits, a batch's own bytes (written
@@ -77,7 +81,7 @@ class JsonlFile:
 
     def should_rotate(self, size: int, /) -> bool:
         """Whether *size* more bytes would take the live file past ``max_bytes``."""
-        if self._max_bytes <= 0:
+        if self._max_bytes <= 0 or not self._regular:
             return False
         current = self._size + len(self._buffer)
         return current > 0 and current + size > self._max_bytes
@@ -123,7 +127,10 @@ class JsonlFile:
         fd = os.open(self._path, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
         try:
             st = os.fstat(fd)
-            if self._repair and st.st_ino == self._ino and st.st_size > self._size:
+            self._regular = stat.S_ISREG(st.st_mode)
+            if not self._regular:
+                self._size = 0  # a device or a pipe: nothing to seal, never rotated
+            elif self._repair and st.st_ino == self._ino and st.st_size > self._size:
                 # The same file, ending with the prefix of a line we are about to drop.
                 os.ftruncate(fd, self._size)
             else:
@@ -202,7 +209,14 @@ class JsonlFile:
 
     def _backup_name(self, default: str) -> str:
         namer = self._namer
-        return namer(default) if namer is not None else default
+        if namer is None:
+            return default
+        name = namer(default)
+        if os.path.abspath(name) == os.path.abspath(self._path):
+            # Rotating would delete the live file with everything in it.
+            msg = f"namer returned the live file's own path {name!r} for backup {default!r}"
+            raise ValueError(msg)
+        return name
 
     def _write_error(self, exc: Exception, what: str) -> LogWriteError:
         """A :class:`LogWriteError` saying *what* failed, why, and the fate of the lines kept.

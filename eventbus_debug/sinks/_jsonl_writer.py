@@ -15,6 +15,7 @@ it), a batch's encoding is :mod:`._jsonl_encode`'s, the errors and statistics ar
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -292,8 +293,12 @@ class JsonlWriter(JsonlFile):
         self._next_attempt = now + self._backoff
         return False
 
-    def _end_outage_locked(self, fd: int) -> None:
-        """Writes succeed again: record the outage in the log itself."""
+    def _end_outage_locked(self) -> None:
+        """Writes succeed again: record the outage in the log itself.
+
+        The record is the next line, written now and rotated like any other (a file stays
+        within ``max_bytes``); the flushes it makes see no outage, so they do not come back.
+        """
         since = self._outage_since
         assert since is not None
         self._outage_since = None
@@ -311,17 +316,8 @@ class JsonlWriter(JsonlFile):
             outage_s=round(event.outage_s, 3),
             lines_lost=event.lines_lost,
         )
-        line = encode_event(event)
-        try:
-            written = _write_some(fd, line)
-        except OSError:
-            return
-        if written == len(line):
-            self._size += written
-            self._bytes_written += written
-            self._lines_written += 1
-        else:  # cannot happen for a few hundred bytes; never leave a partial line
-            os.ftruncate(fd, self._size)
+        self._append_locked(encode_event(event), 1)
+        self._flush_locked()
 
     def _append_locked(self, data: bytes, lines: int) -> None:
         """Buffer *lines* whole lines, rotating between lines so that no file passes ``max_bytes``.
@@ -334,10 +330,15 @@ class JsonlWriter(JsonlFile):
         """
         if not data:
             return
+        if self._max_bytes > 0 and self._outage_since is None:
+            # The size the file has now (another writer, a truncation): where to cut.
+            with contextlib.suppress(OSError):  # the write meets it again and reports it
+                self._live_fd_locked()
         base = self._size + len(self._buffer)
         retry_at = self._rotate_retry_at
         if (
             self._max_bytes <= 0
+            or not self._regular  # a device or a pipe (/dev/null): never rotated
             or base + len(data) <= self._max_bytes
             or (retry_at is not None and _clock() < retry_at)  # a failed rotation waits
         ):
@@ -400,11 +401,7 @@ class JsonlWriter(JsonlFile):
         written = 0
         fd: int | None = None
         try:
-            fd = self._ensure_open()
-            if os.fstat(fd).st_nlink == 0:
-                raise FileNotFoundError(
-                    errno.ENOENT, "the log file was removed while open", str(self._path)
-                )
+            fd = self._live_fd_locked()
             buf = self._buffer
             total = len(buf)
             written = _write_some(fd, buf)
@@ -412,6 +409,11 @@ class JsonlWriter(JsonlFile):
                 written += _write_some(fd, buf[written:])
             if self._fsync:
                 os.fsync(fd)
+            if self._regular and os.fstat(fd).st_nlink == 0:
+                # Removed between the check and the write: the lines went with the file;
+                # they are kept and written again into a new one.
+                written = 0
+                raise _removed(self._path)
         except OSError as exc:
             self._after_failure(fd, written)
             raise self._write_error(exc, "cannot write the log file") from None
@@ -422,7 +424,35 @@ class JsonlWriter(JsonlFile):
         self._buffer = b""
         self._buffer_lines = 0
         if self._outage_since is not None:
-            self._end_outage_locked(fd)
+            self._end_outage_locked()
+
+    def _live_fd_locked(self) -> int:
+        """The open live file, checked before a write.
+
+        Removed (``rm``, the directory deleted): a ``FileNotFoundError``, the outage that
+        reopens it. Moved away (logrotate's rename, another sink's rotation of the same file):
+        what it holds stays under its new name and a new live file is opened, quietly, as
+        :class:`logging.handlers.WatchedFileHandler` does. Its size is taken from the file
+        itself, so a file truncated in place (logrotate's ``copytruncate``) or appended to by
+        another writer rotates at ``max_bytes`` all the same.
+        """
+        fd = self._ensure_open()
+        st = os.fstat(fd)
+        if st.st_nlink == 0:
+            raise _removed(self._path)
+        if not self._regular:
+            return fd
+        try:
+            named = os.stat(self._path)
+        except FileNotFoundError:
+            named = None
+        if named is None or (named.st_ino, named.st_dev) != (st.st_ino, st.st_dev):
+            _log.info("log_file_moved", path=str(self._path), size=st.st_size)
+            self._close_fd()
+            fd = self._ensure_open()
+            st = os.fstat(fd)
+        self._size = st.st_size
+        return fd
 
     def _rotate_locked(self, *, streak: bool = False) -> bool:
         """Rotate now: True when done.
@@ -436,6 +466,10 @@ class JsonlWriter(JsonlFile):
         self._flush_locked()
         if self._fsync and self._fd is not None:
             self._fsync_locked()
+        if self._fd is None:
+            self._ensure_open_or_raise()  # what the live path is: a file, or a device
+        if not self._regular:
+            return True  # a device or a pipe (/dev/null): nothing to rotate
         self._close_fd()
         try:
             self._rename_backups()
@@ -487,6 +521,10 @@ class JsonlWriter(JsonlFile):
                 raise
             finally:
                 self._close_fd()
+
+
+def _removed(path: Path) -> FileNotFoundError:
+    return FileNotFoundError(errno.ENOENT, "the log file was removed while open", str(path))
 
 
 def _write_some(fd: int, data: bytes | bytearray) -> int:

@@ -42,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gzip
 import os
@@ -109,9 +110,16 @@ def _gzip_rotator(source: str, dest: str) -> None:
     if not os.path.exists(source):
         return
     tmp = dest + ".tmp"
-    with open(source, "rb") as src, gzip.open(tmp, "wb", compresslevel=_GZIP_LEVEL) as dst:
-        shutil.copyfileobj(src, dst, _COPY_CHUNK)
-    os.replace(tmp, dest)
+    try:
+        with open(source, "rb") as src, gzip.open(tmp, "wb", compresslevel=_GZIP_LEVEL) as dst:
+            shutil.copyfileobj(src, dst, _COPY_CHUNK)
+        os.replace(tmp, dest)
+    except BaseException:
+        # Disk full while compressing: give the space back; the live file is kept whole and
+        # the rotation is retried.
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     os.remove(source)
 
 
@@ -244,6 +252,7 @@ class RotatingFileSink:
         self._dir = Path(directory)
         self._path = self._dir / log_file_name(rank)
         self._max_bytes = max_bytes
+        self._backup_count = backup_count
         self._closed = False
         self._worker = DaemonWorker(f"eventbus-file-{name}")
         self._writer = JsonlWriter(
@@ -306,9 +315,17 @@ class RotatingFileSink:
 
         Raises:
             LogWriteError: if writing, renaming or compressing fails.
+            ValueError: if the sink keeps no backups (``backup_count=0``): there is nowhere
+                to move the live file, and deleting it would lose its events.
             RuntimeError: if the sink is closed.
         """
         self._check_open()
+        if self._backup_count == 0:
+            msg = (
+                "rotate() needs backup_count >= 1: with backup_count=0 the live file has "
+                "nowhere to go (create the sink with backup_count=1 or more)"
+            )
+            raise ValueError(msg)
         await self._worker.run(self._writer.rotate)
 
     async def start(self) -> None:
@@ -378,8 +395,13 @@ class RotatingFileSink:
     def _check_directory(self) -> None:
         """Create the directory and prove that the live file can be opened for appending."""
         try:
+            if self._dir.exists() and not self._dir.is_dir():  # mkdir would say "File exists"
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(self._dir))
             self._dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+            # As the writer opens it (read and write: a torn last line is read back to be
+            # sealed), without blocking on a named pipe nobody reads.
+            flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NONBLOCK", 0)
+            fd = os.open(self._path, flags, FILE_MODE)
             os.close(fd)
             if not os.access(self._dir, os.W_OK | os.X_OK):
                 raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self._dir))
