@@ -8,6 +8,9 @@ Commands::
     eventbus-debug tail LOGDIR [-n N | --all] [--follow] [--json] [--kind K ...] [--min-severity S]
     eventbus-debug summary LOGDIR [--json] [--run RUN]
 
+(and, for every command that reads a log, ``--skip-bad-lines`` and ``--import MODULE``; see
+docs/cli.md for the rest).
+
 A log that several runs appended to (reruns into one directory) is never merged silently:
 ``report`` and ``summary`` show the latest run and name the others; ``--run ID`` picks one,
 ``--run all`` folds them together (and says so).
@@ -22,12 +25,14 @@ use colours (``--color never`` or ``NO_COLOR`` turns them off).
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import importlib
 import importlib.metadata
 import logging
 import math
 import os
+import re
 import sys
 import time
 from collections import deque
@@ -38,7 +43,7 @@ from typing import IO, TYPE_CHECKING, Any, Final, TextIO
 import orjson
 
 from .diagnostics import LOGGER_NAME
-from .events import Event, SessionEnded, Severity, event_types
+from .events import Event, SessionEnded, SessionStarted, Severity, event_types
 from .events.describe import describe_line
 from .exceptions import EventBusError, EventDecodeError, LogReadError, UnknownEventKindError
 from .log.encoding import encode_event
@@ -67,6 +72,15 @@ class UsageError(CommandError):
 # -- argument parsing ---------------------------------------------------------------------------
 
 
+def _path(value: str) -> Path:
+    """A path argument; an empty one (an unset variable, most likely) is a usage error, not
+    the current directory."""
+    if not value.strip():
+        msg = "must not be empty (an unset variable, most likely); pass '.' for this directory"
+        raise argparse.ArgumentTypeError(msg)
+    return Path(value)
+
+
 def _version() -> str:
     try:
         return importlib.metadata.version("eventbus-debug")
@@ -93,7 +107,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--log-dir",
-        type=Path,
+        type=_path,
         default=Path("eventbus-debug-demo"),
         help="where the log and the report go (default: %(default)s)",
     )
@@ -108,8 +122,8 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Rebuild report.json and report.html from the JSON-lines log in LOGDIR "
         "(every rank, rotated files included): the same report the live ReportWriter writes.",
     )
-    report.add_argument("logdir", type=Path, help="the log directory")
-    report.add_argument("--out", type=Path, default=None, help="where to write (default: LOGDIR)")
+    report.add_argument("logdir", type=_path, help="the log directory")
+    report.add_argument("--out", type=_path, default=None, help="where to write (default: LOGDIR)")
     report.add_argument("--no-html", action="store_true", help="write report.json only")
     report.add_argument("--title", default="eventbus-debug report", help="the page title")
     _add_read_options(report)
@@ -121,8 +135,9 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Pretty-print the last events of the log in LOGDIR; with --follow, keep "
         "printing new events as they are written (across file rotation) until interrupted.",
     )
-    tail.add_argument("logdir", type=Path, help="the log directory")
-    tail.add_argument(
+    tail.add_argument("logdir", type=_path, help="the log directory")
+    how_many = tail.add_mutually_exclusive_group()
+    how_many.add_argument(
         "-n",
         "--lines",
         type=int,
@@ -130,7 +145,7 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="how many past events to show first (default: %(default)s)",
     )
-    tail.add_argument("--all", action="store_true", help="show every past event")
+    how_many.add_argument("--all", action="store_true", help="show every past event")
     tail.add_argument(
         "-f",
         "--follow",
@@ -179,7 +194,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="print the run summary of a log directory",
         description="Aggregate the log in LOGDIR and print the run summary as a table (or JSON).",
     )
-    summary.add_argument("logdir", type=Path, help="the log directory")
+    summary.add_argument("logdir", type=_path, help="the log directory")
     summary.add_argument("--json", action="store_true", help="print the full summary as JSON")
     summary.add_argument(
         "--color",
@@ -309,9 +324,56 @@ def _runs_lines(summary: RunSummary) -> list[tuple[str, str]]:
     ]
 
 
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""Control characters (C0, DEL, C1): never written to a terminal from a log, where a crafted
+string could move the cursor, clear the screen or set the window title."""
+
+
+def _printable(text: str) -> str:
+    """*text* with its control characters shown escaped (``\\x1b``), never sent raw."""
+    if _CONTROL.search(text) is None:
+        return text
+    return _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
+
+
 def format_event(event: Event, /, *, colors: bool = False) -> str:
-    """One human-readable line for *event*: what ``tail`` prints, the console sink's line."""
-    return describe_line(event, colors=colors)
+    """One human-readable line for *event*: what ``tail`` prints, the console sink's line.
+
+    Logs are untrusted input: a control character in the event's text is shown escaped
+    (``\\x1b``), and such a line is left uncoloured.
+    """
+    line = describe_line(event)
+    if _CONTROL.search(line) is not None:
+        return _printable(line)
+    return describe_line(event, colors=True) if colors else line
+
+
+_NON_ASCII: Final = re.compile(r"[^\x00-\x7f]")
+
+
+def _json_escape(match: re.Match[str]) -> str:
+    code = ord(match[0])
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # a surrogate pair, as JSON writes characters beyond the BMP
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+
+
+def _utf8(out: IO[str]) -> bool:
+    """Whether *out* writes UTF-8 (any character); a stream without an encoding counts as one."""
+    encoding = getattr(out, "encoding", None)
+    if not isinstance(encoding, str):
+        return True
+    try:
+        return codecs.lookup(encoding).name == "utf-8"
+    except LookupError:
+        return False
+
+
+def _json_text(text: str, out: IO[str]) -> str:
+    """JSON *text* for *out*: as it is on UTF-8 output, else with every non-ASCII character
+    escaped (``\\u00e9``), the same JSON that any encoding can write."""
+    return text if _utf8(out) else _NON_ASCII.sub(_json_escape, text)
 
 
 def _colors(choice: str, out: IO[str]) -> bool:
@@ -372,19 +434,16 @@ def _cmd_demo(args: argparse.Namespace, out: IO[str]) -> int:
 
 
 def _cmd_report(args: argparse.Namespace, out: IO[str]) -> int:
-    from .sinks.report import build_report
+    from .sinks.report import write_report
 
-    _check_run(args.run)
-    _check_logdir(args.logdir)
-    with _run_choice(args.run):
-        summary, paths = build_report(
-            args.logdir,
-            args.out,
-            html=not args.no_html,
-            title=args.title,
-            strict=not args.skip_bad_lines,
-            run=args.run,
-        )
+    # What build_report does, in two steps: a failure to write names the --out directory.
+    summary = _summarize(args.logdir, strict=not args.skip_bad_lines, run=args.run)
+    target: Path = args.logdir if args.out is None else args.out
+    try:
+        paths = write_report(summary, target, html=not args.no_html, title=args.title)
+    except OSError as exc:
+        msg = f"cannot write the report in {str(target)!r}: {exc.strerror or exc}"
+        raise CommandError(msg) from None
     out.write(f"{paths.json}\n")
     if paths.html is not None:
         out.write(f"{paths.html}\n")
@@ -394,7 +453,7 @@ def _cmd_report(args: argparse.Namespace, out: IO[str]) -> int:
     )
     if len(summary.runs) > 1:
         for key, value in _runs_lines(summary):
-            out.write(f"{key}: {value}\n")
+            out.write(_printable(f"{key}: {value}") + "\n")
     return 0
 
 
@@ -412,7 +471,7 @@ def _wait_for_log(logdir: Path, poll: float, deadline: float | None) -> bool:
 
 def _cmd_tail(args: argparse.Namespace, out: IO[str]) -> int:
     if args.lines < 0:
-        msg = f"--lines must be >= 0, got {args.lines}"
+        msg = f"-n/--lines must be >= 0, got {args.lines}"
         raise UsageError(msg)
     if not (math.isfinite(args.poll_interval) and args.poll_interval > 0):
         msg = f"--poll-interval must be a finite number of seconds > 0, got {args.poll_interval}"
@@ -438,7 +497,7 @@ def _cmd_tail(args: argparse.Namespace, out: IO[str]) -> int:
 
     def show(event: Event) -> str:
         if args.json:
-            return encode_event(event).decode().rstrip("\n")
+            return _json_text(encode_event(event).decode().rstrip("\n"), out)
         return format_event(event, colors=colors)
 
     with LogFollower(args.logdir, from_end=False, strict=not args.skip_bad_lines) as follower:
@@ -451,22 +510,30 @@ def _cmd_tail(args: argparse.Namespace, out: IO[str]) -> int:
         out.flush()
         if not args.follow:
             return 0
-        if args.exit_on_end and any(isinstance(e, SessionEnded) for e in past):
+        if args.exit_on_end and _ended(past):
             return 0
         try:
             while deadline is None or time.monotonic() < deadline:
                 time.sleep(args.poll_interval)
-                ended = False
-                for event in follower.poll():
-                    ended = ended or isinstance(event, SessionEnded)
+                new = follower.poll()
+                for event in new:
                     if wanted(event):
                         out.write(show(event) + "\n")
                 out.flush()
-                if ended and args.exit_on_end:
+                if args.exit_on_end and _ended(new):
                     break
         except KeyboardInterrupt:
             pass
         return 0
+
+
+def _ended(events: Sequence[Event]) -> bool:
+    """Whether the last session start or end among *events* is an end: a log that a rerun
+    appended to holds the previous run's ``session_ended`` before the live run's start."""
+    for event in reversed(events):
+        if isinstance(event, SessionEnded | SessionStarted):
+            return isinstance(event, SessionEnded)
+    return False
 
 
 def _fmt_opt(value: float | None, spec: str = ".4g") -> str:
@@ -478,9 +545,8 @@ def _cmd_summary(args: argparse.Namespace, out: IO[str]) -> int:
 
     summary = _summarize(args.logdir, strict=not args.skip_bad_lines, run=args.run)
     if args.json:
-        out.write(
-            orjson.dumps(summary_to_dict(summary), option=orjson.OPT_INDENT_2).decode() + "\n"
-        )
+        text = orjson.dumps(summary_to_dict(summary), option=orjson.OPT_INDENT_2).decode()
+        out.write(_json_text(text, out) + "\n")
         return 0
     s = summary
     rows: list[tuple[str, str]] = [
@@ -520,6 +586,7 @@ def _cmd_summary(args: argparse.Namespace, out: IO[str]) -> int:
     colors = _colors(args.color, out)
     alarming = {"anomalies", "non-finite", "incidents", "steps skipped"}
     for key, value in rows:
+        value = _printable(value)  # run ids, end reasons, sink names: from the log
         label = f"{key:<{width}}"
         if colors:
             label = f"\x1b[1m{label}\x1b[0m"
@@ -594,6 +661,24 @@ def _diagnostics_to(stream: TextIO) -> Iterator[None]:
         logger.setLevel(previous)
 
 
+@contextlib.contextmanager
+def _lenient(stream: TextIO) -> Iterator[None]:
+    """On a stream that cannot write every character (``PYTHONIOENCODING=ascii``, a Windows
+    code page), write those it lacks escaped (``\\xe9``) while a command runs, rather than fail
+    half-way; JSON output escapes them itself (:func:`_json_text`) and stays valid JSON."""
+    reconfigure = getattr(stream, "reconfigure", None)
+    errors = getattr(stream, "errors", None)
+    if _utf8(stream) or reconfigure is None or errors != "strict":
+        yield
+        return
+    reconfigure(errors="backslashreplace")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            reconfigure(errors=errors)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``eventbus-debug`` command line; returns the exit status.
 
@@ -607,7 +692,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     command = _COMMANDS[args.command]
     try:
-        with _diagnostics_to(sys.stderr):
+        with _diagnostics_to(sys.stderr), _lenient(sys.stdout):
             _import_modules(getattr(args, "imports", ()))
             return command(args, sys.stdout)
     except UsageError as exc:
@@ -618,8 +703,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as exc:
-        where = f" {exc.filename!r}" if exc.filename else ""
-        _error(args.command, f"{where.strip()} {exc.strerror or exc}".strip())
+        where = f"{str(exc.filename)!r}: " if exc.filename else ""
+        _error(args.command, f"{where}{exc.strerror or exc}")
         return 1
     except UnknownEventKindError as exc:
         # Your own event types: the module that defines them was not imported.
@@ -637,7 +722,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _error(command: str, message: str, *, limit: int | None = 500) -> None:
     """One line on standard error, whatever the message holds (cut to *limit* characters)."""
-    line = " ".join(message.split())
+    line = _printable(" ".join(message.split()))
     if limit is not None and len(line) > limit:
         line = line[: limit - 1] + "…"
     print(f"{PROG} {command}: error: {line}", file=sys.stderr)
