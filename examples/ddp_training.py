@@ -70,14 +70,20 @@ def main(
 ) -> dict[str, object]:
     """Join the process group torchrun set up, train, and check the ranks agree."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    # The ranks' results travel on a group of their own, which is destroyed (its threads
+    # joined) before the interpreter exits. DDP keeps the default group alive past
+    # destroy_process_group() (torch 2.13), and a gloo thread still releasing a gathered tensor
+    # when the interpreter finalizes aborts the process ("terminate called without an active
+    # exception"), after a run that succeeded: one run in ten, with or without this library.
+    results = dist.new_group(backend="gloo")
     try:
         mine = anyio.run(train, steps, log_dir, policy)
         everyone: list[object] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        # Every rank is done with the group before any tears it down (gloo in torch 2.13 can
-        # abort a rank whose peer destroys the group under it, after the run succeeded).
-        dist.barrier()
+        dist.all_gather_object(everyone, mine, group=results)
+        dist.barrier()  # every rank is done with the groups before any tears them down
     finally:
+        dist.destroy_process_group(results)
+        del results  # the last reference: its gloo threads are joined here
         dist.destroy_process_group()
     if mine["rank"] == 0:
         same = len({r["params"] for r in everyone}) == 1  # type: ignore[index]

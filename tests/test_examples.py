@@ -36,7 +36,7 @@ def test_every_example_is_tested() -> None:
         "security_input_validation",
         "ads_diffusion_debugging",
         "email_sequence_optimizer",
-        "ddp_training",  # run under torchrun by tests/sinks/test_report_ranks.py
+        "ddp_training",  # run under torchrun by tests/sinks/report/test_aggregate.py
     }
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 

@@ -241,6 +241,34 @@ class RankAgreement(BlockingAgreement):
         self._launcher = None
         self._engine = None
 
+    def close(self) -> None:
+        """End the agreement with its session (see :meth:`BlockingAgreement.close`).
+
+        An agreement launched during a backward that no safe point followed (the session
+        ended between ``backward()`` and ``check_step``) is waited for first, within
+        :attr:`timeout`: every rank launched it in the same backward, so it completes, and no
+        collective is left in flight on the group when the session is gone.
+        """
+        self._settle()
+        super().close()
+
+    def abort(self) -> None:
+        """End the agreement on this rank's own error (see :meth:`BlockingAgreement.abort`): a
+        launched agreement is not waited for (the peers may never match it); it fails with
+        the group."""
+        self._launched = None
+        super().abort()
+
+    def _settle(self) -> None:
+        """Wait for the agreement launched during backward, if any (its outcome is unused)."""
+        launched, self._launched = self._launched, None
+        if launched is None or launched.work is None:
+            return
+        try:
+            launched.work.wait(timeout=self._wait_timeout)
+        except RuntimeError as exc:  # a peer left or hangs: the session is ending anyway
+            _log.warning("agreement_unsettled", rank=self.rank, error=str(exc))
+
     def _agree(
         self, step: int, decisions: Sequence[DecidedAction], noted: bool, loss: float | None
     ) -> AgreedStep:

@@ -111,6 +111,7 @@ class BlockingAgreement(Joinable):
         passed as ``distributed=`` is only detached: pass the same one to every session.
         """
         self.detach()
+        self._model = None  # a retired agreement does not keep the model (nor its group) alive
         if self._owns_group and not self._closed:
             _retired.append(self)
         self._closed = True

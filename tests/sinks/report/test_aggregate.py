@@ -358,9 +358,6 @@ class TestEdges:
         assert render_html(merged).count("<tr id=") == render_html(live).count("<tr id=") + 1
 
 
-_GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
-
-
 def _torchrun_example(log: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
     """Run examples/ddp_training.py on 2 CPU ranks under torchrun, logging into *log*."""
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -384,27 +381,15 @@ def _torchrun_example(log: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _gloo_teardown_abort(done: subprocess.CompletedProcess[str]) -> bool:
-    """torch 2.13's gloo sometimes aborts a rank at exit, after a run that succeeded (a plain
-    DDP script without this library does it too): that, and only that, is run once more."""
-    return (
-        done.returncode != 0
-        and "parameters identical on every rank: True" in done.stdout
-        and _GLOO_TEARDOWN_ABORT in done.stderr
-    )
-
-
-@pytest.mark.timeout(560)
+@pytest.mark.timeout(300)
 def test_ddp_example_report_counts_its_300_steps(tmp_path: Path) -> None:
     """torchrun --nproc-per-node 2 examples/ddp_training.py (the example's own test): the ranks
     skip together, report the spike together (the safe policy does not roll back on a loss
     signal alone) with equal parameters; the merged report says 300 steps and the agreed skip
     at step 100 is one row per kind naming ranks 0 and 1."""
-    for attempt in range(2):
-        log = tmp_path / f"ddp{attempt}"
-        done = _torchrun_example(log, tmp_path)
-        if not _gloo_teardown_abort(done):
-            break
+    log = tmp_path / "ddp"
+    done = _torchrun_example(log, tmp_path)
+    # No rerun: an abort at exit (gloo's "terminate called without an active exception") fails.
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     # the example itself: both ranks skipped together, parameters equal
     assert "parameters identical on every rank: True" in done.stdout
