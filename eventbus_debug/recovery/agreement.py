@@ -235,22 +235,19 @@ class RankAgreement(BlockingAgreement):
         return True
 
     def detach(self) -> None:
-        """Go back to the blocking agreement (idempotent)."""
+        """Go back to the blocking agreement (idempotent).
+
+        An agreement launched during a backward that no safe point followed (the session ended
+        between ``backward()`` and ``check_step``) is waited for first, within :attr:`timeout`:
+        every rank launched it in the same backward, so it completes, and no collective is left
+        in flight on the group (an agreement given as ``distributed=`` is detached at each
+        session's end and serves the next session on the same group).
+        """
+        self._settle()
         if self._launcher is not None:
             self._launcher.remove()
         self._launcher = None
         self._engine = None
-
-    def close(self) -> None:
-        """End the agreement with its session (see :meth:`BlockingAgreement.close`).
-
-        An agreement launched during a backward that no safe point followed (the session
-        ended between ``backward()`` and ``check_step``) is waited for first, within
-        :attr:`timeout`: every rank launched it in the same backward, so it completes, and no
-        collective is left in flight on the group when the session is gone.
-        """
-        self._settle()
-        super().close()
 
     def abort(self) -> None:
         """End the agreement on this rank's own error (see :meth:`BlockingAgreement.abort`): a

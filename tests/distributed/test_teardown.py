@@ -71,6 +71,18 @@ def _rank_main(rank: int, world: int, init: str, out: Path) -> None:
     del model, launched
     gc.collect()
     result["model_alive_after_close"] = alive() is not None
+    # An agreement given as distributed= is detached (not closed) at each session's end, to
+    # serve the next session: the same wait applies.
+    given = RankAgreement(overlap=True, timeout=30.0)
+    given.attach(DistributedDataParallel(nn.Linear(4, 1)), _NothingDecided())
+    if rank == 0:
+        time.sleep(1.0)  # this time rank 1 waits for rank 0's launch
+    given._launch(False)
+    in_flight = given._launched
+    given.detach()
+    result["in_flight_after_detach"] = in_flight is not None and not in_flight.work.is_completed()
+    result["launched_after_detach"] = given._launched is not None
+    given.close()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
@@ -100,6 +112,13 @@ def test_a_closed_agreement_keeps_no_model_alive(ranks: list[dict[str, Any]]) ->
     """The retired agreement drops the session's model (and with it the model's group)."""
     for result in ranks:
         assert result["model_alive_after_close"] is False
+
+
+def test_detach_waits_too(ranks: list[dict[str, Any]]) -> None:
+    """A given agreement, detached at a session's end, leaves no collective in flight either."""
+    for result in ranks:
+        assert result["in_flight_after_detach"] is False
+        assert result["launched_after_detach"] is False
 
 
 if __name__ == "__main__":
