@@ -4,7 +4,10 @@ How it stays cheap: ``GradScaler.step`` already synchronizes once (it reads ``fo
 ``.item()`` to decide whether to call ``optimizer.step()``). We do not read anything to learn
 its decision: an optimizer step pre-hook records whether ``optimizer.step()`` ran. Only on a
 skipped step — rare — the scale is read (``get_scale()``, one sync each before and after
-``update()``) to report it. A normal step costs a flag assignment.
+``update()``) to report it. A normal step costs a flag assignment. A fused optimizer
+(``fused=True``: ``_step_supports_amp_scaling``) is the exception: ``GradScaler.step`` calls its
+``step()`` every time, with the scaler's ``found_inf`` flag, and the kernel skips the update on
+the device; the pre-hook keeps that flag and it is read once (one sync the scaler did not make).
 """
 
 from __future__ import annotations
@@ -61,16 +64,24 @@ class ScalerStepWatcher:
         self.engine = engine
         self.skipped = 0
         self._ran = False
+        self._found_inf: torch.Tensor | None = None
         self._handle = optimizer.register_step_pre_hook(self._mark)
 
     def _mark(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._ran = True
+        # A fused optimizer is stepped even on an overflow: the flag tells its kernel to skip.
+        found = optimizer.__dict__.get("found_inf")
+        self._found_inf = found if isinstance(found, torch.Tensor) else None
 
     def step(self, step: int | None = None) -> bool:
-        """``scaler.step(optimizer)`` then ``scaler.update()``; returns whether the step ran."""
+        """``scaler.step(optimizer)`` then ``scaler.update()``; returns whether the step ran
+        (for a fused optimizer: whether its kernel applied the update)."""
         self._ran = False
+        self._found_inf = None
         self.scaler.step(self.optimizer)
-        if self._ran or not self.scaler.is_enabled():
+        found, self._found_inf = self._found_inf, None
+        ran = self._ran and (found is None or not bool(found))
+        if ran or not self.scaler.is_enabled():
             self.scaler.update()
             return True
         before = float(self.scaler.get_scale())
