@@ -152,7 +152,8 @@ class ScalerMonitor:
         self.skipped = 0
         self._pending: tuple[int, float] | None = None
         self._run = 0
-        self._reported = False
+        self._streak_reported = False  # this streak of overflows was reported
+        self._floor_reported = False  # the scale's fall below the floor was reported
 
     def overflowed(self, step: int) -> None:
         """The gradients of *step* overflowed: remember the scale before ``update()``."""
@@ -163,7 +164,7 @@ class ScalerMonitor:
         pending, self._pending = self._pending, None
         if pending is None:
             self._run = 0
-            self._reported = False
+            self._streak_reported = False
             return
         before = pending[1]
         after = float(self.scaler.get_scale())
@@ -179,8 +180,16 @@ class ScalerMonitor:
                 scale_after=after,
             )
         )
-        if not self._reported and (after < self.floor or self._run >= self.max_skips):
-            self._reported = True
+        below = after < self.floor
+        if not below:
+            self._floor_reported = False  # climbed back: a later fall is news again
+        # Once per streak; a scale that stays below the floor is reported once, not again at
+        # each growth interval's overflow (every 2,000 steps by default, for days).
+        if not self._streak_reported and (
+            (below and not self._floor_reported) or self._run >= self.max_skips
+        ):
+            self._streak_reported = True
+            self._floor_reported = below
             self._publish(
                 ScalerInTrouble(
                     source=self.source,

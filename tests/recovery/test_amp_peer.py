@@ -37,6 +37,7 @@ from eventbus_debug.events import (
 from eventbus_debug.integrations.lightning import EventBusDebugCallback as LightningCallback
 from eventbus_debug.integrations.transformers import EventBusDebugCallback as HFCallback
 from eventbus_debug.recovery import ScalerStepWatcher
+from eventbus_debug.recovery.amp import ScalerMonitor
 from eventbus_debug.testing import RecordingSink
 
 AnySession = Session | SyncSession
@@ -759,3 +760,41 @@ async def test_a_long_healthy_bf16_gpt2_run_has_no_incident_and_no_action() -> N
     assert _incidents(recorder) == []
     assert _actions(recorder) == []
     assert recorder.of_type(StepSkipped) == []
+
+
+def _monitored_overflows(plan: Sequence[float | None]) -> list[ScalerInTrouble]:
+    """Drive a ScalerMonitor through *plan*: per step, the scale an overflow lowers the scaler
+    to, or None for a clean step (the scale then stays); the ScalerInTrouble events."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(1))  # the scale tensor exists from here on
+    events: list[object] = []
+    monitor = ScalerMonitor(scaler, events.append, floor=1.0, max_skips=3)
+    for step, after in enumerate(plan):
+        if after is not None:
+            monitor.overflowed(step)
+            scaler.update(new_scale=after)
+        monitor.completed(step)
+    return [e for e in events if isinstance(e, ScalerInTrouble)]
+
+
+def test_a_scale_staying_below_the_floor_is_reported_once() -> None:
+    """Below the floor, each growth interval's overflow (after clean steps) is the same trouble:
+    one ScalerInTrouble, not one per interval for days."""
+    clean: list[float | None] = [None] * 5
+    plan = [0.5, *clean, 0.5, *clean, 0.25, *clean, 0.5]
+    troubles = _monitored_overflows(plan)
+    assert [t.step for t in troubles] == [0]
+
+
+def test_a_scale_that_climbed_back_is_reported_when_it_falls_again() -> None:
+    clean: list[float | None] = [None] * 3
+    plan = [0.5, *clean, 2.0, *clean, 0.5]  # below, back above at an overflow, below again
+    troubles = _monitored_overflows(plan)
+    assert [t.step for t in troubles] == [0, 8]
+
+
+def test_a_long_streak_is_reported_once_per_streak_even_below_the_floor() -> None:
+    plan: list[float | None] = [0.5, 0.25, 0.125, 0.0625, None, 0.5, 0.25, 0.125, 0.0625]
+    troubles = _monitored_overflows(plan)
+    # step 0: fell below the floor; step 7: a new streak of 3 (max_skips), still below
+    assert [(t.step, t.consecutive_skips) for t in troubles] == [(0, 1), (7, 3)]
