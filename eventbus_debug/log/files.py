@@ -13,6 +13,7 @@ import gzip
 import heapq
 import os
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,8 +300,8 @@ def _read_file(
                 event = _decode_line(line, path, lineno, strict=strict, stats=stats)
                 if event is not None:
                     yield event
-        except (OSError, EOFError) as exc:
-            # e.g. a gzip backup cut short: keep what was read, say where it stopped.
+        except (OSError, EOFError, zlib.error) as exc:
+            # e.g. a gzip backup cut short or corrupt: keep what was read, say where it stopped.
             if strict:
                 msg = f"cannot read log file {str(path)!r} past line {lineno}: {exc}"
                 raise LogReadError(msg) from None

@@ -176,3 +176,15 @@ def test_tolerant_mode_skips_and_counts_invalid_lines(tmp_path: Path) -> None:
     stats = ReadStatistics()
     assert [e.step for e in read_events(f, strict=False, stats=stats)] == [0, 0]
     assert (stats.invalid_lines, stats.torn_lines) == (4, 0)
+
+
+def test_corrupt_gzip_backup_is_a_read_stop_not_a_crash(tmp_path: Path) -> None:
+    """Corrupt deflate data (a zlib.error, not an OSError) in a backup: strict mode names the
+    file, lenient mode keeps every event before and after it (summary --skip-bad-lines)."""
+    blob = bytearray(gzip.compress(encode_events(_steps(0, 200))))
+    blob[10] ^= 0xFF  # the first byte of the deflate stream
+    (tmp_path / "events.jsonl.1.gz").write_bytes(bytes(blob))
+    (tmp_path / "events.jsonl").write_bytes(encode_events(_steps(200, 201)))
+    with pytest.raises(LogReadError, match=r"cannot read log file .*events\.jsonl\.1\.gz"):
+        list(read_events(tmp_path))
+    assert [e.step for e in read_events(tmp_path, strict=False)][-1] == 200
