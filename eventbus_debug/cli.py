@@ -44,7 +44,7 @@ import orjson
 
 from .diagnostics import LOGGER_NAME
 from .events import Event, SessionEnded, SessionStarted, Severity, event_types
-from .events.describe import describe_line
+from .events.describe import printable as _printable, terminal_line
 from .exceptions import EventBusError, EventDecodeError, LogReadError, UnknownEventKindError
 from .log.encoding import encode_event
 from .log.files import log_files, read_events
@@ -324,28 +324,13 @@ def _runs_lines(summary: RunSummary) -> list[tuple[str, str]]:
     ]
 
 
-_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-"""Control characters (C0, DEL, C1): never written to a terminal from a log, where a crafted
-string could move the cursor, clear the screen or set the window title."""
-
-
-def _printable(text: str) -> str:
-    """*text* with its control characters shown escaped (``\\x1b``), never sent raw."""
-    if _CONTROL.search(text) is None:
-        return text
-    return _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
-
-
 def format_event(event: Event, /, *, colors: bool = False) -> str:
     """One human-readable line for *event*: what ``tail`` prints, the console sink's line.
 
     Logs are untrusted input: a control character in the event's text is shown escaped
     (``\\x1b``), and such a line is left uncoloured.
     """
-    line = describe_line(event)
-    if _CONTROL.search(line) is not None:
-        return _printable(line)
-    return describe_line(event, colors=True) if colors else line
+    return terminal_line(event, colors=colors)
 
 
 _NON_ASCII: Final = re.compile(r"[^\x00-\x7f]")

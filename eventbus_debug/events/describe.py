@@ -19,6 +19,7 @@ import dataclasses
 import datetime as _dt
 import enum
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -37,7 +38,14 @@ from .training import (
     StepChecked,
 )
 
-__all__ = ("describe", "describe_line", "format_clock", "format_value")
+__all__ = (
+    "describe",
+    "describe_line",
+    "format_clock",
+    "format_value",
+    "printable",
+    "terminal_line",
+)
 
 _MAX_TEXT: Final = 160
 _MAX_ITEMS: Final = 4
@@ -250,3 +258,26 @@ def describe_line(event: Event, /, *, colors: bool = False) -> str:
         where.append(f"rank={event.rank}")
     parts = [format_clock(event.time_ns), severity, kind, " ".join(where), describe(event)]
     return " ".join(p for p in parts if p).rstrip()
+
+
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""Control characters (C0, DEL, C1): never written to a terminal from an event, where a crafted
+string (an exception's message, a run id read from a log) could move the cursor, clear the
+screen or set the window title."""
+
+
+def printable(text: str) -> str:
+    """*text* with its control characters shown escaped (``\\x1b``), never sent raw."""
+    if _CONTROL.search(text) is None:
+        return text
+    return _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
+
+
+def terminal_line(event: Event, /, *, colors: bool = False) -> str:
+    """:func:`describe_line` for a terminal: the console sink's line, what ``eventbus-debug tail``
+    prints. Events carry untrusted text (exception messages, logs read back): a control
+    character in it is shown escaped (``\\x1b``), and such a line is left uncoloured."""
+    line = describe_line(event)
+    if _CONTROL.search(line) is not None:
+        return printable(line)
+    return describe_line(event, colors=True) if colors else line

@@ -11,9 +11,9 @@ import os
 
 from eventbus_debug.events.describe import (
     describe as describe,
-    describe_line as format_event,
     format_clock as format_clock,
     format_value as format_value,
+    terminal_line as format_event,
 )
 
 __all__ = ("describe", "format_clock", "format_event", "format_value", "use_colors")

@@ -283,3 +283,23 @@ class TestIsolation:
         await sink.aclose()
         with pytest.raises(RuntimeError, match="is closed"):
             await sink.handle(StepCompleted(step=1))
+
+
+async def test_control_characters_in_an_event_reach_the_terminal_escaped() -> None:
+    """An exception's message is untrusted text: the console writes its escape sequences shown
+    (``\\x1b``), never raw, on a terminal with colours too (the line is then uncoloured)."""
+    stream = io.StringIO()
+    sink = ConsoleSink(stream, colors=True)
+    crafted = "CUDA error\x1b]0;pwned\x07\x1b[2J"
+    async with EventBus() as bus:
+        bus.subscribe(sink)
+        bus.publish_nowait(
+            SinkFailed(source="t", sink="log", error_type="RuntimeError", message=crafted)
+        )
+        bus.publish_nowait(
+            SinkFailed(source="t", sink="log", error_type="RuntimeError", message="disk full")
+        )
+    text = stream.getvalue()
+    assert "\x1b" not in text.splitlines()[0] and "\x07" not in text
+    assert "\\x1b]0;pwned\\x07\\x1b[2J" in text
+    assert "\x1b[" in text.splitlines()[1]  # a clean line keeps its colours
