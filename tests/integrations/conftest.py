@@ -6,17 +6,9 @@ time in threads waiting for each other, ten times longer on a busy two-core mach
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every integration test trains a tiny model on one torch thread (tests/conftest.py)."""

@@ -10,7 +10,7 @@ reports the genuine faults: a NaN loss in fp32 and a scale that collapses."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -43,15 +43,7 @@ from eventbus_debug.testing import RecordingSink
 AnySession = Session | SyncSession
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread (threads waiting on each other cost 10x on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models
 
 
 def _options(recorder: RecordingSink, **options: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -184,13 +184,7 @@ def test_an_old_log_line_with_a_nan_mean_abs_still_decodes() -> None:
 # -- training runs ----------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is faster, and much faster on busy shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models
 
 
 class _Layer(nn.Module):
