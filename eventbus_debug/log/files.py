@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, TYPE_CHECKING, Final
 
 import orjson
 
@@ -27,6 +27,9 @@ from ..events import Event
 from ..exceptions import EventDecodeError, LogReadError
 from .encoding import decode_event
 from .runs import RunSplitter, check_run
+
+if TYPE_CHECKING:
+    import structlog
 
 __all__ = (
     "LOG_STEM",
@@ -74,6 +77,13 @@ def log_file_name(rank: int = 0) -> str:
         msg = f"rank must be a non-negative integer, got {rank!r}"
         raise ValueError(msg)
     return f"{LOG_STEM}{LOG_SUFFIX}" if rank == 0 else f"{LOG_STEM}.rank{rank}{LOG_SUFFIX}"
+
+
+def _backup_number(path: Path) -> int | None:
+    """The backup number in a log file's name (``.3`` or ``.3.gz``: 3; a live file: 0), or
+    None for a name that is not a log file's."""
+    m = _FILE_RE.match(path.name)
+    return None if m is None else int(m["n"] or 0)
 
 
 def log_files(directory: str | os.PathLike[str], /) -> dict[int, list[Path]]:
@@ -302,10 +312,28 @@ def _read_file(
                     yield event
         except (OSError, EOFError, zlib.error) as exc:
             # e.g. a gzip backup cut short or corrupt: keep what was read, say where it stopped.
-            if strict:
-                msg = f"cannot read log file {str(path)!r} past line {lineno}: {exc}"
-                raise LogReadError(msg) from None
-            _log.warning("log_read_stopped", file=str(path), line=lineno, error=str(exc))
+            _read_stopped(path, lineno, exc, strict=strict, log=_log)
     torn, invalid = stats.torn_lines - torn, stats.invalid_lines - invalid
     if torn or invalid:
         _log.warning("log_lines_skipped", file=str(path), torn=torn, invalid=invalid)
+
+
+def _read_stopped(
+    path: Path,
+    lineno: int,
+    error: BaseException,
+    *,
+    strict: bool,
+    log: structlog.stdlib.BoundLogger,
+) -> None:
+    """A file that could not be read past *lineno* (a cut-short or corrupt gzip): a
+    :class:`LogReadError` naming it when *strict*, else the stop logged (``log_read_stopped``)
+    on *log*, the lines before it kept by the caller.
+
+    Raises:
+        LogReadError: when *strict*.
+    """
+    if strict:
+        msg = f"cannot read log file {str(path)!r} past line {lineno}: {error}"
+        raise LogReadError(msg) from None
+    log.warning("log_read_stopped", file=str(path), line=lineno, error=str(error))

@@ -43,7 +43,14 @@ from eventbus_debug.diagnostics import get_logger
 
 from ..events import Event
 from ..exceptions import LogReadError
-from .files import ReadStatistics, _decode_line, log_file_name, log_files
+from .files import (
+    ReadStatistics,
+    _backup_number,
+    _decode_line,
+    _read_stopped,
+    log_file_name,
+    log_files,
+)
 
 __all__ = ("LogFollower",)
 
@@ -315,12 +322,8 @@ class LogFollower:
             yield from self._split(_Cursor(-1, 0), data + b"\n", entry.path)
             return
         whole = data[: data.rfind(b"\n") + 1]  # a line the stop cut is not a complete line
-        lineno = whole.count(b"\n")
-        if self._strict:
-            msg = f"cannot read log file {str(entry.path)!r} past line {lineno}: {error}"
-            raise LogReadError(msg) from None
+        _read_stopped(entry.path, whole.count(b"\n"), error, strict=self._strict, log=_log)
         self.read_stops += 1
-        _log.warning("log_read_stopped", file=str(entry.path), line=lineno, error=str(error))
         yield from self._split(_Cursor(-1, 0), whole, entry.path)
 
     def _split(self, cursor: _Cursor, data: bytes, path: Path) -> Iterator[Event]:
@@ -356,7 +359,7 @@ class _Lookup:
     def __init__(self, directory: Path, rank: int, files: list[Path], limit: int | None) -> None:
         self._live = directory / log_file_name(rank)
         self._dir = directory
-        listed = [_number(p) for p in files]
+        listed = [_backup_number(p) for p in files]
         self._hint = max([n for n in listed if n is not None], default=0)
         self._limit = limit
         self._held: dict[Path, int] = {}
@@ -436,14 +439,6 @@ class _Lookup:
         for fd in held.values():
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-def _number(path: Path) -> int | None:
-    """The backup number in a log file's name (0 for a live file), if it is one."""
-    suffix = path.name.removesuffix(".gz").rsplit(".", 1)[-1]
-    if suffix.isdigit():
-        return int(suffix)
-    return 0 if path.name.endswith(".jsonl") else None
 
 
 def _regular_inode(path: Path) -> int:
