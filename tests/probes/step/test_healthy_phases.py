@@ -268,37 +268,33 @@ async def _real_sgdr(*, corrupt_from: int | None, steps: int) -> _Tally:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     sched = CosineAnnealingWarmRestarts(opt, T_0=250, eta_min=1e-5)
     tally = _Tally()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        async with Session(
-            model,
-            opt,
-            log_dir=None,
-            report=False,
-            alerts=False,
-            system_interval=None,
-            sinks=[tally],
-            scheduler=sched,
-        ) as session:
-            for step in range(steps):
-                xb, yb = x[idx[step]], y[idx[step]]
-                if corrupt_from is not None and step >= corrupt_from:
-                    yb = (yb + 1 + step % (k - 1)) % k  # always a wrong label
-                loss = F.cross_entropy(model(xb), yb)
-                loss.backward()  # type: ignore[no-untyped-call]
-                verdict = await session.check_step(step, loss=loss)
-                if verdict.should_step:
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
-                sched.step()
-                await session.step_completed(step, loss=verdict.loss)
-    finally:
-        torch.set_num_threads(threads)
+    async with Session(
+        model,
+        opt,
+        log_dir=None,
+        report=False,
+        alerts=False,
+        system_interval=None,
+        sinks=[tally],
+        scheduler=sched,
+    ) as session:
+        for step in range(steps):
+            xb, yb = x[idx[step]], y[idx[step]]
+            if corrupt_from is not None and step >= corrupt_from:
+                yb = (yb + 1 + step % (k - 1)) % k  # always a wrong label
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()  # type: ignore[no-untyped-call]
+            verdict = await session.check_step(step, loss=loss)
+            if verdict.should_step:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            await session.step_completed(step, loss=verdict.loss)
     return tally
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")  # a small MLP for 13,000 steps
 class TestRealSgdr:
     @pytest.mark.anyio
     async def test_thirteen_thousand_steps_of_restarts_are_left_alone(self) -> None:
