@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from difflib import get_close_matches
-from typing import ClassVar, Final, Generic
+from typing import Any, ClassVar, Final, Generic
 
 import torch
 from torch import nn
@@ -39,6 +39,7 @@ from ..recovery.agreement import (
 )
 from ..typing import Publisher
 from . import _sharing as sharing
+from ._state import SavedState, read_state, session_state
 from ._wiring import (
     AlertsSink,
     BusT,
@@ -170,6 +171,8 @@ class SessionBase(Generic[BusT]):
         """Between the start of an entry and the end of its exit (a second entry is refused)."""
         self._claim_lock = threading.Lock()  # two threads entering at once: one is refused
         self._started = 0.0
+        self._saved: SavedState | None = None
+        """A state loaded before the start, applied when the probe and boundary are built."""
 
     def _claim(self) -> None:
         """Mark the session entered.
@@ -268,6 +271,8 @@ class SessionBase(Generic[BusT]):
             recovery.engine.ignore = elsewhere
         self.safe_point = recovery.safe_point
         self.amp = recovery.amp
+        if self._saved is not None and self._saved.probe is not None:
+            probe.load_state_dict(self._saved.probe)  # checked when it was given
         return probe
 
     def _arm(self, bus: BusT) -> AnomalyArming | None:
@@ -310,6 +315,11 @@ class SessionBase(Generic[BusT]):
         )
         if self.options.distributed is None and self.agreement is None:
             self._boundary.lone = _refuse_a_later_group
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            if saved.step is not None:
+                self._boundary.step = saved.step
+            _log.info("session_state_loaded", session=self.name, step=saved.step)
         return self._boundary
 
     @property
@@ -417,6 +427,59 @@ class SessionBase(Generic[BusT]):
         assert self.probe is not None  # a running session has its probe
         self.probe.rebaseline()
         _log.info("detectors_rebaselined", session=self.name, step=self.step)
+
+    # -- resuming ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the session learned of the run, to save in a checkpoint beside the model's,
+        the optimizer's and the scheduler's state dicts.
+
+        A run resumed from that checkpoint with :meth:`load_state_dict` is judged as if it
+        had never stopped: the detectors' baselines and memories (the loss-spike and explosion
+        windows, the run's range, its heavy tails and recurring levels, whether the loss
+        converged, each parameter's gradient history) and the step reached. Without it, a
+        resumed session knows nothing of the run, and a converged, noisy run looks new to it:
+        incidents it would not have reported (no action: those need sustained evidence).
+
+        Plain Python values: ``torch.save`` / ``torch.load(weights_only=True)``, ``json`` and
+        ``pickle`` all carry it (a few kilobytes; it grows with the parameter count by one
+        float per parameter tensor). Recovery's history (what it tried, its budgets), a state
+        snapshot and a weight-update measurement in progress are not in it: they start anew.
+        Before the start it is the state given to :meth:`load_state_dict`, if any.
+        """
+        probe = self.probe
+        if probe is None:
+            saved = self._saved
+            if saved is None:
+                return session_state(None, None)
+            return session_state(saved.step, saved.probe)
+        return session_state(self.step, probe.state_dict())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` (call it before the session starts, or between
+        steps): the next check is judged as the run that saved it would have judged it.
+
+        Parameters are matched by name (one the state does not name starts afresh); the
+        level, cadence and thresholds stay this session's own. In a distributed run, load
+        the same state (rank 0's) on every rank.
+
+        Raises:
+            ValueError: if *state* is not a session's state dict, is of a later version, or a
+                field is missing or malformed (the message names it); nothing changes then.
+            RuntimeError: if the session has ended.
+        """
+        saved = read_state(state)
+        if self._boundary is not None and not self._live:
+            msg = f"session {self.name!r} has ended; load the state into the next session"
+            raise RuntimeError(msg)
+        if self.probe is None or self._boundary is None:
+            self._saved = saved  # applied at the start
+            return
+        if saved.probe is not None:
+            self.probe.load_state_dict(saved.probe)
+        if saved.step is not None:
+            self._boundary.step = saved.step
+        _log.info("session_state_loaded", session=self.name, step=saved.step)
 
     def set_level(self, value: DebugLevel | str) -> None:
         """Set :attr:`level` (``"basic"``, ``"advanced"``... accepted); for the HTTP endpoint.

@@ -29,7 +29,9 @@ import math
 import operator
 from collections.abc import Sequence
 from itertools import compress, repeat
-from typing import Final
+from typing import Any, Final
+
+from ._state import StateReader
 
 __all__ = ("ALIVE", "FALL", "GROW", "HALF_LIFE", "REFRESH", "REVIVE", "DeadLayers")
 
@@ -137,6 +139,40 @@ class DeadLayers:
         if self._tick <= 0:
             self._refresh(l2, rms)
         return died
+
+    def state(self, names: Sequence[str]) -> dict[str, Any]:
+        """The references, low streaks and dead parameters, by parameter name (*names*: by
+        slot), and the checks left before the next refresh."""
+        return {
+            "references": {names[s]: ref for s, ref in enumerate(self._ref) if ref > 0.0},
+            "streaks": {names[s]: n for s, n in self._streak.items()},
+            "dead": sorted(names[s] for s in self._dead),
+            "tick": self._tick,
+        }
+
+    def load(self, state: StateReader, names: Sequence[str]) -> None:
+        """Continue from a :meth:`state`; names not in *names* (by slot) are dropped, and a
+        parameter the state does not name starts afresh.
+
+        Raises:
+            ValueError: if a field is missing or malformed (the message names it).
+        """
+        references = state.named_numbers("references")
+        streaks = state.named_numbers("streaks")
+        dead = state.names("dead")
+        tick = state.count("tick")
+        slot = {name: s for s, name in enumerate(names)}
+        ref = [0.0] * len(self._ref)
+        for name, value in references.items():
+            if name in slot and 0.0 <= value < _INF:
+                ref[slot[name]] = value
+        self._ref = ref
+        self._streak = {slot[n]: max(1, int(c)) for n, c in streaks.items() if n in slot}
+        self._dead = {slot[n] for n in dead if n in slot}
+        self._tick = tick
+        self._slots = ()  # rebind (and rebuild the floors) at the next check
+        self._rms_high = -1.0
+        self._rms_low = _INF
 
     def calm(self) -> None:
         """The loss converged: low streaks restart (dead parameters stay dead)."""

@@ -7,11 +7,13 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from typing_extensions import Self
 
 from ..._validate import positive_int, positive_number
 from ..levels import Thresholds
+from ._state import StateReader
 from ._windows import SCALE_VALUES, LrRange, Outliers, RecentMax, RunningMedian
 
 __all__ = ("ExplosionDetector", "ExplosionVerdict")
@@ -183,6 +185,42 @@ class ExplosionDetector:
         self._tail.clear()
         self._streak = 0
         self._streak_norms.clear()
+
+    def state(self) -> dict[str, Any]:
+        """What the detector learned, as plain values (see :meth:`load`)."""
+        return {
+            "window": self._window.state(),
+            "peaks": self._peaks.state(),
+            "lr_range": self._lr_range.state(),
+            "checks": self._checks,
+            "tail": self._tail.state(),
+            "streak": self._streak,
+            "streak_norms": list(self._streak_norms),
+            "largest": self._largest,
+            "above_cap": self._above_cap,
+        }
+
+    def load(self, state: StateReader) -> None:
+        """Continue from a :meth:`state` (the thresholds stay this detector's own).
+
+        Raises:
+            ValueError: if a field is missing or malformed (the message names it).
+        """
+        window = state.numbers("window")
+        peaks, lr_range = state.child("peaks"), state.child("lr_range")
+        checks, tail = state.count("checks"), state.counted_numbers("tail")
+        streak, streak_norms = state.count("streak"), state.numbers("streak_norms")
+        largest, above_cap = state.number("largest"), state.number("above_cap")
+        self._window.load(window)
+        self._peaks.load(peaks)
+        self._lr_range.load(lr_range)
+        self._checks = checks
+        self._tail.load(tail)
+        self._streak = streak
+        self._streak_norms.clear()
+        self._streak_norms.extend(streak_norms)
+        self._largest = largest
+        self._above_cap = above_cap
 
     def observe(self, norm: float, lr: float | None = None) -> ExplosionVerdict | None:
         """Judge one finite total norm; returns the verdict when it exploded, else ``None``.

@@ -18,7 +18,7 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import torch
 
@@ -38,6 +38,7 @@ from ._dead_layers import DeadLayers
 from ._explosions import ExplosionDetector
 from ._launch import Layout, Pending
 from ._spikes import LossSpikeDetector
+from ._state import StateReader
 from .verdict import StepVerdict
 
 __all__ = ("Judge", "Judgement")
@@ -148,6 +149,48 @@ class Judge:
         """Restart the loss-spike and explosion windows (after a restore)."""
         self._spikes.reset()
         self._explosions.reset()
+
+    def state(self) -> dict[str, Any]:
+        """What the detectors learned of the run, as plain values (see :meth:`load`)."""
+        return {
+            "loss_scale": self._loss_scale,
+            "converged": self._converged,
+            "vanish_streak": self._vanish_streak,
+            "vanish_reported": self._vanish_reported,
+            "l1_wanted": self.l1_wanted,
+            "spikes": self._spikes.state(),
+            "explosions": self._explosions.state(),
+            "layers": self._layers.state(self._names),
+        }
+
+    def load(self, state: StateReader) -> None:
+        """Continue from a :meth:`state`: the detectors judge the next step as the run that
+        saved it would have (the thresholds stay this judge's own).
+
+        Raises:
+            ValueError: if a field is missing or malformed (the message names it); nothing
+                is changed then.
+        """
+        # Loaded into fresh detectors first: a malformed state leaves this judge as it was.
+        th = self._thresholds
+        spikes = LossSpikeDetector.from_thresholds(th)
+        spikes.load(state.child("spikes"))
+        explosions = ExplosionDetector.from_thresholds(th)
+        explosions.load(state.child("explosions"))
+        layers = DeadLayers(
+            len(self._names), relative=th.vanishing_relative, patience=th.vanishing_patience
+        )
+        layers.load(state.child("layers"), self._names)
+        loss_scale = state.number("loss_scale")
+        converged = state.flag("converged")
+        vanish_streak = state.count("vanish_streak")
+        vanish_reported = state.flag("vanish_reported")
+        l1_wanted = state.flag("l1_wanted")
+        self._spikes, self._explosions, self._layers = spikes, explosions, layers
+        self._loss_scale, self._converged = loss_scale, converged
+        self._vanish_streak, self._vanish_reported = vanish_streak, vanish_reported
+        self.l1_wanted = l1_wanted
+        self._slots = None
 
     # -- one step -------------------------------------------------------------------------------
 

@@ -7,12 +7,13 @@ import heapq
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Final
+from typing import Any, Final
 
 from typing_extensions import Self
 
 from ..._validate import positive_int, positive_number
 from ..levels import Thresholds
+from ._state import StateReader
 from ._windows import SCALE_VALUES, LrRange, Outliers, RecentMax, RunningMedian
 
 __all__ = ("LossSpikeDetector", "SpikeRule", "SpikeVerdict")
@@ -248,6 +249,55 @@ class LossSpikeDetector:
         self._runs.clear()
         self._run.clear()
         self._run_length = 0
+
+    def state(self) -> dict[str, Any]:
+        """What the detector learned, as plain values (see :meth:`load`)."""
+        return {
+            "window": self._window.state(),
+            "scale": self._scale,
+            "peaks": self._peaks.state(),
+            "lr_range": self._lr_range.state(),
+            "peak_held": self._peak_held,
+            "streak": self._streak,
+            "streak_losses": list(self._streak_losses),
+            "tail": self._tail,
+            "judged": self._judged,
+            "outliers": self._outliers.state(),
+            "runs": self._runs.state(),
+            "run": list(self._run),
+            "run_length": self._run_length,
+        }
+
+    def load(self, state: StateReader) -> None:
+        """Continue from a :meth:`state` (the thresholds stay this detector's own).
+
+        Raises:
+            ValueError: if a field is missing or malformed (the message names it).
+        """
+        window = state.numbers("window")
+        scale = state.number("scale")
+        peaks, lr_range = state.child("peaks"), state.child("lr_range")
+        peak_held, streak = state.count("peak_held"), state.count("streak")
+        streak_losses, tail = state.numbers("streak_losses"), state.number("tail")
+        judged = state.count("judged")
+        outliers, runs = state.counted_numbers("outliers"), state.counted_numbers("runs")
+        run, run_length = state.numbers("run"), state.count("run_length")
+        self._window.load(window)
+        self._scale = scale
+        self._peaks.load(peaks)
+        self._lr_range.load(lr_range)
+        self._peak_held = peak_held
+        self._streak = streak
+        self._streak_losses = streak_losses
+        self._tail = tail
+        self._judged = judged
+        self._outliers.load(outliers)
+        self._runs.load(runs)
+        if len(run) > self.patience:  # a detector with a smaller patience: keep the largest
+            run = heapq.nlargest(self.patience, run)
+        heapq.heapify(run)
+        self._run = run
+        self._run_length = run_length
 
     def observe(self, loss: float, lr: float | None = None) -> SpikeVerdict | None:
         """Judge one finite loss; returns the verdict when it is a spike, else ``None``.

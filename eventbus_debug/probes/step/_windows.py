@@ -34,7 +34,9 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
-from typing import Final
+from typing import Any, Final
+
+from ._state import StateReader
 
 __all__ = ("LR_RISE", "LrRange", "RecentMax", "RunningMedian", "Outliers", "SCALE_VALUES")
 
@@ -76,6 +78,16 @@ class RunningMedian:
     def clear(self) -> None:
         self._order.clear()
         self._sorted.clear()
+
+    def state(self) -> list[float]:
+        """The window's values, oldest first (plain floats: see :mod:`._state`)."""
+        return list(self._order)
+
+    def load(self, values: list[float]) -> None:
+        """Refill the window with *values*, oldest first (the last *size* are kept)."""
+        self.clear()
+        for value in values:
+            self.add(value)
 
     def spread(self) -> float:
         """The largest value minus the smallest (0.0 when empty)."""
@@ -155,6 +167,15 @@ class Outliers:
         self.order.append((at, value))
         insort(self.ordered, value)
 
+    def state(self) -> list[list[float]]:
+        """``[observation, value]`` pairs, oldest first."""
+        return [[at, value] for at, value in self.order]
+
+    def load(self, pairs: list[tuple[int, float]]) -> None:
+        """Remember *pairs* (``(observation, value)``, oldest first) instead."""
+        self.order = deque(sorted(pairs, key=lambda p: p[0]))
+        self.ordered = sorted(value for _, value in self.order)
+
     def count(self, low: float, high: float) -> int:
         """How many remembered values lie in ``[low, high]``."""
         return bisect_right(self.ordered, high) - bisect_left(self.ordered, low)
@@ -198,6 +219,18 @@ class RecentMax:
             if value > self.largest:
                 self.largest = value
 
+    def state(self) -> dict[str, Any]:
+        """The kept blocks' maxima, the current block's, and where the next block starts."""
+        return {"blocks": list(self._blocks), "current": self.current, "end": self.end}
+
+    def load(self, state: StateReader) -> None:
+        """Take a :meth:`state` back (blocks beyond what this one keeps are dropped, oldest
+        first)."""
+        self._blocks = deque(state.numbers("blocks"), maxlen=self._count)
+        self.current = state.number("current")
+        self.end = state.count("end")
+        self.largest = max([*self._blocks, self.current, self.empty])
+
     def roll(self, now: int) -> None:
         """Close the blocks that ended before observation *now* (``now >= end``)."""
         blocks, size, empty = self._blocks, self._size, self.empty
@@ -239,6 +272,22 @@ class LrRange:
         self._octaves: dict[int, float] = {}  # floor(log2(lr)) -> largest baseline there
         self._octave: int | None = None  # the current observation's (None: no LR known)
         self.raised = False
+
+    def state(self) -> dict[str, Any]:
+        """The recent lows, the largest baseline per octave, and the current observation's."""
+        return {
+            "lows": self._lows.state(),
+            "octaves": [[octave, v] for octave, v in sorted(self._octaves.items())],
+            "octave": self._octave,
+            "raised": self.raised,
+        }
+
+    def load(self, state: StateReader) -> None:
+        """Take a :meth:`state` back."""
+        self._lows.load(state.child("lows"))
+        self._octaves = dict(state.counted_numbers("octaves", signed=True))
+        self._octave = state.optional_integer("octave")
+        self.raised = state.flag("raised")
 
     def step(self, now: int, lr: float | None) -> None:
         """Observation *now* runs at *lr* (``None``: unknown); call it once per observation,

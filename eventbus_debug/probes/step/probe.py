@@ -17,7 +17,7 @@ import numbers
 import threading
 from collections import deque
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
 import anyio
 import anyio.lowlevel
@@ -41,10 +41,18 @@ from ...typing import Publisher
 from ..levels import Cadence, Checks, DebugLevel, Thresholds, checks_due, level_of
 from ._judge import Judge, Judgement
 from ._launch import Launcher, Pending
+from ._state import StateReader, check_format
 from .activations import ActivationHooks
 from .verdict import StepVerdict
 
-__all__ = ("OFFLOAD_NUMEL", "StepProbe", "loss_value", "optimizer_lr")
+__all__ = (
+    "OFFLOAD_NUMEL",
+    "STATE_FORMAT",
+    "STATE_VERSION",
+    "StepProbe",
+    "loss_value",
+    "optimizer_lr",
+)
 
 _log = get_logger(__name__)
 
@@ -52,6 +60,10 @@ OFFLOAD_NUMEL: Final = 1 << 24
 """Default gradient size (elements, CPU only) above which reductions run in a worker thread."""
 MAX_IN_FLIGHT: Final = 4
 """Deferred mode: steps whose results may still be on their way before a read waits for one."""
+STATE_FORMAT: Final = "eventbus_debug.StepProbe"
+"""The ``"format"`` of :meth:`StepProbe.state_dict`."""
+STATE_VERSION: Final = 1
+"""The ``"version"`` of :meth:`StepProbe.state_dict` (a later one is refused)."""
 _TENSOR: Final = torch.Tensor
 _STRIDED: Final = torch.strided
 
@@ -248,6 +260,57 @@ class StepProbe:
         with self._lock:
             self._judge.rebaseline()
             self._launcher.forget_updates()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the detectors learned of the run, to save beside the model's checkpoint.
+
+        A run resumed from a checkpoint with :meth:`load_state_dict` is judged as if it had
+        never stopped: the loss-spike and explosion baselines, the run's range, the heavy
+        tails and recurring levels, the convergence of the loss and each parameter's gradient
+        history. A fresh probe knows none of it, and judges a converged, noisy run as new.
+
+        Plain Python values (dicts, lists, numbers, bools, strings), so ``torch.save`` and
+        ``torch.load(weights_only=True)``, ``json`` and ``pickle`` all carry it. In deferred
+        mode the steps still in flight are read first (it waits for the device).
+        """
+        self.flush_sync()
+        with self._lock:
+            return {
+                "format": STATE_FORMAT,
+                "version": STATE_VERSION,
+                "parameters": list(self._names),
+                "judge": self._judge.state(),
+            }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`: the next check is judged as the run that saved
+        it would have judged it. Parameters are matched by name (one the state does not name
+        starts afresh); the level, cadence and thresholds stay this probe's own. A weight-update
+        measurement in progress starts again.
+
+        Raises:
+            ValueError: if *state* is not a probe's state dict, is of a later version, or a
+                field is missing or malformed (the message names it); the probe is then
+                unchanged.
+        """
+        reader = _probe_state(state, "state")
+        with self._lock:
+            self._judge.load(reader.child("judge"))
+            self._launcher.forget_updates()
+
+    @staticmethod
+    def check_state_dict(state: object, name: str = "state") -> None:
+        """Check that *state* would load (:meth:`load_state_dict`'s checks, without a probe:
+        a session checks a state given before it started).
+
+        Raises:
+            ValueError: as :meth:`load_state_dict`; the messages name fields from *name*.
+        """
+        reader = _probe_state(state, name)
+        names = tuple(reader.names("parameters"))
+        Judge(names, names, Thresholds(), scaler=None, source="", global_spikes=False).load(
+            reader.child("judge")
+        )
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
@@ -492,6 +555,14 @@ class StepProbe:
         # The scale is a float32 power of two (growth and backoff factors 2 and 0.5 by
         # default): its reciprocal is exact, and one kernel.
         return scale.reciprocal()
+
+
+def _probe_state(state: object, name: str) -> StateReader:
+    """*state* as a probe's saved state, its format and version checked."""
+    reader = StateReader(state, name)
+    check_format(reader, STATE_FORMAT, STATE_VERSION, "a StepProbe.state_dict()")
+    reader.names("parameters")  # parameters are matched by name
+    return reader
 
 
 def optimizer_lr(optimizer: torch.optim.Optimizer) -> float | None:

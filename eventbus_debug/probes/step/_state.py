@@ -1,0 +1,197 @@
+"""Reading a detector's saved state back: each field checked, each error naming its path.
+
+The detectors' states are plain Python values (dicts, lists, floats, ints, bools, strings and
+``None``) so that ``torch.save`` (with ``torch.load(weights_only=True)``), ``json`` and a
+Hugging Face ``trainer_state.json`` all carry them. A float may be infinite (a window that is
+empty); ``json`` writes those as ``Infinity``. What is read back is checked here, field by
+field: a checkpoint from another program, or one edited by hand, gets a clear error naming
+the field (``state['probe']['spikes']['window'][3] must be a number, got 'x'``), never a
+traceback from deep inside a detector at some later step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ("StateReader", "check_format")
+
+
+class StateReader:
+    """The fields of one saved mapping, at *path* (for the error messages).
+
+    Raises (from every reader):
+        ValueError: if the mapping is not a dict, a field is missing, or a value has the wrong
+            type or is out of range; the message names the field's path.
+    """
+
+    __slots__ = ("_path", "_state")
+
+    def __init__(self, state: object, path: str) -> None:
+        if not isinstance(state, Mapping):
+            msg = f"{path} must be a dict (a saved state), got {type(state).__qualname__}"
+            raise ValueError(msg)
+        self._state: Mapping[Any, Any] = state
+        self._path = path
+
+    @property
+    def path(self) -> str:
+        """Where this mapping is (``state['probe']``), for messages."""
+        return self._path
+
+    def at(self, key: str) -> str:
+        """The path of *key* (``state['probe']['judge']``), for messages."""
+        return f"{self._path}[{key!r}]"
+
+    def _get(self, key: str) -> object:
+        try:
+            return self._state[key]
+        except KeyError:
+            msg = f"{self.at(key)} is missing: the state is incomplete (saved by another version?)"
+            raise ValueError(msg) from None
+
+    def raw(self, key: str) -> object:
+        """The value at *key*, unchecked (the caller checks it)."""
+        return self._get(key)
+
+    def child(self, key: str) -> StateReader:
+        """The nested mapping at *key*."""
+        return StateReader(self._get(key), self.at(key))
+
+    def number(self, key: str, *, finite: bool = False) -> float:
+        """A float (``inf`` allowed unless *finite*; never NaN)."""
+        return _number(self._get(key), self.at(key), finite=finite)
+
+    def optional_number(self, key: str) -> float | None:
+        """A float or ``None``."""
+        value = self._get(key)
+        return None if value is None else _number(value, self.at(key), finite=False)
+
+    def count(self, key: str) -> int:
+        """An int >= 0."""
+        return _count(self._get(key), self.at(key))
+
+    def optional_count(self, key: str) -> int | None:
+        """An int >= 0, or ``None``."""
+        value = self._get(key)
+        return None if value is None else _count(value, self.at(key))
+
+    def optional_integer(self, key: str) -> int | None:
+        """Any int (an octave may be negative), or ``None``."""
+        value = self._get(key)
+        return None if value is None else _integer(value, self.at(key))
+
+    def flag(self, key: str) -> bool:
+        """A bool."""
+        value = self._get(key)
+        if not isinstance(value, bool):
+            msg = f"{self.at(key)} must be a bool, got {value!r}"
+            raise ValueError(msg)
+        return value
+
+    def numbers(self, key: str) -> list[float]:
+        """A list of floats."""
+        path = self.at(key)
+        return [
+            _number(v, f"{path}[{i}]", finite=False)
+            for i, v in enumerate(_list(self._get(key), path))
+        ]
+
+    def counted_numbers(self, key: str, *, signed: bool = False) -> list[tuple[int, float]]:
+        """A list of ``[count, number]`` pairs (*signed*: the first may be negative)."""
+        path = self.at(key)
+        pairs: list[tuple[int, float]] = []
+        for i, item in enumerate(_list(self._get(key), path)):
+            here = f"{path}[{i}]"
+            if not isinstance(item, list | tuple) or len(item) != 2:
+                msg = f"{here} must be a [count, number] pair, got {item!r}"
+                raise ValueError(msg)
+            first = _integer(item[0], f"{here}[0]") if signed else _count(item[0], f"{here}[0]")
+            pairs.append((first, _number(item[1], f"{here}[1]", finite=False)))
+        return pairs
+
+    def named_numbers(self, key: str) -> dict[str, float]:
+        """A dict of str -> float."""
+        value = self._get(key)
+        path = self.at(key)
+        if not isinstance(value, Mapping):
+            msg = f"{path} must be a dict of names to numbers, got {type(value).__qualname__}"
+            raise ValueError(msg)
+        out: dict[str, float] = {}
+        for name, v in value.items():
+            if not isinstance(name, str):
+                msg = f"{path} must have str keys (parameter names), got {name!r}"
+                raise ValueError(msg)
+            out[name] = _number(v, f"{path}[{name!r}]", finite=False)
+        return out
+
+    def text(self, key: str) -> str:
+        """A str."""
+        value = self._get(key)
+        if not isinstance(value, str):
+            msg = f"{self.at(key)} must be a str, got {value!r}"
+            raise ValueError(msg)
+        return value
+
+    def names(self, key: str) -> list[str]:
+        """A list of str."""
+        path = self.at(key)
+        items = _list(self._get(key), path)
+        for i, v in enumerate(items):
+            if not isinstance(v, str):
+                msg = f"{path}[{i}] must be a str (a parameter name), got {v!r}"
+                raise ValueError(msg)
+        return items
+
+
+def _list(value: object, path: str) -> list[Any]:
+    if not isinstance(value, list | tuple):
+        msg = f"{path} must be a list, got {type(value).__qualname__}"
+        raise ValueError(msg)
+    return list(value)
+
+
+def _number(value: object, path: str, *, finite: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        msg = f"{path} must be a number, got {value!r}"
+        raise ValueError(msg)
+    number = float(value)
+    if math.isnan(number) or (finite and math.isinf(number)):
+        msg = f"{path} must be a {'finite ' if finite else ''}number, got {value!r}"
+        raise ValueError(msg)
+    return number
+
+
+def _integer(value: object, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        msg = f"{path} must be an int, got {value!r}"
+        raise ValueError(msg)
+    return value
+
+
+def _count(value: object, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        msg = f"{path} must be an int >= 0, got {value!r}"
+        raise ValueError(msg)
+    return value
+
+
+def check_format(state: StateReader, expected: str, version: int, what: str) -> None:
+    """Check that *state* is *what* (its ``"format"`` is *expected*) of a version this release
+    reads (``1 .. version``).
+
+    Raises:
+        ValueError: if the format differs or the version is later or malformed.
+    """
+    found = state.text("format")
+    if found != expected:
+        msg = f"{state.path} is not {what}: its format is {found!r}, expected {expected!r}"
+        raise ValueError(msg)
+    saved = state.count("version")
+    if not 1 <= saved <= version:
+        msg = (
+            f"{state.at('version')} is {saved}: this release reads {what} of version 1 to {version}"
+            " (saved by a later release? upgrade eventbus-debug to load it)"
+        )
+        raise ValueError(msg)

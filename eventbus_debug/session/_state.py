@@ -1,0 +1,57 @@
+"""A session's saved state: what it learned of the run, to resume a checkpointed run with.
+
+:meth:`SessionBase.state_dict` writes it, :meth:`SessionBase.load_state_dict` reads it back;
+this module holds the format and its checks, so the session keeps only the wiring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from ..probes import StepProbe
+from ..probes.step._state import StateReader, check_format
+
+__all__ = ("STATE_FORMAT", "STATE_VERSION", "SavedState", "read_state", "session_state")
+
+STATE_FORMAT: Final = "eventbus_debug.Session"
+"""The ``"format"`` of a session's :meth:`~SessionBase.state_dict`."""
+STATE_VERSION: Final = 1
+"""Its ``"version"`` (a later one is refused with a clear error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SavedState:
+    """A session's state, checked.
+
+    Attributes:
+        step: the step the run had reached (``None``: none checked yet).
+        probe: the step probe's :meth:`~StepProbe.state_dict` (``None``: nothing learned).
+    """
+
+    step: int | None
+    probe: Mapping[str, Any] | None
+
+
+def session_state(step: int | None, probe: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The plain dict a session's ``state_dict()`` returns."""
+    return {"format": STATE_FORMAT, "version": STATE_VERSION, "step": step, "probe": probe}
+
+
+def read_state(state: object) -> SavedState:
+    """*state* (a session's ``state_dict()``, maybe through ``torch.save`` or ``json``) checked
+    whole, the probe's part included.
+
+    Raises:
+        ValueError: if it is not a session's state dict, is of a later version, or a field is
+            missing or malformed (the message names it).
+    """
+    reader = StateReader(state, "state")
+    check_format(reader, STATE_FORMAT, STATE_VERSION, "a Session.state_dict()")
+    step = reader.optional_count("step")
+    probe = reader.raw("probe")
+    if probe is not None:
+        StepProbe.check_state_dict(probe, reader.at("probe"))
+        assert isinstance(probe, Mapping)  # checked above
+    return SavedState(step=step, probe=probe)
