@@ -35,6 +35,12 @@ RUNS = [
         id="levels",
     ),
     pytest.param(
+        "bench_resume.py",
+        ["--steps", "120", "--resume-at", "80", "--runs", "classifier"],
+        [r"^classifier\s.*\syes$", r"1/1 workloads report exactly", r"state: [\d,]+-[\d,]+ bytes"],
+        id="resume",
+    ),
+    pytest.param(
         "bench_file_sink.py",
         [
             *("--events", "2000", "--repeat", "1", "--volume", "2000", "--burst", "200"),
