@@ -15,6 +15,7 @@ from torch import nn
 from .._bus import Subscription
 from .._bus.bus import DEFAULT_CLOSE_TIMEOUT
 from .._modules import named_root
+from .._saved import StateReader
 from ..diagnostics import get_logger
 from ..events import Anomaly, Event, NonFiniteDetected, SessionEnded, SessionStarted, TensorRole
 from ..exceptions import TrainingStopped
@@ -271,8 +272,8 @@ class SessionBase(Generic[BusT]):
             recovery.engine.ignore = elsewhere
         self.safe_point = recovery.safe_point
         self.amp = recovery.amp
-        if self._saved is not None and self._saved.probe is not None:
-            probe.load_state_dict(self._saved.probe)  # checked when it was given
+        if self._saved is not None:  # checked when it was given
+            self._load_parts(self._saved)
         return probe
 
     def _arm(self, bus: BusT) -> AnomalyArming | None:
@@ -452,8 +453,11 @@ class SessionBase(Generic[BusT]):
             saved = self._saved
             if saved is None:
                 return session_state(None, None)
-            return session_state(saved.step, saved.probe)
-        return session_state(self.step, probe.state_dict())
+            return session_state(saved.step, saved.probe, saved.recovery)
+        safe_point = self.safe_point
+        return session_state(
+            self.step, probe.state_dict(), safe_point.state() if safe_point is not None else None
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a :meth:`state_dict` (call it before the session starts, or between
@@ -475,11 +479,17 @@ class SessionBase(Generic[BusT]):
         if self.probe is None or self._boundary is None:
             self._saved = saved  # applied at the start
             return
-        if saved.probe is not None:
-            self.probe.load_state_dict(saved.probe)
+        self._load_parts(saved)
         if saved.step is not None:
             self._boundary.step = saved.step
         _log.info("session_state_loaded", session=self.name, step=saved.step)
+
+    def _load_parts(self, saved: SavedState) -> None:
+        """*saved* (checked) into the probe and the safe point."""
+        if saved.probe is not None and self.probe is not None:
+            self.probe.load_state_dict(saved.probe)
+        if saved.recovery is not None and self.safe_point is not None:
+            self.safe_point.load(StateReader(saved.recovery, "state['recovery']"))
 
     def set_level(self, value: DebugLevel | str) -> None:
         """Set :attr:`level` (``"basic"``, ``"advanced"``... accepted); for the HTTP endpoint.

@@ -10,8 +10,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+from .._saved import StateReader, check_format
 from ..probes import StepProbe
-from ..probes.step._state import StateReader, check_format
+from ..recovery.safepoint.point import read_temporary
 
 __all__ = ("STATE_FORMAT", "STATE_VERSION", "SavedState", "read_state", "session_state")
 
@@ -28,15 +29,28 @@ class SavedState:
     Attributes:
         step: the step the run had reached (``None``: none checked yet).
         probe: the step probe's :meth:`~StepProbe.state_dict` (``None``: nothing learned).
+        recovery: the safe point's state (the temporary LR changes in force; ``None``: no
+            safe point).
     """
 
     step: int | None
     probe: Mapping[str, Any] | None
+    recovery: Mapping[str, Any] | None = None
 
 
-def session_state(step: int | None, probe: Mapping[str, Any] | None) -> dict[str, Any]:
+def session_state(
+    step: int | None,
+    probe: Mapping[str, Any] | None,
+    recovery: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The plain dict a session's ``state_dict()`` returns."""
-    return {"format": STATE_FORMAT, "version": STATE_VERSION, "step": step, "probe": probe}
+    return {
+        "format": STATE_FORMAT,
+        "version": STATE_VERSION,
+        "step": step,
+        "probe": probe,
+        "recovery": recovery,
+    }
 
 
 def read_state(state: object) -> SavedState:
@@ -54,4 +68,8 @@ def read_state(state: object) -> SavedState:
     if probe is not None:
         StepProbe.check_state_dict(probe, reader.at("probe"))
         assert isinstance(probe, Mapping)  # checked above
-    return SavedState(step=step, probe=probe)
+    recovery = reader.raw("recovery")
+    if recovery is not None:
+        read_temporary(reader.child("recovery"))
+        assert isinstance(recovery, Mapping)  # checked above
+    return SavedState(step=step, probe=probe, recovery=recovery)

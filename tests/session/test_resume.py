@@ -346,3 +346,79 @@ def test_probe_state_spike_memories_round_trip() -> None:
     fresh = StepProbe(model, None)
     fresh.load_state_dict(json.loads(json.dumps(state)))
     assert fresh.state_dict() == state
+
+
+# -- recovery's temporary LR changes ---------------------------------------------------------------
+
+AGGRESSIVE_SPIKE = 150
+AGGRESSIVE_SAVE = 200
+AGGRESSIVE_END = 450
+
+
+async def _aggressive(
+    lo: int, hi: int, model: nn.Module, opt: torch.optim.Optimizer, state: Any = None
+) -> tuple[dict[str, Any], list[float]]:
+    """Steps *lo* .. *hi* under the aggressive policy (a spike at AGGRESSIVE_SPIKE rolls back
+    and halves the LR for 200 healthy steps); the session's state and the LR per step."""
+    lrs: list[float] = []
+    session = Session(model, opt, policy="aggressive", **_quiet())
+    if state is not None:
+        session.load_state_dict(state)
+    async with session:
+        for step in range(lo, hi):
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(_X[step]), _Y[step])
+            if step == AGGRESSIVE_SPIKE:
+                loss = loss + 25.0
+            torch.autograd.backward(loss)
+            verdict = await session.check_step(step, loss=loss)
+            if verdict.should_step:
+                opt.step()
+            await session.step_completed(step, loss=verdict.loss)
+            lrs.append(opt.param_groups[0]["lr"])
+        return session.state_dict(), lrs
+
+
+async def test_a_temporary_lr_change_is_undone_after_a_resume() -> None:
+    """A rollback's temporary LR halving in force at the checkpoint: the optimizer's state
+    dict holds the halved LR, the session's state says when to undo it. Resumed with it, the
+    LR comes back on the same step as in the uninterrupted run; resumed cold, it never would."""
+    model, opt = _model()
+    _, full = await _aggressive(0, AGGRESSIVE_END, model, opt)
+    base = full[0]
+    assert min(full) == pytest.approx(base / 2)  # the rollback halved it ...
+    assert full[-1] == pytest.approx(base)  # ... for 200 healthy steps
+    model, opt = _model()
+    state, first = await _aggressive(0, AGGRESSIVE_SAVE, model, opt)
+    assert first[-1] == pytest.approx(base / 2)  # in force at the checkpoint
+    assert state["recovery"]["temporary_lr_changes"][0]["groups"] == [0]
+    weights, optim = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    saved = json.loads(json.dumps(state))
+    for carried in (True, False):
+        model, opt = _model()
+        model.load_state_dict(weights)
+        opt.load_state_dict(optim)
+        _, rest = await _aggressive(
+            AGGRESSIVE_SAVE, AGGRESSIVE_END, model, opt, saved if carried else None
+        )
+        if carried:
+            assert first + rest == pytest.approx(full)
+        else:
+            assert rest[-1] == pytest.approx(base / 2)  # what the state prevents
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"left": 3, "factor": 0.0, "groups": [0]}, r"\['factor'\] must be a number > 0"),
+        ({"left": -1, "factor": 0.5, "groups": [0]}, r"\['left'\] must be an int >= 0"),
+        ({"left": 3, "factor": 0.5, "groups": ["a"]}, r"\['groups'\]\[0\] must be an int >= 0"),
+        ({"left": 3, "factor": 0.5}, r"\['groups'\] is missing"),
+    ],
+)
+def test_a_bad_temporary_lr_change_is_refused(change: dict[str, Any], message: str) -> None:
+    model, opt = _model()
+    state = Session(model, opt, **_quiet()).state_dict()
+    state["recovery"] = {"temporary_lr_changes": [change]}
+    with pytest.raises(ValueError, match=message):
+        Session(model, opt, **_quiet()).load_state_dict(state)

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from itertools import compress, repeat
 from typing import Any, Final
 
-from ._state import StateReader
+from ..._saved import StateReader
 
 __all__ = ("ALIVE", "FALL", "GROW", "HALF_LIFE", "REFRESH", "REVIVE", "DeadLayers")
 

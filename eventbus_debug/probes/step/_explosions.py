@@ -11,9 +11,9 @@ from typing import Any
 
 from typing_extensions import Self
 
+from ..._saved import StateReader
 from ..._validate import positive_int, positive_number
 from ..levels import Thresholds
-from ._state import StateReader
 from ._windows import SCALE_VALUES, LrRange, Outliers, RecentMax, RunningMedian
 
 __all__ = ("ExplosionDetector", "ExplosionVerdict")

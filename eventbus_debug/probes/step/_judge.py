@@ -24,6 +24,7 @@ import torch
 
 from eventbus_debug.diagnostics import get_logger
 
+from ..._saved import StateReader
 from ...events import (
     Event,
     GradientExploded,
@@ -38,7 +39,6 @@ from ._dead_layers import DeadLayers
 from ._explosions import ExplosionDetector
 from ._launch import Layout, Pending
 from ._spikes import LossSpikeDetector
-from ._state import StateReader
 from .verdict import StepVerdict
 
 __all__ = ("Judge", "Judgement")

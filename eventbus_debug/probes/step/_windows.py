@@ -36,7 +36,7 @@ from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from typing import Any, Final
 
-from ._state import StateReader
+from ..._saved import StateReader
 
 __all__ = ("LR_RISE", "LrRange", "RecentMax", "RunningMedian", "Outliers", "SCALE_VALUES")
 

@@ -28,6 +28,7 @@ from torch import nn
 from eventbus_debug.diagnostics import get_logger
 
 from ..._modules import float_parameters, named_root
+from ..._saved import StateReader, check_format
 from ..._validate import (
     INT64_MAX,
     flags_and_source,
@@ -41,7 +42,6 @@ from ...typing import Publisher
 from ..levels import Cadence, Checks, DebugLevel, Thresholds, checks_due, level_of
 from ._judge import Judge, Judgement
 from ._launch import Launcher, Pending
-from ._state import StateReader, check_format
 from .activations import ActivationHooks
 from .verdict import StepVerdict
 

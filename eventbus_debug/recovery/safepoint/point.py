@@ -14,6 +14,7 @@ from torch.amp.grad_scaler import OptState
 from eventbus_debug.diagnostics import get_logger
 
 from ..._records import fast_init
+from ..._saved import StateReader
 from ...events import RecoveryAction, RecoveryApplied, StepSkipped
 from ...exceptions import TrainingStopped
 from ..actions import Action, ClipGradients, DecidedAction, RestoreState, ScaleLR, SkipStep
@@ -23,7 +24,7 @@ from ..lr import lr_schedulers, scale_learning_rate
 from ..memory import free_memory
 from .snapshot import NoGoodStateError, StateSnapshots
 
-__all__ = ("AgreeHook", "SafePoint", "StepDecision")
+__all__ = ("AgreeHook", "SafePoint", "StepDecision", "read_temporary")
 
 _log = get_logger(__name__)
 
@@ -61,6 +62,23 @@ class _Temporary:
     left: int
     factor: float
     groups: frozenset[tuple[int, ...]]
+
+
+def read_temporary(state: StateReader) -> list[tuple[int, float, list[int]]]:
+    """The ``(left, factor, group indices)`` of each temporary LR change in a saved
+    :meth:`SafePoint.state`.
+
+    Raises:
+        ValueError: if a field is missing or malformed (the message names it).
+    """
+    changes: list[tuple[int, float, list[int]]] = []
+    for item in state.children("temporary_lr_changes"):
+        factor = item.number("factor", finite=True)
+        if factor <= 0.0:
+            msg = f"{item.at('factor')} must be a number > 0, got {factor!r}"
+            raise ValueError(msg)
+        changes.append((item.count("left"), factor, item.counts("groups")))
+    return changes
 
 
 @fast_init
@@ -195,6 +213,36 @@ class SafePoint:
             msg = f"listener must be callable, got {listener!r}"
             raise TypeError(msg)
         self._restore_listeners.append(listener)
+
+    def state(self) -> dict[str, Any]:
+        """The temporary LR changes in force (param groups by their index in the optimizer),
+        to save in a checkpoint: the optimizer's state dict holds the changed LR, this says when
+        to undo it (see :meth:`load`)."""
+        index = {_members(g): i for i, g in enumerate(self.optimizer.param_groups)}
+        return {
+            "temporary_lr_changes": [
+                {
+                    "left": t.left,
+                    "factor": t.factor,
+                    "groups": sorted(index[m] for m in t.groups if m in index),
+                }
+                for t in self._temporary
+            ]
+        }
+
+    def load(self, state: StateReader) -> None:
+        """Continue from a :meth:`state`: the temporary LR changes it lists are undone after
+        their remaining healthy steps, in the param groups at the same indices (the optimizer
+        restored from the same checkpoint holds the changed LR).
+
+        Raises:
+            ValueError: if a field is missing or malformed (the message names it).
+        """
+        groups = self.optimizer.param_groups
+        self._temporary = [
+            _Temporary(left, factor, frozenset(_members(groups[i]) for i in idx if i < len(groups)))
+            for left, factor, idx in read_temporary(state)
+        ]
 
     @property
     def temporary_lr_changes(self) -> tuple[tuple[float, int], ...]:

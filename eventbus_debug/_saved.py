@@ -1,6 +1,7 @@
-"""Reading a detector's saved state back: each field checked, each error naming its path.
+"""Reading a saved state back (a detector's, the safe point's): each field checked, each error
+naming its path.
 
-The detectors' states are plain Python values (dicts, lists, floats, ints, bools, strings and
+Saved states are plain Python values (dicts, lists, floats, ints, bools, strings and
 ``None``) so that ``torch.save`` (with ``torch.load(weights_only=True)``), ``json`` and a
 Hugging Face ``trainer_state.json`` all carry them. A float may be infinite (a window that is
 empty); ``json`` writes those as ``Infinity``. What is read back is checked here, field by
@@ -133,6 +134,16 @@ class StateReader:
             msg = f"{self.at(key)} must be a str, got {value!r}"
             raise ValueError(msg)
         return value
+
+    def children(self, key: str) -> list[StateReader]:
+        """A list of nested mappings."""
+        path = self.at(key)
+        return [StateReader(v, f"{path}[{i}]") for i, v in enumerate(_list(self._get(key), path))]
+
+    def counts(self, key: str) -> list[int]:
+        """A list of ints >= 0."""
+        path = self.at(key)
+        return [_count(v, f"{path}[{i}]") for i, v in enumerate(_list(self._get(key), path))]
 
     def names(self, key: str) -> list[str]:
         """A list of str."""
