@@ -145,6 +145,16 @@ class StateReader:
         path = self.at(key)
         return [_count(v, f"{path}[{i}]") for i, v in enumerate(_list(self._get(key), path))]
 
+    def optional_text(self, key: str) -> str | None:
+        """A non-empty str, or ``None``."""
+        value = self._get(key)
+        if value is None:
+            return None
+        if not isinstance(value, str) or not value.strip():
+            msg = f"{self.at(key)} must be a non-empty str or None, got {value!r}"
+            raise ValueError(msg)
+        return value
+
     def names(self, key: str) -> list[str]:
         """A list of str."""
         path = self.at(key)

@@ -17,15 +17,21 @@ RUN_ID_ENV: Final = "EVENTBUS_DEBUG_RUN_ID"
 """Environment variable that fixes the run id (set it to one value on every rank of a job)."""
 
 
-def new_run_id() -> str:
-    """A fresh run id: ``$EVENTBUS_DEBUG_RUN_ID``, else torchrun's ``$TORCHELASTIC_RUN_ID``
-    (shared by the ranks of one job), else ``YYYYmmddTHHMMSS-<8 hex>`` (UTC time, random)."""
-    for name in (RUN_ID_ENV, "TORCHELASTIC_RUN_ID"):
-        value = os.environ.get(name, "").strip()
-        if value and value.lower() != "none":
+def new_run_id(resumed: str | None = None) -> str:
+    """A run id: ``$EVENTBUS_DEBUG_RUN_ID``, else *resumed* (the id of the run a session
+    resumed from a checkpoint continues), else torchrun's ``$TORCHELASTIC_RUN_ID`` (shared by
+    the ranks of one job), else ``YYYYmmddTHHMMSS-<8 hex>`` (UTC time, random)."""
+    for value in (_env(RUN_ID_ENV), resumed, _env("TORCHELASTIC_RUN_ID")):
+        if value:
             return value
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     return f"{stamp}-{os.urandom(4).hex()}"
+
+
+def _env(name: str) -> str | None:
+    """The environment variable *name*, stripped; ``None`` when unset, empty or ``"none"``."""
+    value = os.environ.get(name, "").strip()
+    return value if value and value.lower() != "none" else None
 
 
 @event_type

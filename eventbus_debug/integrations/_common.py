@@ -3,6 +3,7 @@ by the framework's hooks, and the step-level plumbing around it."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -13,6 +14,7 @@ from torch import nn
 
 from .._validate import log_dir as check_log_dir
 from ..session import SyncSession, Verdict
+from ..session._state import read_state, session_state
 from ..session.options import DEFAULT_LOG_DIR
 
 __all__ = (
@@ -158,6 +160,25 @@ class FitViews:
         """Optimizer steps skipped in the current (or last) run."""
         return self._fit.steps_skipped
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the detectors learned of the run, to save in a checkpoint (a session's
+        :meth:`~eventbus_debug.SyncSession.state_dict`: plain Python values).
+
+        During a run, the running session's; between runs, the state loaded for the next run
+        if one was, else the last run's at its end, else an empty state (nothing learned yet).
+        """
+        return self._fit.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` saved with a checkpoint: during a run, at once
+        (between steps); outside a run, at the start of the next one.
+
+        Raises:
+            ValueError: if *state* is not a session's state dict (the message names the field);
+                nothing changes then.
+        """
+        self._fit.load_state_dict(state)
+
 
 @final
 class FitSession:
@@ -196,6 +217,10 @@ class FitSession:
         self.steps_checked = 0
         self.steps_skipped = 0
         self.last_verdict: Verdict | None = None
+        self.pending_state: dict[str, Any] | None = None
+        """A state loaded while no session ran, handed to the next session at its start."""
+        self.last_state: dict[str, Any] | None = None
+        """The last session's state, taken when it ended."""
 
     @property
     def running(self) -> bool:
@@ -213,6 +238,7 @@ class FitSession:
         except RuntimeError:
             self.session = None
             self.optimizer = None
+            self.last_state = self._state_of(session)
             _log.warning(
                 "the %s debug session was ended during the fit (not by the framework): the "
                 "rest of the fit is not checked",
@@ -229,6 +255,40 @@ class FitSession:
         state["optimizer"] = None
         return state
 
+    def state_dict(self) -> dict[str, Any]:
+        """The running session's ``state_dict()``; outside a run, the state waiting for the
+        next session, else the last session's (taken at its end), else an empty state."""
+        session = self.session if self.running else None
+        if session is not None:
+            return session.state_dict()
+        if self.pending_state is not None:
+            return copy.deepcopy(self.pending_state)
+        if self.last_state is not None:
+            return copy.deepcopy(self.last_state)
+        return session_state(None, None)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load *state* into the running session, or keep it for the next session's start.
+
+        Raises:
+            ValueError: if *state* is not a session's state dict (checked at once, also when
+                kept for later); nothing changes then.
+        """
+        session = self.session if self.running else None
+        if session is not None:
+            session.load_state_dict(state)
+            return
+        read_state(state)
+        self.pending_state = copy.deepcopy(dict(state))
+
+    def _state_of(self, session: SyncSession) -> dict[str, Any] | None:
+        """*session*'s state at its end (None, logged, if it cannot be read)."""
+        try:
+            return session.state_dict()
+        except Exception:  # never let the bookkeeping of a resume break the end of a fit
+            _log.exception("reading the %s debug session's state failed", self.framework)
+            return None
+
     def open(
         self,
         model: nn.Module,
@@ -242,6 +302,7 @@ class FitSession:
         A session still open from an earlier fit that ended without telling us (an exception
         the framework has no hook for) is closed first, its end recorded as interrupted.
         ``scheduler=`` / ``scaler=`` given by the user as options win over the framework's.
+        A state loaded before (:meth:`load_state_dict`) is handed to the session at its start.
         """
         if self.session is not None:
             self.close(RuntimeError(f"{self.framework} started a new fit before this one ended"))
@@ -252,7 +313,10 @@ class FitSession:
         if scaler is not None and "scaler" not in options:
             options["scaler"] = scaler
         session = SyncSession(model, optimizer, log_dir=self.log_dir, **options)
+        if self.pending_state is not None:
+            session.load_state_dict(self.pending_state)  # applied at the start
         session.__enter__()
+        self.pending_state = None
         self.session = session
         self.optimizer = optimizer
         self.steps_checked = self.steps_skipped = 0
@@ -305,6 +369,7 @@ class FitSession:
         self.optimizer = None
         if session is None:
             return
+        self.last_state = self._state_of(session)
         try:
             session.__exit__(type(exc) if exc is not None else None, exc, None)
         except Exception:  # closing must never mask the framework's own error

@@ -36,6 +36,13 @@ update function and pass ``max_grad_norm=`` to the handler: after the check it c
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)``, the call your update
 function would have made, so the parameters are bit for bit those of that update function.
 
+Checkpoints: the handler has ``state_dict()`` / ``load_state_dict()`` (the session's state, what
+the detectors learned of the run), so it goes into Ignite's ``Checkpoint(to_save={...,
+"debug": handler})`` beside the model, the optimizer and the engine, and
+``Checkpoint.load_objects(to_load=..., checkpoint=...)`` restores it; loaded before
+``engine.run``, the state is kept and handed to the session at ``Events.STARTED``, so the
+resumed run is judged as the uninterrupted run would have been.
+
 Steps are numbered by Ignite's iteration (``engine.state.iteration - 1``). Under AMP an
 overflow step never reaches the hook (``scaler.step`` skips ``optimizer.step()`` itself).
 Ignite's own parameter schedulers are not torch LR schedulers: pass the underlying

@@ -34,6 +34,15 @@ code is never seen before it happens.
 Two ``EventBusDebugCallback`` entries in ``Trainer(callbacks=...)`` (the same one listed twice)
 are a ``ValueError``.
 
+Checkpoints: ``on_save_checkpoint`` stores the session's state (what the detectors learned of
+the run) in every ``.ckpt``, under ``checkpoint["callbacks"]["EventBusDebugCallback"]`` (the
+callback's ``state_key``, where Lightning keeps callback states; not through
+``Callback.state_dict``, which would make Lightning refuse a callback listed twice with an
+error of its own). ``trainer.fit(ckpt_path=...)`` calls ``load_state_dict`` before
+``on_fit_start``, when the fit's session does not exist yet: the state is kept and handed to
+the session when it opens (a strategy that restores after setup loads it into the running
+session), so the resumed run is judged as the uninterrupted run would have been.
+
 Distributed runs: each rank runs its own session, which agrees every decision with the other
 ranks (see the README's "Distributed training"), so no rank skips, restores or stops alone.
 """
@@ -41,6 +50,7 @@ ranks (see the README's "Distributed training"), so no rank skips, restores or s
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +108,31 @@ class EventBusDebugCallback(Callback, FitViews):
         self._early: tuple[int, Verdict, float | None] | None = None  # manual: checked at the clip
         self._plugin: Any = None  # the precision plugin whose clip_gradients is wrapped
         self._clip_wrapper: Any = None
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    #
+    # Saved from on_save_checkpoint rather than by overriding Callback.state_dict: Lightning
+    # refuses, at Trainer(...), two callbacks of one class that override state_dict, with an
+    # error of its own that would replace the clear ValueError of on_fit_start for a callback
+    # listed twice. The entry is the one state_dict would have made (same key, same value).
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Store the session's state in the checkpoint, where Lightning keeps the callbacks'
+        states: ``checkpoint["callbacks"][self.state_key]`` (see :meth:`FitViews.state_dict`:
+        between fits, the last fit's state)."""
+        checkpoint.setdefault("callbacks", {})[self.state_key] = self._fit.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Lightning's restore from ``trainer.fit(ckpt_path=...)``: before ``on_fit_start``,
+        the state is kept and handed to the session when it opens; during the fit, it is
+        loaded into the running session (see :meth:`FitViews.load_state_dict`).
+
+        Raises:
+            ValueError: if *state_dict* is not a session's state dict.
+        """
+        FitViews.load_state_dict(self, state_dict)
 
     # -- Lightning hooks --------------------------------------------------------------------------
 

@@ -31,6 +31,14 @@ changing what anything else reads:
   without the callback.
 - ``on_step_end``: records the step (its loss, learning rate and samples);
   ``on_train_end``: ends the session.
+- ``on_save``: writes the session's state (what the detectors learned of the run) as
+  ``eventbus_debug_state.json`` into the checkpoint folder ``Trainer`` just wrote
+  (``<output_dir>/checkpoint-<global_step>``), on the process that saves (``args.should_save``).
+  ``train(resume_from_checkpoint=...)`` reads it back at ``on_train_begin`` and hands it to the
+  session, so the resumed run is judged as the uninterrupted run would have been; a checkpoint
+  without the file is resumed with a warning, the detectors starting afresh. (``Trainer``
+  persists only ``ExportableState`` callbacks, and rebuilds them from JSON arguments, which this
+  callback's options are not: hence a file of its own.)
 
 ``Trainer`` has no hook for a ``train()`` that raises. An error inside ``training_step`` (the
 wrapper sees it) ends the session there, with that error as its reason, before it leaves
@@ -48,13 +56,15 @@ training"): a NaN or a spike on one rank is skipped or rolled back on all of the
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Final
 
 from ._common import (
     DEFAULT_LOG_DIR,
@@ -78,10 +88,14 @@ from transformers import (  # noqa: E402
     TrainerState,
     TrainingArguments,
 )
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
 from ..session import Verdict  # noqa: E402
 
-__all__ = ("EventBusDebugCallback",)
+__all__ = ("STATE_FILE", "EventBusDebugCallback")
+
+STATE_FILE: Final = "eventbus_debug_state.json"
+"""The file, in each checkpoint folder, that holds the session's state (``on_save``)."""
 
 _log = logging.getLogger("eventbus_debug.integrations")
 
@@ -132,6 +146,12 @@ class _ClipHandover(float):
 
     def __reduce__(self) -> tuple[type[float], tuple[float]]:
         return (float, (float(self),))
+
+
+def _checkpoint_folder(args: TrainingArguments, state: TrainerState) -> str:
+    """The folder ``Trainer`` saves the checkpoint of ``state.global_step`` in (outside a
+    hyperparameter search): ``<output_dir>/checkpoint-<global_step>``."""
+    return os.path.join(args.output_dir or "", f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
 
 def _end_left_open(fit: FitSession) -> None:
@@ -213,7 +233,7 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         if not isinstance(model, nn.Module) or optimizer is None:
             msg = "EventBusDebugCallback needs the Trainer's model and optimizer (on_train_begin)"
             raise ValueError(msg)
-        trainer = self._find_trainer()
+        trainer, resumed_from = self._find_trainer()
         if trainer is not None:
             listed = sum(
                 isinstance(c, EventBusDebugCallback) for c in trainer.callback_handler.callbacks
@@ -241,6 +261,8 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         self._loss.take()
         self._samples.take()
         self._pending = None
+        if state.global_step > 0 and self._fit.pending_state is None:
+            self._load_checkpoint_state(args, state, resumed_from)
         if trainer is not None:
             self._wrap_training_step(trainer)
             if self._handover is not None and not hasattr(trainer, "_get_grad_norm"):
@@ -314,6 +336,69 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         """Give ``max_grad_norm`` back, unwrap ``training_step``, end the session."""
         self._teardown()
 
+    def on_save(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        """Write the session's state into the checkpoint folder just saved (:data:`STATE_FILE`),
+        on the process that saves; a folder not found is a warning, never an error."""
+        if not args.should_save:
+            return
+        folder = _checkpoint_folder(args, state)
+        if not os.path.isdir(folder):
+            _log.warning(
+                "no checkpoint folder %s to save the debug session's state in (a hyperparameter "
+                "search's run folder?): a run resumed from this checkpoint starts its detectors "
+                "afresh",
+                folder,
+            )
+            return
+        path = os.path.join(folder, STATE_FILE)
+        partial = path + ".partial"
+        with open(partial, "w", encoding="utf-8") as file:
+            json.dump(self._fit.state_dict(), file)
+        os.replace(partial, path)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def _load_checkpoint_state(
+        self, args: TrainingArguments, state: TrainerState, resumed_from: object
+    ) -> None:
+        """A resumed ``train()``: read :data:`STATE_FILE` from the checkpoint it resumes from
+        (``Trainer``'s ``resume_from_checkpoint``, else ``<output_dir>/checkpoint-<step>``) and
+        keep it for the session. Missing or unreadable: a warning, the detectors start afresh."""
+        folders = [_checkpoint_folder(args, state)]
+        if isinstance(resumed_from, str | os.PathLike):
+            folders.insert(0, os.fspath(resumed_from))
+        path = next(
+            (p for p in (os.path.join(f, STATE_FILE) for f in folders) if os.path.isfile(p)),
+            None,
+        )
+        if path is None:
+            _log.warning(
+                "the checkpoint resumed from (step %d) holds no %s (saved without "
+                "EventBusDebugCallback, or by an older version): the debug detectors start "
+                "afresh, and may report incidents in the first steps that the uninterrupted "
+                "run would not have",
+                state.global_step,
+                STATE_FILE,
+            )
+            return
+        try:
+            with open(path, encoding="utf-8") as file:
+                saved = json.load(file)
+            self._fit.load_state_dict(saved)
+        except (OSError, ValueError) as exc:  # json's errors are ValueErrors too
+            _log.warning(
+                "the debug session's state in %s cannot be read (%s): the debug detectors "
+                "start afresh",
+                path,
+                exc,
+            )
+
     # -- internals --------------------------------------------------------------------------------
 
     def _clips_for(self, frame: FrameType) -> bool:
@@ -321,17 +406,18 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         has taken over (it runs this callback, whose session is open)."""
         return self._fit.running and _lists(frame.f_locals.get("self"), self)
 
-    def _find_trainer(self) -> Any:
-        """The ``Trainer`` whose ``train()`` calls this hook (``None`` if there is none)."""
+    def _find_trainer(self) -> tuple[Any, object]:
+        """The ``Trainer`` whose ``train()`` calls this hook (``None`` if there is none), and
+        the ``resume_from_checkpoint`` of its training loop (``None`` when not resuming)."""
         frame: FrameType | None = sys._getframe(2)  # the caller of on_train_begin
         for _ in range(_TRAINER_FRAMES):
             if frame is None:
                 break
             owner = frame.f_locals.get("self")
             if _lists(owner, self) and callable(getattr(owner, "training_step", None)):
-                return owner
+                return owner, frame.f_locals.get("resume_from_checkpoint")
             frame = frame.f_back
-        return None
+        return None, None
 
     def _close_left_open(self, args: TrainingArguments, model: nn.Module) -> None:
         """Close a session that a ``train()`` which raised left open: this callback's, or

@@ -17,7 +17,15 @@ from .._bus.bus import DEFAULT_CLOSE_TIMEOUT
 from .._modules import named_root
 from .._saved import StateReader
 from ..diagnostics import get_logger
-from ..events import Anomaly, Event, NonFiniteDetected, SessionEnded, SessionStarted, TensorRole
+from ..events import (
+    Anomaly,
+    Event,
+    NonFiniteDetected,
+    SessionEnded,
+    SessionStarted,
+    TensorRole,
+    new_run_id,
+)
 from ..exceptions import TrainingStopped
 from ..extras.debug_context import DebugContext, debug_context
 from ..extras.validation import InputValidator, OutputChecker
@@ -174,6 +182,12 @@ class SessionBase(Generic[BusT]):
         self._started = 0.0
         self._saved: SavedState | None = None
         """A state loaded before the start, applied when the probe and boundary are built."""
+        self._resumed_run: str | None = None
+        self.run_id: str | None = None
+        """The run's id in the log (:attr:`SessionStarted.run_id
+        <eventbus_debug.events.SessionStarted.run_id>`), once the session started; a session
+        resumed with :meth:`load_state_dict` continues the saved run's (unless
+        ``$EVENTBUS_DEBUG_RUN_ID`` names one)."""
 
     def _claim(self) -> None:
         """Mark the session entered.
@@ -318,6 +332,7 @@ class SessionBase(Generic[BusT]):
             self._boundary.lone = _refuse_a_later_group
         saved, self._saved = self._saved, None
         if saved is not None:
+            self._resumed_run = saved.run_id
             if saved.step is not None:
                 self._boundary.step = saved.step
             _log.info("session_state_loaded", session=self.name, step=saved.step)
@@ -453,10 +468,13 @@ class SessionBase(Generic[BusT]):
             saved = self._saved
             if saved is None:
                 return session_state(None, None)
-            return session_state(saved.step, saved.probe, saved.recovery)
+            return session_state(saved.step, saved.probe, saved.recovery, saved.run_id)
         safe_point = self.safe_point
         return session_state(
-            self.step, probe.state_dict(), safe_point.state() if safe_point is not None else None
+            self.step,
+            probe.state_dict(),
+            safe_point.state() if safe_point is not None else None,
+            self.run_id,
         )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -545,7 +563,8 @@ class SessionBase(Generic[BusT]):
         }
         if self.log_dir is not None:
             config["log_dir"] = str(self.log_dir)
-        return SessionStarted(source=self.name, name=self.name, config=config)
+        self.run_id = new_run_id(self._resumed_run)
+        return SessionStarted(source=self.name, name=self.name, config=config, run_id=self.run_id)
 
     def _ended_event(self, exc: BaseException | None, *, cancelled: bool = False) -> SessionEnded:
         detail = ""

@@ -31,22 +31,27 @@ class SavedState:
         probe: the step probe's :meth:`~StepProbe.state_dict` (``None``: nothing learned).
         recovery: the safe point's state (the temporary LR changes in force; ``None``: no
             safe point).
+        run_id: the run's id in the log (``SessionStarted.run_id``): the resumed session
+            continues that run (``None``: the session had not started).
     """
 
     step: int | None
     probe: Mapping[str, Any] | None
     recovery: Mapping[str, Any] | None = None
+    run_id: str | None = None
 
 
 def session_state(
     step: int | None,
     probe: Mapping[str, Any] | None,
     recovery: Mapping[str, Any] | None = None,
+    run_id: str | None = None,
 ) -> dict[str, Any]:
     """The plain dict a session's ``state_dict()`` returns."""
     return {
         "format": STATE_FORMAT,
         "version": STATE_VERSION,
+        "run_id": run_id,
         "step": step,
         "probe": probe,
         "recovery": recovery,
@@ -64,6 +69,7 @@ def read_state(state: object) -> SavedState:
     reader = StateReader(state, "state")
     check_format(reader, STATE_FORMAT, STATE_VERSION, "a Session.state_dict()")
     step = reader.optional_count("step")
+    run_id = reader.optional_text("run_id")
     probe = reader.raw("probe")
     if probe is not None:
         StepProbe.check_state_dict(probe, reader.at("probe"))
@@ -72,4 +78,4 @@ def read_state(state: object) -> SavedState:
     if recovery is not None:
         read_temporary(reader.child("recovery"))
         assert isinstance(recovery, Mapping)  # checked above
-    return SavedState(step=step, probe=probe, recovery=recovery)
+    return SavedState(step=step, probe=probe, recovery=recovery, run_id=run_id)

@@ -13,14 +13,24 @@ import io
 import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from eventbus_debug import DebugLevel, Session, StepProbe, SyncEventBus, SyncSession, Thresholds
-from eventbus_debug.events import Anomaly
+from eventbus_debug import (
+    DebugLevel,
+    Session,
+    StepProbe,
+    SyncEventBus,
+    SyncSession,
+    Thresholds,
+    read_events,
+)
+from eventbus_debug.events import RUN_ID_ENV, Anomaly
+from eventbus_debug.sinks.report import summarize_runs
 from eventbus_debug.testing import RecordingSink
 
 STEPS = 900
@@ -90,6 +100,11 @@ async def _checkpoint() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]
     return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), state
 
 
+def _judged(state: dict[str, Any]) -> dict[str, Any]:
+    """*state* without its run id (another run's, when compared with the uninterrupted one)."""
+    return {k: v for k, v in state.items() if k != "run_id"}
+
+
 def _through_disk(state: dict[str, Any], how: str) -> Any:
     if how == "json":
         return json.loads(json.dumps(state))
@@ -118,7 +133,8 @@ async def test_resumed_run_is_judged_as_the_uninterrupted_one(how: str) -> None:
         await _steps(session, model, opt, RESUME, STEPS)
         resumed = session.state_dict()
     assert _incidents(recorder) == [i for i in expected if i[0] is not None and i[0] >= RESUME]
-    assert resumed == final
+    assert _judged(resumed) == _judged(final)
+    assert resumed["run_id"] == state["run_id"]  # the first half's run, continued
 
 
 async def test_a_cold_session_knows_nothing_of_the_run() -> None:
@@ -145,7 +161,8 @@ async def test_load_between_steps_of_a_running_session() -> None:
     async with Session(model, opt, **_quiet()) as session:
         session.load_state_dict(state)
         assert session.step == RESUME - 1
-        assert session.state_dict() == state
+        assert _judged(session.state_dict()) == _judged(state)
+        assert session.state_dict()["run_id"] == session.run_id  # announced before the load
 
 
 def test_sync_session_saves_and_loads_the_same_state() -> None:
@@ -421,4 +438,51 @@ def test_a_bad_temporary_lr_change_is_refused(change: dict[str, Any], message: s
     state = Session(model, opt, **_quiet()).state_dict()
     state["recovery"] = {"temporary_lr_changes": [change]}
     with pytest.raises(ValueError, match=message):
+        Session(model, opt, **_quiet()).load_state_dict(state)
+
+
+# -- the run in the log ----------------------------------------------------------------------------
+
+
+async def test_the_resumed_session_continues_the_run_in_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One run id for the job: the log's summary covers both halves as one run."""
+    monkeypatch.delenv(RUN_ID_ENV, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    model, opt = _model()
+    async with Session(model, opt, log_dir=tmp_path, report=False, alerts=False) as first:
+        await _steps(first, model, opt, 0, 40)
+        state = first.state_dict()
+    assert state["run_id"] == first.run_id
+    second = Session(model, opt, log_dir=tmp_path, report=False, alerts=False)
+    second.load_state_dict(json.loads(json.dumps(state)))
+    assert second.state_dict()["run_id"] == first.run_id
+    async with second:
+        await _steps(second, model, opt, 40, 80)
+    assert second.run_id == first.run_id
+    summary = summarize_runs(read_events(tmp_path, run="all"))
+    assert [r.run_id for r in summary.runs] == [first.run_id]
+    assert summary.steps == 80
+
+
+async def test_an_explicit_run_id_wins_over_the_saved_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, _, state = await _checkpoint()
+    assert state["run_id"]
+    monkeypatch.setenv(RUN_ID_ENV, "my-run-2")
+    model, opt = _model()
+    session = Session(model, opt, **_quiet())
+    session.load_state_dict(state)
+    async with session:
+        assert session.run_id == "my-run-2"
+
+
+@pytest.mark.parametrize("run_id", ["", "  ", 3])
+async def test_a_bad_run_id_is_refused(run_id: object) -> None:
+    _, _, state = await _checkpoint()
+    state["run_id"] = run_id
+    model, opt = _model()
+    with pytest.raises(ValueError, match=r"state\['run_id'\] must be a non-empty str or None"):
         Session(model, opt, **_quiet()).load_state_dict(state)
