@@ -68,6 +68,7 @@ from .session import (
     SessionEnded as SessionEnded,
     SessionStarted as SessionStarted,
     StepCompleted as StepCompleted,
+    given_run_id as given_run_id,
     new_run_id as new_run_id,
 )
 from .training import (
@@ -132,6 +133,7 @@ __all__ = (
     "event_type",
     "event_types",
     "has_incident",
+    "given_run_id",
     "new_run_id",
     "refresh_rank",
 )

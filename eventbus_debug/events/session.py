@@ -10,20 +10,37 @@ from typing import ClassVar, Final
 
 from ._base import Delivery, Event, Severity, event_type
 
-__all__ = ("RUN_ID_ENV", "SessionEnded", "SessionStarted", "StepCompleted", "new_run_id")
+__all__ = (
+    "RUN_ID_ENV",
+    "SessionEnded",
+    "SessionStarted",
+    "StepCompleted",
+    "given_run_id",
+    "new_run_id",
+)
 
 
 RUN_ID_ENV: Final = "EVENTBUS_DEBUG_RUN_ID"
 """Environment variable that fixes the run id (set it to one value on every rank of a job)."""
 
 
-def new_run_id(resumed: str | None = None) -> str:
-    """A run id: ``$EVENTBUS_DEBUG_RUN_ID``, else *resumed* (the id of the run a session
-    resumed from a checkpoint continues), else torchrun's ``$TORCHELASTIC_RUN_ID`` (shared by
-    the ranks of one job), else ``YYYYmmddTHHMMSS-<8 hex>`` (UTC time, random)."""
+def given_run_id(resumed: str | None = None) -> str | None:
+    """The run id the environment or a checkpoint gives: ``$EVENTBUS_DEBUG_RUN_ID``, else
+    *resumed* (the id of the run a session resumed from a checkpoint continues), else torchrun's
+    ``$TORCHELASTIC_RUN_ID`` (shared by the ranks of one job, and by its elastic restarts);
+    ``None`` when none does."""
     for value in (_env(RUN_ID_ENV), resumed, _env("TORCHELASTIC_RUN_ID")):
         if value:
             return value
+    return None
+
+
+def new_run_id(resumed: str | None = None) -> str:
+    """A run id: :func:`given_run_id`'s, else a fresh ``YYYYmmddTHHMMSS-<8 hex>`` (UTC time,
+    random)."""
+    given = given_run_id(resumed)
+    if given is not None:
+        return given
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     return f"{stamp}-{os.urandom(4).hex()}"
 

@@ -24,6 +24,7 @@ from ..events import (
     SessionEnded,
     SessionStarted,
     TensorRole,
+    given_run_id,
     new_run_id,
 )
 from ..exceptions import TrainingStopped
@@ -182,7 +183,6 @@ class SessionBase(Generic[BusT]):
         self._started = 0.0
         self._saved: SavedState | None = None
         """A state loaded before the start, applied when the probe and boundary are built."""
-        self._resumed_run: str | None = None
         self.run_id: str | None = None
         """The run's id in the log (:attr:`SessionStarted.run_id
         <eventbus_debug.events.SessionStarted.run_id>`), once the session started; a session
@@ -332,7 +332,6 @@ class SessionBase(Generic[BusT]):
             self._boundary.lone = _refuse_a_later_group
         saved, self._saved = self._saved, None
         if saved is not None:
-            self._resumed_run = saved.run_id
             if saved.step is not None:
                 self._boundary.step = saved.step
             _log.info("session_state_loaded", session=self.name, step=saved.step)
@@ -563,8 +562,18 @@ class SessionBase(Generic[BusT]):
         }
         if self.log_dir is not None:
             config["log_dir"] = str(self.log_dir)
-        self.run_id = new_run_id(self._resumed_run)
+        if self.run_id is None:  # chosen at the start, before the sinks were built
+            self._choose_run_id()
+        assert self.run_id is not None
         return SessionStarted(source=self.name, name=self.name, config=config, run_id=self.run_id)
+
+    def _choose_run_id(self) -> str | None:
+        """Set :attr:`run_id` at the start, before anything is published: the id the
+        environment or the loaded state gives (returned: earlier parts of the run may be in the
+        log, for the report to continue), else a fresh one (``None`` returned)."""
+        given = given_run_id(self._saved.run_id if self._saved is not None else None)
+        self.run_id = given if given is not None else new_run_id()
+        return given
 
     def _ended_event(self, exc: BaseException | None, *, cancelled: bool = False) -> SessionEnded:
         detail = ""

@@ -89,10 +89,14 @@ def rank_zero() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def build_sinks(options: SessionOptions, publisher: Publisher) -> Sinks:
+def build_sinks(
+    options: SessionOptions, publisher: Publisher, *, continued: str | None = None
+) -> Sinks:
     """The log, report, alerts, console and extra sinks *options* ask for.
 
     *publisher* is where the alert sink publishes its alerts (the bus, on its own loop).
+    *continued*: the run id the session continues (resumed from a checkpoint, or named by the
+    environment); the default report folds that run's earlier events from the log first.
     """
     out = Sinks()
     log_dir = options.log_path
@@ -102,6 +106,8 @@ def build_sinks(options: SessionOptions, publisher: Publisher) -> Sinks:
     # merges every rank's log afterwards.
     if options.report is True and log_dir is not None and rank_zero():
         out.report = ReportWriter(log_dir, title=f"{options.name}: eventbus-debug report")
+        if continued is not None:
+            out.report.continue_run(log_dir, continued)
     elif not isinstance(options.report, bool):
         out.report = options.report
     if out.report is not None:

@@ -132,7 +132,7 @@ class Session(SessionBase[EventBus]):
             )
         self._bus = bus
         self._join(bus)
-        sinks = build_sinks(options, bus)
+        sinks = build_sinks(options, bus, continued=self._choose_run_id())
         self._subscriptions.extend(self._subscribe(bus, sinks))
         if sinks.flusher is not None:
             tg = await stack.enter_async_context(anyio.create_task_group())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from concurrent.futures import Future
 from types import TracebackType
@@ -120,7 +121,10 @@ class SyncSession(SessionBase[SyncEventBus]):
         options = self.options
         self._join(bus)
         # Sinks are built on the bus's thread: some create anyio primitives.
-        sinks: Sinks = bus.portal.call(build_sinks, options, bus.bus)
+        continued = self._choose_run_id()
+        sinks: Sinks = bus.portal.call(
+            functools.partial(build_sinks, options, bus.bus, continued=continued)
+        )
         self._subscriptions.extend(self._subscribe(bus, sinks))
         if sinks.flusher is not None:
             # cancelled at exit: its sleep would hold the portal's close up to a second

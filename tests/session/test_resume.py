@@ -30,7 +30,7 @@ from eventbus_debug import (
     read_events,
 )
 from eventbus_debug.events import RUN_ID_ENV, Anomaly
-from eventbus_debug.sinks.report import summarize_runs
+from eventbus_debug.sinks.report import ReportWriter, build_report, summarize_runs
 from eventbus_debug.testing import RecordingSink
 
 STEPS = 900
@@ -486,3 +486,66 @@ async def test_a_bad_run_id_is_refused(run_id: object) -> None:
     model, opt = _model()
     with pytest.raises(ValueError, match=r"state\['run_id'\] must be a non-empty str or None"):
         Session(model, opt, **_quiet()).load_state_dict(state)
+
+
+async def test_the_live_report_covers_the_whole_resumed_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The resumed session's report.json covers both halves, as ``eventbus-debug report``."""
+    monkeypatch.delenv(RUN_ID_ENV, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    model, opt = _model()
+    async with Session(model, opt, log_dir=tmp_path, alerts=False) as first:
+        await _steps(first, model, opt, 0, 40)
+        state = first.state_dict()
+    second = Session(model, opt, log_dir=tmp_path, alerts=False)
+    second.load_state_dict(state)
+    async with second:
+        await _steps(second, model, opt, 40, 80)
+    live = json.loads((tmp_path / "report.json").read_text())
+    assert live["run_id"] == first.run_id
+    rebuilt, _ = build_report(tmp_path, tmp_path / "rebuilt")
+    assert live["summary"]["steps"] == rebuilt.steps == 80
+    assert live["summary"]["first_step"] == 0
+
+
+def test_a_restart_with_the_same_run_id_continues_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a state, a run id named by the environment (a job restarted as itself)
+    continues the report as well."""
+    monkeypatch.setenv(RUN_ID_ENV, "job-7")
+    model, opt = _model()
+    for lo, hi in ((0, 30), (30, 50)):
+        with SyncSession(model, opt, log_dir=tmp_path, alerts=False) as session:
+            for step in range(lo, hi):
+                opt.zero_grad(set_to_none=True)
+                loss = _loss(model, step)
+                torch.autograd.backward(loss)
+                if session.check_step(step, loss=loss).should_step:
+                    opt.step()
+                session.step_completed(step)
+        assert session.run_id == "job-7"
+    live = json.loads((tmp_path / "report.json").read_text())
+    assert live["summary"]["steps"] == 50
+
+
+def test_continue_run_folds_only_that_run(tmp_path: Path) -> None:
+    model, opt = _model()
+    with SyncSession(model, opt, log_dir=tmp_path / "log", report=False, alerts=False) as s:
+        for step in range(10):
+            opt.zero_grad(set_to_none=True)
+            torch.autograd.backward(_loss(model, step))
+            s.check_step(step)
+            s.step_completed(step)
+    assert s.run_id is not None
+    writer = ReportWriter(tmp_path / "out")
+    assert writer.continue_run(tmp_path / "log", "another-run") == 0
+    assert writer.continue_run(tmp_path / "missing", s.run_id) == 0
+    assert writer.summary().events == 0
+    assert writer.continue_run(tmp_path / "log", s.run_id) > 0
+    assert writer.summary().steps == 10
+    empty = tmp_path / "no-log-files"
+    empty.mkdir()
+    assert writer.continue_run(empty, s.run_id) == 0  # a warning, never an error
+    assert writer.summary().steps == 10

@@ -210,10 +210,8 @@ class Judge:
         loss_finite = True
         if loss_value is not None:
             if math.isfinite(loss_value):
-                scale = abs(loss_value)
-                if scale > self._loss_scale:
-                    self._loss_scale = scale
-                self._converged = scale <= _CONVERGED * self._loss_scale
+                if not self.global_spikes:  # else on the ranks' mean loss, in :meth:`scale`
+                    self.scale(loss_value)
             else:
                 loss_finite = False
                 incidents.append(
@@ -309,6 +307,20 @@ class Judge:
             overflow=overflow,
         )
         return Judgement(verdict, tuple(incidents))
+
+    def scale(self, loss: float) -> None:
+        """Take one finite loss into the run's largest loss and whether the loss converged
+        from it (which silences the vanishing checks).
+
+        With ``global_spikes`` it is the ranks' mean loss (:meth:`StepProbe.observe_global_loss
+        <eventbus_debug.StepProbe.observe_global_loss>`), not the rank's own: every rank's
+        convergence, and the vanishing checks and state it gates, are then the same, so one
+        rank's :meth:`state` resumes every rank exactly.
+        """
+        scale = abs(loss)
+        if scale > self._loss_scale:
+            self._loss_scale = scale
+        self._converged = scale <= _CONVERGED * self._loss_scale
 
     def spike(self, step: int, loss: float) -> LossSpiked | None:
         """Judge one finite loss for spikes; the incident, or ``None``."""

@@ -106,8 +106,10 @@ class StepProbe:
         optimizer: the optimizer *scaler* steps (tells whether the gradients are unscaled).
         global_spikes: judge loss spikes only on the loss averaged over the ranks, handed to
             :meth:`observe_global_loss` (a distributed session does, after its agreement), so N
-            ranks do not multiply false alarms by N. The local loss is still checked for
-            non-finite values at once.
+            ranks do not multiply false alarms by N. Whether the loss converged (which
+            silences the vanishing checks) is judged on that mean loss too, so the ranks'
+            detectors stay identical. The local loss is still checked for non-finite values
+            at once.
 
     Raises:
         TypeError: if *model* is not an ``nn.Module``, *bus* is not a Publisher or ``None``, or
@@ -417,16 +419,18 @@ class StepProbe:
             return verdict
 
     def observe_global_loss(self, step: int, loss: float) -> LossSpiked | None:
-        """Judge *step*'s loss averaged over the ranks for spikes; publish and return a spike.
+        """Judge *step*'s loss averaged over the ranks for spikes (and whether the loss
+        converged); publish and return a spike.
 
         A distributed session calls it after the ranks agreed (the mean rides in the agreement's
         one collective), with ``global_spikes=True``: every rank judges the same number, so the
-        ranks' detectors stay identical and decide together, one safe point later.
-
+        ranks' detectors stay identical (one rank's :meth:`state_dict` resumes them all) and
+        decide together, one safe point later.
         """
         if not math.isfinite(loss):
             return None  # the local non-finite checks act on it, at once
         with self._lock:
+            self._judge.scale(loss)  # the convergence too: the same on every rank
             spike = self._judge.spike(step, loss)
         if spike is not None and self._bus is not None:
             self._bus.publish_nowait(spike)

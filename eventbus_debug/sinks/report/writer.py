@@ -248,6 +248,32 @@ class ReportWriter:
         self._aggregator.clear()
         _log.info("report_cleared", directory=str(self.directory))
 
+    def continue_run(self, log: str | os.PathLike[str], run_id: str, /) -> int:
+        """Fold the events of run *run_id* that *log* already holds: the earlier parts of a run
+        resumed from a checkpoint (or restarted with the same ``$EVENTBUS_DEBUG_RUN_ID``), so
+        that this writer's report covers the whole run, as ``eventbus-debug report`` does.
+        Call it before the new part's events arrive. A session does it at its start.
+
+        Returns how many events were folded (0: the log holds none of that run). A log that
+        cannot be read is a warning, never an error: the report then covers the new part only.
+
+        Raises:
+            TypeError: if *log* is not a path or *run_id* not a str.
+        """
+        try:
+            events = read_events(log, strict=False, run=run_id)
+            before = self._aggregator.summary().events
+            self._aggregator.add_all(events)
+        except ValueError:  # the log holds no such run: a first part, or another log dir
+            return 0
+        except OSError as exc:  # LogReadError: no log yet, or unreadable
+            if Path(log).exists():
+                _log.warning("report_run_not_continued", log=str(log), run=run_id, error=str(exc))
+            return 0
+        folded = self._aggregator.summary().events - before
+        _log.info("report_run_continued", log=str(log), run=run_id, events=folded)
+        return folded
+
     def add(self, events: Iterable[Event], /) -> None:
         """Fold *events* synchronously (what :meth:`handle_batch` does, without writing)."""
         self._aggregator.add_all(events)
