@@ -1191,11 +1191,13 @@ async def _train(
     fault: Fault | None,
     session: Session | None,
     trace: _Trace,
+    start: int = 0,
 ) -> None:
+    """Steps *start* .. *steps* - 1 of *wl* (a resumed run starts past 0)."""
     opt, model, scaler = wl.optimizer, wl.model, wl.scaler
     evals: list[float] = []
     trace.evals = evals
-    for step in range(steps):
+    for step in range(start, steps):
         trace.current = step
         if wl.before_step is not None:
             wl.before_step(step)

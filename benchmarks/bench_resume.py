@@ -39,9 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_decisions as bd  # noqa: E402  (the workloads, shared)
+import bench_decisions as bd
 
-from eventbus_debug import Session  # noqa: E402
+from eventbus_debug import Session
 
 MODES = ("uninterrupted", "resumed", "cold")
 
@@ -55,36 +55,6 @@ class Outcome:
     state_bytes: int = 0
     state_us: float = 0.0
     model_save_us: float = 0.0
-
-
-async def _steps(wl: bd.Workload, lo: int, hi: int, session: Session) -> None:
-    """Steps *lo* .. *hi* - 1 of *wl*, as bench_decisions' loop runs them."""
-    opt, model, scaler = wl.optimizer, wl.model, wl.scaler
-    for step in range(lo, hi):
-        if wl.before_step is not None:
-            wl.before_step(step)
-        if step == wl.rebaseline_at:
-            session.rebaseline()
-        x, y = wl.batch(step)
-        if scaler is not None:
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = wl.loss(model, x, y)
-        else:
-            loss = wl.loss(model, x, y)
-        (scaler.scale(loss) if scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
-        verdict = await session.check_step(step, loss=loss)
-        if verdict.should_step:
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-        opt.zero_grad(set_to_none=True)
-        if wl.scheduler is not None:
-            wl.scheduler.step()
-        await session.step_completed(step, loss=verdict.loss)
-        if wl.after_step is not None:
-            wl.after_step(step)
 
 
 def _timed_us(fn: Any, repeat: int = 20) -> float:
@@ -121,10 +91,10 @@ async def _run(spec: bd.RunSpec, steps: int, resume_at: int, mode: str) -> Outco
     state_us = save_us = 0.0
     if mode == "uninterrupted":
         async with session() as s:
-            await _steps(wl, 0, steps, s)
+            await bd._train(wl, steps, None, s, bd._Trace())
     else:
         async with session() as first:
-            await _steps(wl, 0, resume_at, first)
+            await bd._train(wl, resume_at, None, first, bd._Trace())
             text = json.dumps(first.state_dict())
             size = len(text)
             state_us = _timed_us(lambda: json.dumps(first.state_dict()))
@@ -133,7 +103,7 @@ async def _run(spec: bd.RunSpec, steps: int, resume_at: int, mode: str) -> Outco
         if mode == "resumed":
             second.load_state_dict(json.loads(text))
         async with second:
-            await _steps(wl, resume_at, steps, second)
+            await bd._train(wl, steps, None, second, bd._Trace(), start=resume_at)
     return Outcome(
         incidents=tuple(
             (i.step, i.kind) for i in tally.incidents if i.step is not None and i.step >= resume_at
