@@ -108,7 +108,9 @@ async def _run(spec: bd.RunSpec, steps: int, resume_at: int, mode: str) -> Outco
         incidents=tuple(
             (i.step, i.kind) for i in tally.incidents if i.step is not None and i.step >= resume_at
         ),
-        actions=tuple((a.step, a.action) for a in tally.actions if a.step >= resume_at),
+        actions=tuple(
+            (a.step, a.action) for a in tally.actions if a.step is not None and a.step >= resume_at
+        ),
         state_bytes=size,
         state_us=state_us,
         model_save_us=save_us,
