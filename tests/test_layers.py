@@ -19,6 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "exceptions",
         "typing",
         "_validate",
+        "_saved",
         "_records",
         "_tensors",
         "_modules",
