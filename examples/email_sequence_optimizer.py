@@ -5,14 +5,21 @@ action); the model predicts whether the sequence gets a reply. ``results = await
 trainer.train()`` runs epochs with the session's probes and recovery built in, evaluates on a
 validation split after each epoch, and stops early when validation loss stops improving.
 
+With ``checkpoint=`` the trainer saves a checkpoint after every epoch (the model, the optimizer,
+its own progress, the RNG and the debug session's ``state_dict()``) and resumes from it when it
+exists: a job that is preempted and started again finishes exactly as the uninterrupted job,
+its debug detectors included.
+
 Run: python examples/email_sequence_optimizer.py
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import torch
@@ -73,6 +80,7 @@ class EmailSequenceTrainer:
         patience: int = 3,
         log_dir: str | None = "debug_logs/email",
         debug_mode: DebugMode = DebugMode.ANOMALY_DETECTION,
+        checkpoint: str | None = None,
     ) -> None:
         gen = torch.Generator().manual_seed(0)
         torch.manual_seed(0)
@@ -86,6 +94,34 @@ class EmailSequenceTrainer:
         self.log_dir = log_dir
         self.debug_mode = debug_mode
         self.loss_fn = nn.BCEWithLogitsLoss()
+        self.checkpoint = Path(checkpoint) if checkpoint is not None else None
+
+    def _save(self, session: Session, progress: dict[str, Any]) -> None:
+        """Everything the next job needs to go on where this one is, written atomically."""
+        assert self.checkpoint is not None
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "progress": progress,
+            "debug": session.state_dict(),  # what the detectors learned of the run
+        }
+        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.checkpoint.with_name(self.checkpoint.name + ".partial")
+        torch.save(state, partial)
+        os.replace(partial, self.checkpoint)
+
+    def _resume(self, session: Session) -> dict[str, Any] | None:
+        """Load the checkpoint, if there is one, into the model, optimizer, RNG and session."""
+        if self.checkpoint is None or not self.checkpoint.exists():
+            return None
+        state = torch.load(self.checkpoint, weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        session.load_state_dict(state["debug"])  # before the session starts
+        progress: dict[str, Any] = state["progress"]
+        return progress
 
     def _validate(self) -> tuple[float, float]:
         self.model.eval()
@@ -98,14 +134,22 @@ class EmailSequenceTrainer:
 
     async def train(self) -> TrainingResults:
         """Train until *max_epochs* or until validation loss stalls for *patience* epochs."""
-        best, best_acc, bad_epochs, step = math.inf, 0.0, 0, 0
+        best, best_acc, bad_epochs, step, done = math.inf, 0.0, 0, 0, 0
         history: list[float] = []
         stopped = False
-        async with Session(
+        session = Session(
             self.model, self.optimizer, log_dir=self.log_dir, mode=self.debug_mode, name="email"
-        ) as session:
-            epochs_run = 0
-            for epoch in range(1, self.max_epochs + 1):
+        )
+        progress = self._resume(session)
+        if progress is not None:
+            best, best_acc = progress["best"], progress["best_acc"]
+            bad_epochs, step, done = progress["bad_epochs"], progress["step"], progress["epochs"]
+            history, stopped = list(progress["history"]), progress["stopped"]
+        epochs_run = done
+        async with session:
+            for epoch in range(done + 1, self.max_epochs + 1):
+                if stopped:
+                    break
                 epochs_run = epoch
                 order = torch.randperm(len(self.train_x))
                 for i in range(0, len(order), self.batch_size):
@@ -121,9 +165,20 @@ class EmailSequenceTrainer:
                     best, best_acc, bad_epochs = val_loss, val_acc, 0
                 else:
                     bad_epochs += 1
-                    if bad_epochs >= self.patience:
-                        stopped = True
-                        break
+                    stopped = bad_epochs >= self.patience
+                if self.checkpoint is not None:
+                    self._save(
+                        session,
+                        {
+                            "epochs": epoch,
+                            "step": step,
+                            "best": best,
+                            "best_acc": best_acc,
+                            "bad_epochs": bad_epochs,
+                            "history": history,
+                            "stopped": stopped,
+                        },
+                    )
         return TrainingResults(
             epochs_run=epochs_run,
             best_val_loss=best,
@@ -134,9 +189,16 @@ class EmailSequenceTrainer:
 
 
 async def main(
-    max_epochs: int = 30, train_size: int = 2048, log_dir: str | None = "debug_logs/email"
+    max_epochs: int = 30,
+    train_size: int = 2048,
+    log_dir: str | None = "debug_logs/email",
+    checkpoint: str | None = "checkpoints/email.pt",
 ) -> TrainingResults:
-    trainer = EmailSequenceTrainer(max_epochs=max_epochs, train_size=train_size, log_dir=log_dir)
+    trainer = EmailSequenceTrainer(
+        max_epochs=max_epochs, train_size=train_size, log_dir=log_dir, checkpoint=checkpoint
+    )
+    if checkpoint is not None and Path(checkpoint).exists():
+        print(f"resuming from {checkpoint}")
     results = await trainer.train()
     print(
         f"{results.epochs_run} epochs, best validation loss {results.best_val_loss:.4f}, "

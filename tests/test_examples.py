@@ -8,6 +8,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -81,7 +82,25 @@ async def test_ads_diffusion_debugging() -> None:
 
 
 async def test_email_sequence_optimizer(tmp_path: Path) -> None:
-    """results = await trainer.train() returns validated results and writes the report."""
-    results = await _load("email_sequence_optimizer").main(2, 128, str(tmp_path / "email"))
-    assert results.epochs_run == 2 and len(results.history) == 2
-    assert (tmp_path / "email" / "report.html").exists()
+    """results = await trainer.train() at the default size returns validated results, stops
+    early, writes the report and a checkpoint; run again, it resumes from it and is done."""
+    example = _load("email_sequence_optimizer")
+    results = await example.main()
+    assert results.stopped_early and results.val_accuracy > 0.9
+    assert len(results.history) == results.epochs_run
+    assert (tmp_path / "debug_logs" / "email" / "report.html").exists()
+    again = await example.main()  # the checkpoint says it finished
+    assert again == results
+
+
+async def test_email_sequence_optimizer_resumes_as_if_never_stopped(tmp_path: Path) -> None:
+    """A job stopped after 3 epochs and started again finishes as the uninterrupted job: the
+    same validation history, and the same debug detector state in its last checkpoint."""
+    example = _load("email_sequence_optimizer")
+    full = await example.main(8, 512, str(tmp_path / "a"), str(tmp_path / "a.pt"))
+    first = await example.main(3, 512, str(tmp_path / "b"), str(tmp_path / "b.pt"))
+    assert first.epochs_run == 3
+    resumed = await example.main(8, 512, str(tmp_path / "b"), str(tmp_path / "b.pt"))
+    assert resumed == full
+    debug = [torch.load(tmp_path / f"{run}.pt", weights_only=True)["debug"] for run in ("a", "b")]
+    assert debug[0]["probe"] == debug[1]["probe"] and debug[0]["step"] == debug[1]["step"]
