@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,3 +37,12 @@ def run_ranks(module: str, head: Sequence[str], world: int, tmp: Path, limit: fl
             if p.poll() is None:
                 p.kill()
     return outputs
+
+
+def stay_alive_until(paths: Sequence[Path], limit: float) -> None:
+    """Keep this process alive until every file of *paths* exists (the other ranks wrote
+    their results) or *limit* seconds passed: a rank that failed holds its end of the group
+    open while the others are judged, and the test does not wait out a fixed sleep."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and not all(p.exists() for p in paths):
+        time.sleep(0.05)

@@ -30,7 +30,7 @@ from eventbus_debug import SyncSession
 from eventbus_debug.exceptions import TrainingStopped
 from eventbus_debug.recovery.agreement import RankAgreement
 
-from ._ranks import run_ranks
+from ._ranks import run_ranks, stay_alive_until
 
 LIMIT = 60.0  # seconds for the whole group; a regression fails instead of hanging
 EPOCHS = 40
@@ -182,8 +182,8 @@ def _failing_rank(rank: int, world: int, init: str, out: Path) -> None:
         result["message"] = str(exc)
         result["waited_s"] = time.monotonic() - last
     (out / f"rank{rank}.json").write_text(json.dumps(result))
-    if rank == 1:
-        time.sleep(HOLD)  # alive: without the abort, rank 0 waits for this process to end
+    if rank == 1:  # alive: without the abort, rank 0 waits for this process to end
+        stay_alive_until([out / "rank0.json"], HOLD)
 
 
 def test_a_rank_failing_in_its_session_stops_the_others_at_once(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ from eventbus_debug.recovery.actions import ClipGradients, DecidedAction, Decisi
 from eventbus_debug.recovery.agreement import AGREE_TIMEOUT
 from eventbus_debug.testing import RecordingSink
 
-from ._ranks import run_ranks
+from ._ranks import run_ranks, stay_alive_until
 
 LIMIT = 90.0  # seconds for a whole group; a regression fails instead of hanging
 STEPS = 12
@@ -223,8 +223,8 @@ def _raises(rank: int, world: int, out: Path) -> dict[str, Any]:
             "waited_s": time.monotonic() - last,
         }
     (out / f"raises.rank{rank}.json").write_text(json.dumps(res))
-    if rank == world - 1:
-        time.sleep(10.0)  # alive: the others must not wait for this process to end
+    if rank == world - 1:  # alive: the others must not wait for this process to end
+        stay_alive_until([out / f"raises.rank{r}.json" for r in range(world - 1)], 10.0)
     return res
 
 
