@@ -288,6 +288,18 @@ class SessionBase(Generic[BusT]):
         self.amp = recovery.amp
         if self._saved is not None:  # checked when it was given
             self._load_parts(self._saved)
+        elif self.optimizer is not None and self.optimizer.state:
+            _log.warning(
+                "resumed_without_detector_state",
+                session=self.name,
+                detail="the optimizer has already stepped (a run resumed from a checkpoint, or "
+                "a new session each epoch?) and no session state was loaded: the detectors "
+                "learn the run anew and may report its ordinary batches in the first steps",
+                hint="save session.state_dict() in the checkpoint (or take it from the last "
+                "session) and call session.load_state_dict(state) before the session starts "
+                "(README: 'Resuming a run from a checkpoint'); the Lightning, Hugging Face and "
+                "Ignite integrations do it with their own checkpoints",
+            )
         return probe
 
     def _arm(self, bus: BusT) -> AnomalyArming | None:

@@ -549,3 +549,28 @@ def test_continue_run_folds_only_that_run(tmp_path: Path) -> None:
     empty.mkdir()
     assert writer.continue_run(empty, s.run_id) == 0  # a warning, never an error
     assert writer.summary().steps == 10
+
+
+async def test_a_cold_resume_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """An optimizer that has already stepped and no state loaded: one warning that says how
+    to carry the state; none for a fresh run, none with the state."""
+    weights, optim, state = await _checkpoint()
+
+    async def start(load: bool, restored: bool) -> list[str]:
+        model, opt = _model()
+        if restored:
+            model.load_state_dict(weights)
+            opt.load_state_dict(optim)
+        session = Session(model, opt, **_quiet())
+        if load:
+            session.load_state_dict(state)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="eventbus_debug"):
+            async with session:
+                await _steps(session, model, opt, RESUME, RESUME + 3)
+        return [r.getMessage() for r in caplog.records if "resumed_without" in r.getMessage()]
+
+    cold = await start(load=False, restored=True)
+    assert len(cold) == 1 and "load_state_dict" in cold[0]
+    assert await start(load=True, restored=True) == []
+    assert await start(load=False, restored=False) == []
