@@ -1327,17 +1327,33 @@ async def _plain(spec: RunSpec, steps: int, fault: Fault | None) -> float:
     return _final(trace, wl)
 
 
-async def _library(
-    spec: RunSpec, steps: int, fault: Fault | None
-) -> tuple[_Trace, Workload, _Tally, str, str | None]:
-    wl = spec.build(steps, fault.lr_scale if fault is not None else 1.0)
-    tally = _Tally()
+def library_session(wl: Workload, tally: _Tally) -> Session:
+    """The session the battery runs *wl* in: the library's defaults (recovery on), the log,
+    report, alerts and system sampler off, *tally* listening, the workload's scheduler and
+    scaler handed over."""
     extra: dict[str, Any] = {}
     accepted = session_options()
     if "scheduler" in accepted and wl.scheduler is not None:
         extra["scheduler"] = wl.scheduler
     if "scaler" in accepted and wl.scaler is not None:
         extra["scaler"] = wl.scaler
+    return Session(
+        wl.model,
+        wl.optimizer,
+        log_dir=None,
+        report=False,
+        alerts=False,
+        system_interval=None,
+        sinks=[tally],
+        **extra,
+    )
+
+
+async def _library(
+    spec: RunSpec, steps: int, fault: Fault | None
+) -> tuple[_Trace, Workload, _Tally, str, str | None]:
+    wl = spec.build(steps, fault.lr_scale if fault is not None else 1.0)
+    tally = _Tally()
     trace = _Trace()
     stop_reason = ""
     crash: str | None = None
@@ -1345,16 +1361,7 @@ async def _library(
         if wl.gan is not None:
             await _library_gan(wl, steps, tally, trace)
             return trace, wl, tally, stop_reason, crash
-        async with Session(
-            wl.model,
-            wl.optimizer,
-            log_dir=None,
-            report=False,
-            alerts=False,
-            system_interval=None,
-            sinks=[tally],
-            **extra,
-        ) as session:
+        async with library_session(wl, tally) as session:
             await _train(wl, steps, fault, session, trace)
     except TrainingStopped as exc:
         stop_reason = str(exc) or "TrainingStopped"

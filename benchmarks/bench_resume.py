@@ -69,23 +69,9 @@ def _timed_us(fn: Any, repeat: int = 20) -> float:
 async def _run(spec: bd.RunSpec, steps: int, resume_at: int, mode: str) -> Outcome:
     wl = spec.build(steps, 1.0)
     tally = bd._Tally()
-    extra: dict[str, Any] = {}
-    if wl.scheduler is not None:
-        extra["scheduler"] = wl.scheduler
-    if wl.scaler is not None:
-        extra["scaler"] = wl.scaler
 
     def session() -> Session:
-        return Session(
-            wl.model,
-            wl.optimizer,
-            log_dir=None,
-            report=False,
-            alerts=False,
-            system_interval=None,
-            sinks=[tally],
-            **extra,
-        )
+        return bd.library_session(wl, tally)
 
     size = 0
     state_us = save_us = 0.0
