@@ -462,17 +462,20 @@ class SessionBase(Generic[BusT]):
         the optimizer's and the scheduler's state dicts.
 
         A run resumed from that checkpoint with :meth:`load_state_dict` is judged as if it
-        had never stopped: the detectors' baselines and memories (the loss-spike and explosion
-        windows, the run's range, its heavy tails and recurring levels, whether the loss
-        converged, each parameter's gradient history) and the step reached. Without it, a
-        resumed session knows nothing of the run, and a converged, noisy run looks new to it:
-        incidents it would not have reported (no action: those need sustained evidence).
+        had never stopped. The state holds the detectors' baselines and memories (the
+        loss-spike and explosion windows, the run's range, its heavy tails and recurring
+        levels, whether the loss converged, each parameter's gradient history), recovery's
+        temporary LR changes in force (undone on the step the uninterrupted run would undo
+        them), the step reached and the run's id (the resumed session continues that run in
+        the log and the report). Without it, a resumed session knows nothing of the run, and a
+        converged, noisy run looks new to it: incidents it would not have reported.
 
         Plain Python values: ``torch.save`` / ``torch.load(weights_only=True)``, ``json`` and
         ``pickle`` all carry it (a few kilobytes; it grows with the parameter count by one
-        float per parameter tensor). Recovery's history (what it tried, its budgets), a state
-        snapshot and a weight-update measurement in progress are not in it: they start anew.
-        Before the start it is the state given to :meth:`load_state_dict`, if any.
+        float per parameter tensor). What recovery tried so far (its consecutive counts and
+        budgets), its last good snapshot and a weight-update measurement in progress are not
+        in it: they start anew, as after a restore. Before the start it is the state given to
+        :meth:`load_state_dict`, if any.
         """
         probe = self.probe
         if probe is None:
