@@ -2,11 +2,13 @@
 naming its path.
 
 Saved states are plain Python values (dicts, lists, floats, ints, bools, strings and
-``None``) so that ``torch.save`` (with ``torch.load(weights_only=True)``), ``json`` and a
-Hugging Face ``trainer_state.json`` all carry them. A float may be infinite (a window that is
-empty); ``json`` writes those as ``Infinity``. What is read back is checked here, field by
-field: a checkpoint from another program, or one edited by hand, gets a clear error naming
-the field (``state['probe']['spikes']['window'][3] must be a number, got 'x'``), never a
+``None``) so that ``torch.save`` (with ``torch.load(weights_only=True)``), any JSON encoder
+(``json``, orjson, a Hugging Face ``trainer_state.json``) and ``pickle`` all carry them. An
+infinite float (a window that is empty) is written as the string ``"inf"`` or ``"-inf"``
+(:func:`portable`), which strict JSON carries and the readers here take back.
+
+What is read back is checked here, field by field: a checkpoint from another program, or one
+edited by hand, gets a clear error naming the field (``state['probe']['spikes']['window'][3] must be a number, got 'x'``), never a
 traceback from deep inside a detector at some later step.
 """
 
@@ -14,9 +16,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
-__all__ = ("StateReader", "check_format")
+__all__ = ("StateReader", "check_format", "portable")
 
 
 class StateReader:
@@ -173,7 +175,29 @@ def _list(value: object, path: str) -> list[Any]:
     return list(value)
 
 
+_INFINITIES: Final = {"inf": math.inf, "-inf": -math.inf}
+"""How :func:`portable` writes the infinite floats of a state (see there)."""
+
+
+def portable(value: Any) -> Any:
+    """*value* (a state of plain values) with every infinite float written as the string
+    ``"inf"`` or ``"-inf"``: strict JSON has no infinity (``json.dumps`` writes a non-standard
+    ``Infinity``, orjson writes ``null``), so this way any JSON encoder carries the state, and
+    the readers here take the strings back as numbers."""
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [portable(v) for v in value]
+    return value
+
+
 def _number(value: object, path: str, *, finite: bool) -> float:
+    if isinstance(value, str) and value in _INFINITIES:
+        value = _INFINITIES[value]
     if isinstance(value, bool) or not isinstance(value, int | float):
         msg = f"{path} must be a number, got {value!r}"
         raise ValueError(msg)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import torch
 from torch import nn
@@ -106,21 +107,24 @@ def _judged(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _through_disk(state: dict[str, Any], how: str) -> Any:
-    if how == "json":
-        return json.loads(json.dumps(state))
+    if how == "json":  # strict JSON: no Infinity, no NaN
+        return json.loads(json.dumps(state, allow_nan=False))
+    if how == "orjson":
+        return orjson.loads(orjson.dumps(state))
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=True)
 
 
-@pytest.mark.parametrize("how", ["json", "torch"])
+@pytest.mark.parametrize("how", ["json", "orjson", "torch"])
 async def test_resumed_run_is_judged_as_the_uninterrupted_one(how: str) -> None:
     """Same incidents at the same steps (the planted spike included) and the same detector
     state at the end, after a round trip through json or torch.save(weights_only=True)."""
     expected, final = await _uninterrupted()
     assert (SPIKE, "loss_spiked") in expected
     weights, optim, state = await _checkpoint()
+    assert '"inf"' in json.dumps(state)  # an infinity, written so that strict JSON carries it
     model, opt = _model()
     model.load_state_dict(weights)
     opt.load_state_dict(optim)

@@ -28,7 +28,7 @@ from torch import nn
 from eventbus_debug.diagnostics import get_logger
 
 from ..._modules import float_parameters, named_root
-from ..._saved import StateReader, check_format
+from ..._saved import StateReader, check_format, portable
 from ..._validate import (
     INT64_MAX,
     flags_and_source,
@@ -281,7 +281,7 @@ class StepProbe:
                 "format": STATE_FORMAT,
                 "version": STATE_VERSION,
                 "parameters": list(self._names),
-                "judge": self._judge.state(),
+                "judge": portable(self._judge.state()),
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
