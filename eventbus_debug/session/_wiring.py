@@ -6,6 +6,7 @@ sessions get their parts from here, typed with the sinks' own classes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
@@ -68,12 +69,16 @@ class Sinks:
         report: the report sink (None when removed).
         alerts: the alert sink (None when removed).
         flusher: the built-in alert sink whose ``run_flusher`` task the session runs.
+        continue_report: see below (None unless the session continues a run).
     """
 
     subscribers: list[tuple[Subscriber, str]] = field(default_factory=list)
     report: ReportSink | None = None
     alerts: AlertsSink | None = None
     flusher: AlertSink | None = None
+    continue_report: Callable[[], int] | None = None
+    """Folds the continued run's earlier events from the log into the default report: run
+    it before the sinks are subscribed (it reads the whole log: off the event loop)."""
 
 
 _SESSION_NAMES: Final = frozenset(
@@ -96,7 +101,8 @@ def build_sinks(
 
     *publisher* is where the alert sink publishes its alerts (the bus, on its own loop).
     *continued*: the run id the session continues (resumed from a checkpoint, or named by the
-    environment); the default report folds that run's earlier events from the log first.
+    environment); the default report is to fold that run's earlier events from the log first
+    (:attr:`Sinks.continue_report`).
     """
     out = Sinks()
     log_dir = options.log_path
@@ -107,7 +113,7 @@ def build_sinks(
     if options.report is True and log_dir is not None and rank_zero():
         out.report = ReportWriter(log_dir, title=f"{options.name}: eventbus-debug report")
         if continued is not None:
-            out.report.continue_run(log_dir, continued)
+            out.continue_report = functools.partial(out.report.continue_run, log_dir, continued)
     elif not isinstance(options.report, bool):
         out.report = options.report
     if out.report is not None:

@@ -133,6 +133,8 @@ class Session(SessionBase[EventBus]):
         self._bus = bus
         self._join(bus)
         sinks = build_sinks(options, bus, continued=self._choose_run_id())
+        if sinks.continue_report is not None:  # reads the log: a worker thread, not the loop
+            await anyio.to_thread.run_sync(sinks.continue_report)
         self._subscriptions.extend(self._subscribe(bus, sinks))
         if sinks.flusher is not None:
             tg = await stack.enter_async_context(anyio.create_task_group())

@@ -125,6 +125,8 @@ class SyncSession(SessionBase[SyncEventBus]):
         sinks: Sinks = bus.portal.call(
             functools.partial(build_sinks, options, bus.bus, continued=continued)
         )
+        if sinks.continue_report is not None:  # reads the log: here, not on the bus's thread
+            sinks.continue_report()
         self._subscriptions.extend(self._subscribe(bus, sinks))
         if sinks.flusher is not None:
             # cancelled at exit: its sleep would hold the portal's close up to a second
