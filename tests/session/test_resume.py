@@ -448,12 +448,16 @@ def test_a_bad_temporary_lr_change_is_refused(change: dict[str, Any], message: s
 # -- the run in the log ----------------------------------------------------------------------------
 
 
-async def test_the_resumed_session_continues_the_run_in_the_log(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """One run id for the job: the log's summary covers both halves as one run."""
+@pytest.fixture
+def fresh_run_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No run id from the environment: each session draws its own, unless a state gives one."""
     monkeypatch.delenv(RUN_ID_ENV, raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+
+
+@pytest.mark.usefixtures("fresh_run_ids")
+async def test_the_resumed_session_continues_the_run_in_the_log(tmp_path: Path) -> None:
+    """One run id for the job: the log's summary covers both halves as one run."""
     model, opt = _model()
     async with Session(model, opt, log_dir=tmp_path, report=False, alerts=False) as first:
         await _steps(first, model, opt, 0, 40)
@@ -492,12 +496,9 @@ async def test_a_bad_run_id_is_refused(run_id: object) -> None:
         Session(model, opt, **_quiet()).load_state_dict(state)
 
 
-async def test_the_live_report_covers_the_whole_resumed_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("fresh_run_ids")
+async def test_the_live_report_covers_the_whole_resumed_run(tmp_path: Path) -> None:
     """The resumed session's report.json covers both halves, as ``eventbus-debug report``."""
-    monkeypatch.delenv(RUN_ID_ENV, raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     model, opt = _model()
     async with Session(model, opt, log_dir=tmp_path, alerts=False) as first:
         await _steps(first, model, opt, 0, 40)
