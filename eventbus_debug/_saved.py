@@ -7,16 +7,21 @@ Saved states are plain Python values (dicts, lists, floats, ints, bools, strings
 infinite float (a window that is empty) is written as the string ``"inf"`` or ``"-inf"``
 (:func:`portable`), which strict JSON carries and the readers here take back.
 
-What is read back is checked here, field by field: a checkpoint from another program, or one
-edited by hand, gets a clear error naming the field (``state['probe']['spikes']['window'][3] must be a number, got 'x'``), never a
-traceback from deep inside a detector at some later step.
+What is read back is checked here, field by field, with the argument rules of
+:mod:`eventbus_debug._validate` where one fits: a checkpoint from another program, or one
+edited by hand, gets a clear error naming the field (``state['probe']['judge']['spikes']
+['window'][3] must be a number, got 'x'``), never a traceback from deep inside a detector at
+some later step. Every error is a ``ValueError`` (a wrong type is an
+:class:`~eventbus_debug.exceptions.ArgumentTypeError`, which is one too).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
+
+from ._validate import non_negative_int
 
 __all__ = ("StateReader", "check_format", "portable")
 
@@ -62,28 +67,28 @@ class StateReader:
         """The nested mapping at *key*."""
         return StateReader(self._get(key), self.at(key))
 
-    def number(self, key: str, *, finite: bool = False) -> float:
-        """A float (``inf`` allowed unless *finite*; never NaN)."""
-        return _number(self._get(key), self.at(key), finite=finite)
+    def checked(self, key: str, check: Callable[[str, object], Any]) -> Any:
+        """The value at *key*, through *check* (a rule of :mod:`eventbus_debug._validate`:
+        ``check(path, value)``)."""
+        return check(self.at(key), self._get(key))
 
-    def optional_number(self, key: str) -> float | None:
-        """A float or ``None``."""
-        value = self._get(key)
-        return None if value is None else _number(value, self.at(key), finite=False)
+    def number(self, key: str) -> float:
+        """A float (``inf`` allowed, never NaN)."""
+        return _number(self.at(key), self._get(key))
 
     def count(self, key: str) -> int:
         """An int >= 0."""
-        return _count(self._get(key), self.at(key))
+        return non_negative_int(self.at(key), self._get(key))
 
     def optional_count(self, key: str) -> int | None:
         """An int >= 0, or ``None``."""
         value = self._get(key)
-        return None if value is None else _count(value, self.at(key))
+        return None if value is None else non_negative_int(self.at(key), value)
 
     def optional_integer(self, key: str) -> int | None:
         """Any int (an octave may be negative), or ``None``."""
         value = self._get(key)
-        return None if value is None else _integer(value, self.at(key))
+        return None if value is None else _integer(self.at(key), value)
 
     def flag(self, key: str) -> bool:
         """A bool."""
@@ -96,10 +101,7 @@ class StateReader:
     def numbers(self, key: str) -> list[float]:
         """A list of floats."""
         path = self.at(key)
-        return [
-            _number(v, f"{path}[{i}]", finite=False)
-            for i, v in enumerate(_list(self._get(key), path))
-        ]
+        return [_number(f"{path}[{i}]", v) for i, v in enumerate(_list(self._get(key), path))]
 
     def counted_numbers(self, key: str, *, signed: bool = False) -> list[tuple[int, float]]:
         """A list of ``[count, number]`` pairs (*signed*: the first may be negative)."""
@@ -110,23 +112,24 @@ class StateReader:
             if not isinstance(item, list | tuple) or len(item) != 2:
                 msg = f"{here} must be a [count, number] pair, got {item!r}"
                 raise ValueError(msg)
-            first = _integer(item[0], f"{here}[0]") if signed else _count(item[0], f"{here}[0]")
-            pairs.append((first, _number(item[1], f"{here}[1]", finite=False)))
+            first = (_integer if signed else non_negative_int)(f"{here}[0]", item[0])
+            pairs.append((first, _number(f"{here}[1]", item[1])))
         return pairs
 
-    def named_numbers(self, key: str) -> dict[str, float]:
-        """A dict of str -> float."""
+    def named(self, key: str, check: Callable[[str, object], Any]) -> dict[str, Any]:
+        """A dict of str (parameter names) -> values, each through *check* (a rule of
+        :mod:`eventbus_debug._validate`, or :meth:`number`'s)."""
         value = self._get(key)
         path = self.at(key)
         if not isinstance(value, Mapping):
-            msg = f"{path} must be a dict of names to numbers, got {type(value).__qualname__}"
+            msg = f"{path} must be a dict of parameter names, got {type(value).__qualname__}"
             raise ValueError(msg)
-        out: dict[str, float] = {}
+        out: dict[str, Any] = {}
         for name, v in value.items():
             if not isinstance(name, str):
                 msg = f"{path} must have str keys (parameter names), got {name!r}"
                 raise ValueError(msg)
-            out[name] = _number(v, f"{path}[{name!r}]", finite=False)
+            out[name] = check(f"{path}[{name!r}]", v)
         return out
 
     def text(self, key: str) -> str:
@@ -145,7 +148,9 @@ class StateReader:
     def counts(self, key: str) -> list[int]:
         """A list of ints >= 0."""
         path = self.at(key)
-        return [_count(v, f"{path}[{i}]") for i, v in enumerate(_list(self._get(key), path))]
+        return [
+            non_negative_int(f"{path}[{i}]", v) for i, v in enumerate(_list(self._get(key), path))
+        ]
 
     def optional_text(self, key: str) -> str | None:
         """A non-empty str, or ``None``."""
@@ -195,29 +200,24 @@ def portable(value: Any) -> Any:
     return value
 
 
-def _number(value: object, path: str, *, finite: bool) -> float:
+def _number(path: str, value: object) -> float:
+    """*value* as a float: a number, or ``"inf"``/``"-inf"`` (:func:`portable`); never NaN."""
     if isinstance(value, str) and value in _INFINITIES:
         value = _INFINITIES[value]
     if isinstance(value, bool) or not isinstance(value, int | float):
         msg = f"{path} must be a number, got {value!r}"
         raise ValueError(msg)
     number = float(value)
-    if math.isnan(number) or (finite and math.isinf(number)):
-        msg = f"{path} must be a {'finite ' if finite else ''}number, got {value!r}"
+    if math.isnan(number):
+        msg = f"{path} must be a number, got {value!r}"
         raise ValueError(msg)
     return number
 
 
-def _integer(value: object, path: str) -> int:
+def _integer(path: str, value: object) -> int:
+    """*value*, any int (an octave may be negative)."""
     if isinstance(value, bool) or not isinstance(value, int):
         msg = f"{path} must be an int, got {value!r}"
-        raise ValueError(msg)
-    return value
-
-
-def _count(value: object, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        msg = f"{path} must be an int >= 0, got {value!r}"
         raise ValueError(msg)
     return value
 

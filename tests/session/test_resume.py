@@ -431,7 +431,7 @@ async def test_a_temporary_lr_change_is_undone_after_a_resume() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"left": 3, "factor": 0.0, "groups": [0]}, r"\['factor'\] must be a number > 0"),
+        ({"left": 3, "factor": 0.0, "groups": [0]}, r"\['factor'\] must be a finite number > 0"),
         ({"left": -1, "factor": 0.5, "groups": [0]}, r"\['left'\] must be an int >= 0"),
         ({"left": 3, "factor": 0.5, "groups": ["a"]}, r"\['groups'\]\[0\] must be an int >= 0"),
         ({"left": 3, "factor": 0.5}, r"\['groups'\] is missing"),

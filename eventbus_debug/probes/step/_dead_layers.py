@@ -32,6 +32,7 @@ from itertools import compress, repeat
 from typing import Any, Final
 
 from ..._saved import StateReader
+from ..._validate import non_negative, positive_int
 
 __all__ = ("ALIVE", "FALL", "GROW", "HALF_LIFE", "REFRESH", "REVIVE", "DeadLayers")
 
@@ -157,17 +158,17 @@ class DeadLayers:
         Raises:
             ValueError: if a field is missing or malformed (the message names it).
         """
-        references = state.named_numbers("references")
-        streaks = state.named_numbers("streaks")
+        references: dict[str, float] = state.named("references", non_negative)
+        streaks: dict[str, int] = state.named("streaks", positive_int)
         dead = state.names("dead")
         tick = state.count("tick")
         slot = {name: s for s, name in enumerate(names)}
         ref = [0.0] * len(self._ref)
         for name, value in references.items():
-            if name in slot and 0.0 <= value < _INF:
+            if name in slot:
                 ref[slot[name]] = value
         self._ref = ref
-        self._streak = {slot[n]: max(1, int(c)) for n, c in streaks.items() if n in slot}
+        self._streak = {slot[n]: c for n, c in streaks.items() if n in slot}
         self._dead = {slot[n] for n in dead if n in slot}
         self._tick = tick
         self._slots = ()  # rebind (and rebuild the floors) at the next check

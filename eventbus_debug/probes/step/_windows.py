@@ -80,7 +80,7 @@ class RunningMedian:
         self._sorted.clear()
 
     def state(self) -> list[float]:
-        """The window's values, oldest first (plain floats: see :mod:`._state`)."""
+        """The window's values, oldest first (plain floats: see :mod:`eventbus_debug._saved`)."""
         return list(self._order)
 
     def load(self, values: list[float]) -> None:

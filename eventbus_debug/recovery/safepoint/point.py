@@ -15,6 +15,7 @@ from eventbus_debug.diagnostics import get_logger
 
 from ..._records import fast_init
 from ..._saved import StateReader
+from ..._validate import positive_number
 from ...events import RecoveryAction, RecoveryApplied, StepSkipped
 from ...exceptions import TrainingStopped
 from ..actions import Action, ClipGradients, DecidedAction, RestoreState, ScaleLR, SkipStep
@@ -73,10 +74,7 @@ def read_temporary(state: StateReader) -> list[tuple[int, float, list[int]]]:
     """
     changes: list[tuple[int, float, list[int]]] = []
     for item in state.children("temporary_lr_changes"):
-        factor = item.number("factor", finite=True)
-        if factor <= 0.0:
-            msg = f"{item.at('factor')} must be a number > 0, got {factor!r}"
-            raise ValueError(msg)
+        factor = item.checked("factor", positive_number)
         changes.append((item.count("left"), factor, item.counts("groups")))
     return changes
 
