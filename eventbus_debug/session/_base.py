@@ -577,9 +577,7 @@ class SessionBase(Generic[BusT]):
         }
         if self.log_dir is not None:
             config["log_dir"] = str(self.log_dir)
-        if self.run_id is None:  # chosen at the start, before the sinks were built
-            self._choose_run_id()
-        assert self.run_id is not None
+        assert self.run_id is not None  # chosen at the start, before the sinks were built
         return SessionStarted(source=self.name, name=self.name, config=config, run_id=self.run_id)
 
     def _choose_run_id(self) -> str | None:
