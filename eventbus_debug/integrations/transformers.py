@@ -91,6 +91,7 @@ from transformers import (  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
 from ..session import Verdict  # noqa: E402
+from ..sinks.report.writer import write_atomically  # noqa: E402
 
 __all__ = ("STATE_FILE", "EventBusDebugCallback")
 
@@ -356,11 +357,8 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
                 folder,
             )
             return
-        path = os.path.join(folder, STATE_FILE)
-        partial = path + ".partial"
-        with open(partial, "w", encoding="utf-8") as file:
-            json.dump(self._fit.state_dict(), file)
-        os.replace(partial, path)
+        data = json.dumps(self._fit.state_dict()).encode("utf-8")
+        write_atomically(Path(folder) / STATE_FILE, data)
 
     # -- checkpoints ------------------------------------------------------------------------------
 

@@ -50,7 +50,15 @@ from .aggregate import DEFAULT_MAX_INCIDENTS, DEFAULT_MAX_POINTS, RunAggregator,
 from .html import render_html
 from .summary import RunSummary, summary_to_dict
 
-__all__ = ("REPORT_FORMAT", "ReportPaths", "ReportWriter", "build_report", "write_report")
+__all__ = (
+    "FILE_MODE",
+    "REPORT_FORMAT",
+    "ReportPaths",
+    "ReportWriter",
+    "build_report",
+    "write_atomically",
+    "write_report",
+)
 
 _log = get_logger(__name__)
 
@@ -70,8 +78,15 @@ class ReportPaths:
     html: Path | None
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    # Readers (a browser refreshing the page, the HTTP endpoint) never see half a file.
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write *data* to *path* through a temporary file in the same directory, renamed over it
+    (mode :data:`FILE_MODE`): readers (a browser refreshing the page, the HTTP endpoint, a
+    resumed job reading a checkpoint) see the old file or the new one, never half of one, and
+    a failed write leaves no temporary file behind.
+
+    Raises:
+        OSError: if the directory cannot be created or the file written.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
@@ -112,12 +127,12 @@ def write_report(
         "summary": summary_to_dict(summary),
     }
     json_path = root / JSON_NAME
-    _atomic_write(json_path, orjson.dumps(document, option=orjson.OPT_INDENT_2))
+    write_atomically(json_path, orjson.dumps(document, option=orjson.OPT_INDENT_2))
     html_path: Path | None = None
     if html:
         html_path = root / HTML_NAME
         page = render_html(summary, title=title, generated_ns=stamp)
-        _atomic_write(html_path, page.encode("utf-8"))
+        write_atomically(html_path, page.encode("utf-8"))
     return ReportPaths(json=json_path, html=html_path)
 
 
