@@ -9,20 +9,26 @@ import torch
 __all__ = ("copy_all",)
 
 
-def copy_all(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+def copy_all(
+    dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor], *, non_blocking: bool = False
+) -> None:
     """``dst[i].copy_(src[i])`` for every *i*, in place.
 
     The plain tensors go through one fused ``torch._foreach_copy_``; tensor subclasses (FSDP2's
     DTensor shards, which have no sharding rule for ``_foreach_copy_``) are copied one by one.
+    *non_blocking*: a copy from an accelerator into pinned host memory returns at once (the
+    caller waits on an event before reading the host copies).
     """
     if not dst:
         return
     if all(t.__class__ is torch.Tensor for t in dst):
-        torch._foreach_copy_(list(dst), list(src))
+        torch._foreach_copy_(list(dst), list(src), non_blocking=non_blocking)
         return
     plain = [(d, s) for d, s in zip(dst, src, strict=True) if d.__class__ is torch.Tensor]
     if plain:
-        torch._foreach_copy_([d for d, _ in plain], [s for _, s in plain])
+        torch._foreach_copy_(
+            [d for d, _ in plain], [s for _, s in plain], non_blocking=non_blocking
+        )
     for d, s in zip(dst, src, strict=True):
         if d.__class__ is not torch.Tensor:
             d.copy_(s)

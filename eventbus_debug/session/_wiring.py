@@ -288,6 +288,7 @@ def build_recovery(
         optimizer,
         schedulers=options.schedulers,
         scaler=options.scaler,  # a skipped step records the scaler's inf check (update() works)
+        snapshots=options.snapshots,
         agreement=agreement,
         agree=device_skip.agree if device_skip is not None else None,
     )

@@ -21,7 +21,7 @@ from ..exceptions import ArgumentTypeError, SubscriptionError
 from ..extras.validation import InputSpec, OutputChecker
 from ..probes import Cadence, DebugLevel, LeakDetector, Thresholds
 from ..probes.levels import level_of
-from ..recovery import RecoveryEngine, RecoveryPolicy
+from ..recovery import RecoveryEngine, RecoveryPolicy, StateSnapshots
 from ..recovery.agreement import Agreement
 from ..recovery.lr import lr_schedulers
 from ..recovery.strategies import recovery_policy
@@ -80,6 +80,7 @@ class SessionKnobs(TypedDict, total=False):
     overhead_budget: float | None
     device_skip: bool
     close_timeout: float | None
+    snapshots: StateSnapshots | None
 
 
 def _check_type(name: str, value: object, types: tuple[type, ...], expected: str) -> None:
@@ -179,6 +180,11 @@ class SessionOptions:
             With ``Session(bus=...)``, the bound on draining the session's own subscriptions
             before it removes them. ``None`` (default): the bus's default (30 s), or 10 s with
             ``bus=``.
+        snapshots: how recovery keeps the last good state (a
+            :class:`~eventbus_debug.recovery.StateSnapshots` of this session's own: how often,
+            where, a checkpoint to start from). ``None`` (default): ``StateSnapshots()``, every
+            50 good steps, beside the model while small, else in host memory, else none (see
+            its *location*). Needs recovery and an optimizer.
         plan: the instruments *level* / *mode* turn on (derived).
         schedulers: *scheduler* as a tuple (derived).
         recovery_policy: *policy* as a :class:`~eventbus_debug.RecoveryPolicy` (derived).
@@ -212,6 +218,7 @@ class SessionOptions:
     overhead_budget: float | None = None
     device_skip: bool = False
     close_timeout: float | None = None
+    snapshots: StateSnapshots | None = None
     plan: DebugPlan = field(init=False)
     schedulers: tuple[Any, ...] = field(init=False)
     recovery_policy: RecoveryPolicy = field(init=False)
@@ -272,6 +279,9 @@ class SessionOptions:
             )
         if self.overhead_budget is not None:
             fraction("overhead_budget", self.overhead_budget, inclusive=False)
+        if self.snapshots is not None and self.recovery is False:
+            msg = "snapshots= needs recovery (it keeps the state a restore loads): not recovery=False"
+            raise ValueError(msg)
         _check_type("device_skip", self.device_skip, (bool,), "a bool")
         if self.device_skip:
             self._check_device_skip()
@@ -312,6 +322,7 @@ class SessionOptions:
             ("input_spec", self.input_spec, (InputSpec,), "an InputSpec"),
             ("output_checker", self.output_checker, (OutputChecker,), "an OutputChecker"),
             ("scaler", self.scaler, (torch.amp.GradScaler,), "a torch.amp.GradScaler"),
+            ("snapshots", self.snapshots, (StateSnapshots,), "a StateSnapshots"),
         ):
             if value is not None:
                 _check_type(knob, value, types, f"{expected} or None")

@@ -1,5 +1,6 @@
 """The copy plan of a state snapshot: what a capture checks finite, where the live tensors
-are (a changed key: plan again), and the preallocated copies refreshed with two fused copies."""
+are (a changed key: plan again), and the preallocated copies refreshed with two fused copies
+(on the live tensors' device, or in pinned host memory, as :mod:`._placement` chose)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,24 @@ import copy
 import math
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..._tensors import copy_all
+from ._placement import plain
 
-__all__ = ("Checks", "Plan", "all_finite", "finite_groups", "group_settings", "live_key")
+__all__ = (
+    "Checks",
+    "Plan",
+    "all_finite",
+    "copied_tensors",
+    "finite_groups",
+    "group_settings",
+    "live_key",
+)
 
 
 @dataclass(slots=True)
@@ -115,6 +125,36 @@ def live_key(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple
     return tuple(key)
 
 
+def copied_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> list[torch.Tensor]:
+    """The tensors a snapshot copies: the model's state dict entries and the optimizer's
+    state (to size the copy before it is made)."""
+    live = model.state_dict(keep_vars=True).values()
+    out = [t.detach() for t in live if isinstance(t, torch.Tensor)]  # a Parameter: a Tensor
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            out += [v.detach() for v in state.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _on_accelerator(t: torch.Tensor) -> bool:
+    return t.device.type not in ("cpu", "meta")
+
+
+def _copy_of(t: torch.Tensor, host: bool) -> torch.Tensor:
+    """A copy of *t*: beside it, or (*host*, a plain accelerator tensor) in pinned host
+    memory (pageable when no pinned memory can be had)."""
+    if not (host and plain(t) and _on_accelerator(t)):
+        return t.clone()
+    try:
+        dst = torch.empty_like(t, device="cpu", pin_memory=True)
+    except RuntimeError:  # no pinned memory allocator, or none left
+        dst = torch.empty_like(t, device="cpu")
+    dst.copy_(t)
+    return dst
+
+
 @dataclass(slots=True)
 class Plan:
     """Preallocated copies of one model + optimizer, refreshed with two ``_foreach_copy_``.
@@ -133,6 +173,9 @@ class Plan:
             finds each one's state by identity, whatever groups the optimizer has by then).
         shapes: their shapes when the plan was built (a restore tells the state tensors shaped
             like their parameter, whose shape must still be the parameter's).
+        host: whether the accelerator tensors' copies are in host memory (refreshed without
+            blocking the host; :meth:`settle` before reading them).
+        pending: the events of the last refresh's copies to the host, one per accelerator.
     """
 
     key: tuple[int, ...]
@@ -146,6 +189,8 @@ class Plan:
     finite: Checks
     params: list[torch.Tensor]
     shapes: list[torch.Size]
+    host: bool = False
+    pending: list[torch.Event] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -153,13 +198,16 @@ class Plan:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         finite: Checks,
+        *,
+        host: bool = False,
     ) -> Plan:
         """Allocate the copies (the first capture, or after the live tensors changed);
-        *finite* is :func:`finite_groups` of *model*, already computed by the caller."""
+        *finite* is :func:`finite_groups` of *model*, already computed by the caller; *host*:
+        the accelerator tensors' copies go to host memory."""
         key = live_key(model, optimizer)
         live_model = model.state_dict(keep_vars=True)
         model_src = [t.detach() for t in live_model.values()]
-        model_dst = [t.clone() for t in model_src]
+        model_dst = [_copy_of(t, host) for t in model_src]
         snapshot: dict[str, torch.Tensor] = OrderedDict(zip(live_model, model_dst, strict=True))
         # the modules' state versions (BatchNorm's, ...): without them load_state_dict takes
         # the snapshot for one of an old format, and a module that loads by version misreads it
@@ -180,7 +228,7 @@ class Plan:
                 for name, value in entries.items():
                     if isinstance(value, torch.Tensor):
                         opt_src.append(value.detach())
-                        copied[name] = value.detach().clone()
+                        copied[name] = _copy_of(value.detach(), host)
                         opt_dst.append(copied[name])
                     else:
                         copied[name] = copy.deepcopy(value)
@@ -199,19 +247,39 @@ class Plan:
             finite,
             params,
             [p.shape for p in params],
+            host,
         )
 
     def refresh(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Copy the live values into the preallocated buffers (no allocation, no tree walk)."""
+        """Copy the live values into the preallocated buffers (no allocation, no tree walk).
+
+        Copies to the host do not block it: they run in order on the accelerator's current
+        stream (before the optimizer step that follows changes the live tensors), and
+        :meth:`settle` waits for them before the host reads the copies."""
         with torch.no_grad():
-            copy_all(self.model_dst, self.model_src)
-            copy_all(self.opt_dst, self.opt_src)
+            copy_all(self.model_dst, self.model_src, non_blocking=self.host)
+            copy_all(self.opt_dst, self.opt_src, non_blocking=self.host)
+        if self.host:
+            devices = {t.device for t in (*self.model_src, *self.opt_src) if _on_accelerator(t)}
+            self.pending = [_recorded(d) for d in devices]
         for copied, name, entries in self.scalars:
             copied[name] = copy.deepcopy(entries[name])
         if optimizer is not None and self.optimizer is not None:
             groups = self.optimizer["param_groups"]
             for group, live in zip(groups, optimizer.param_groups, strict=True):
                 group.update(group_settings(live, group["params"]))
+
+    def settle(self) -> None:
+        """Wait for the last refresh's copies to the host (nothing to wait for otherwise)."""
+        pending, self.pending = self.pending, []
+        for event in pending:
+            event.synchronize()
+
+
+def _recorded(device: torch.device) -> torch.Event:
+    event = torch.Event(device=device)
+    event.record(torch.accelerator.current_stream(device))
+    return event
 
 
 def group_settings(live: Mapping[str, Any], params: list[int]) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 Restoring never loads pickled code: checkpoint files are read with ``torch.load(...,
 weights_only=True)``. A snapshot is only taken of finite parameters and optimizer moments and
 of buffers free of NaN (an infinite buffer can be a mask), so a restore never brings NaN back.
+Where it is kept (beside the model, in host memory, or not at all when it would not fit) is
+chosen by :mod:`._placement`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from ..._validate import positive_int
 from ...exceptions import EventBusError
 from ..lr import GROUP_LR_KEYS
 from ._fit import PER_PARAMETER, SHOWN, Layout, Undo, model_changes
-from ._plan import Plan, all_finite, finite_groups, group_settings, live_key
+from ._placement import Location, Placement, choose, location_of, sizes
+from ._plan import Plan, all_finite, copied_tensors, finite_groups, group_settings, live_key
 
 __all__ = ("NoGoodStateError", "StateSnapshots")
 
@@ -43,26 +46,45 @@ class StateSnapshots:
 
     :class:`~eventbus_debug.recovery.SafePoint` calls :meth:`maybe_capture` on good steps; a
     snapshot is taken every *every* good steps (the first good step always captures). Memory
-    cost: one copy of the parameters, buffers and optimizer state.
+    cost: one copy of the parameters, buffers and optimizer state (16 bytes a parameter for
+    fp32 AdamW), kept where *location* says.
 
     Args:
         every: capture every this many good steps.
         checkpoint: a file written by :meth:`save` (or any ``{"model": ..., "optimizer": ...}``
             dict of tensors) loaded as the initial good state, with ``weights_only=True``.
+        location: where the copy is kept. ``"auto"`` (default): beside the model while it
+            takes at most 5 % of each accelerator's memory (a CPU model's copy is in host
+            memory anyway), else in pinned host memory, refreshed without blocking the host;
+            and not at all when that would take more than half of the host's available memory
+            (shared among torchrun's ``LOCAL_WORLD_SIZE`` processes): then a warning
+            (``snapshot_not_kept``) says so, and a restore is impossible (recovery stops a
+            run whose parameters turned non-finite). ``"device"``: beside the model, always.
+            ``"host"``: in host memory when it fits there, else not at all. Tensor subclasses
+            (FSDP2's DTensor shards) are copied on their own device.
 
     Raises:
         ArgumentTypeError: if *every* is not an int (a ``TypeError`` and a ``ValueError``).
-        ValueError: if *every* < 1.
+        ValueError: if *every* < 1 or *location* is not one of the three.
+        TypeError: if *location* is not a str.
         FileNotFoundError: if *checkpoint* does not exist.
     """
 
     def __init__(
-        self, *, every: int = DEFAULT_EVERY, checkpoint: str | os.PathLike[str] | None = None
+        self,
+        *,
+        every: int = DEFAULT_EVERY,
+        checkpoint: str | os.PathLike[str] | None = None,
+        location: Location = "auto",
     ) -> None:
         try:
             self.every = positive_int("every", every)
         except ValueError as exc:  # an ArgumentTypeError keeps its type
             raise type(exc)(f"{exc} (good steps between snapshots)") from None
+        self.location: Location = location_of(location)
+        self.placement: Placement | None = None
+        """Where the last planned snapshot went and why (``None`` before the first capture)."""
+        self._unplaced: tuple[int, ...] | None = None  # the live key whose copy did not fit
         self._model: dict[str, torch.Tensor] | None = None
         self._optimizer: dict[str, Any] | None = None
         self._plan: Plan | None = None
@@ -99,9 +121,12 @@ class StateSnapshots:
     def maybe_capture(
         self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> bool:
-        """Count a good step; capture when *every* good steps passed (or none is held yet)."""
+        """Count a good step; capture when *every* good steps passed (or none is held yet;
+        one that did not fit is tried again after *every* good steps)."""
         self._good_since += 1
-        if self._model is not None and self._good_since < self.every:
+        if (self._model is not None or self._unplaced is not None) and (
+            self._good_since < self.every
+        ):
             return False
         return self.capture(step, model, optimizer)
 
@@ -116,8 +141,12 @@ class StateSnapshots:
         # optimizer.state_dict() per tensor cost 490-610 us per capture (issue #13, item 7).
         # The plan also holds the parameters' grouping for the finite check (78 -> 30 us).
         plan = self._plan
-        if plan is not None and plan.key != live_key(model, optimizer):
+        key = live_key(model, optimizer)
+        if plan is not None and plan.key != key:
             plan = None  # the live tensors changed: plan the copies again
+        if plan is None and key == self._unplaced:
+            self._good_since = 0  # still no room for it: tried again in `every` good steps
+            return False
         groups = plan.finite if plan is not None else finite_groups(model, optimizer)
         if not all_finite(groups):
             self.refusals += 1
@@ -133,7 +162,12 @@ class StateSnapshots:
             _log.info("snapshot_resumed", step=step, refused_since=self._refused_since)
             self._refused_since = None
         if plan is None:
-            plan = self._plan = Plan.build(model, optimizer, groups)
+            placement = self._place(step, model, optimizer, key)
+            if placement is None:
+                return False
+            plan = self._plan = Plan.build(
+                model, optimizer, groups, host=placement.where == "host"
+            )
         else:
             plan.refresh(optimizer)
         self._model = plan.model
@@ -144,6 +178,45 @@ class StateSnapshots:
         self._good_since = 0
         self.captures += 1
         return True
+
+    def _place(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        key: tuple[int, ...],
+    ) -> Placement | None:
+        """Choose where a new plan's copies go; ``None`` when nowhere: the snapshot held (a
+        copy of a structure that is gone) is dropped, its memory with it, and it is said."""
+        by_device, stuck = sizes(copied_tensors(model, optimizer))
+        placement = self.placement = choose(self.location, by_device, stuck=stuck)
+        if placement.where != "none":
+            self._unplaced = None
+            _log.info(
+                "snapshot_placed",
+                step=step,
+                where=placement.where,
+                bytes=placement.nbytes,
+                reason=placement.reason,
+            )
+            return placement
+        first = self._unplaced is None
+        self._unplaced = key
+        self._good_since = 0
+        if self._plan is not None:  # a snapshot of ours, of the structure before: drop it
+            self._plan = None
+            self._model = self._optimizer = self._params = self._shapes = None
+            self._step = None
+        (_log.warning if first else _log.info)(
+            "snapshot_not_kept",
+            step=step,
+            bytes=placement.nbytes,
+            reason=placement.reason,
+            effect="no restore is possible: non-finite parameters stop the run; pass "
+            "StateSnapshots(location='device') to keep it beside the model, or save "
+            "checkpoints and load one with StateSnapshots(checkpoint=...)",
+        )
+        return None
 
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int | None:
         """Load the held state into *model* and *optimizer*; returns its step.
@@ -175,11 +248,20 @@ class StateSnapshots:
                 have undone it (logged as ``restore_without_undo`` before loading).
         """
         if self._model is None:
-            msg = (
-                "no good state to restore: none was captured yet (StateSnapshots captures on the "
-                "first good safe point) and no checkpoint was given"
-            )
+            placement = self.placement
+            if placement is not None and placement.where == "none":
+                msg = (
+                    "no good state to restore: the snapshot was not kept, it would not fit in "
+                    f"memory ({placement.reason}), and no checkpoint was given"
+                )
+            else:
+                msg = (
+                    "no good state to restore: none was captured yet (StateSnapshots captures "
+                    "on the first good safe point) and no checkpoint was given"
+                )
             raise NoGoodStateError(msg)
+        if self._plan is not None:
+            self._plan.settle()  # the copies to the host have landed before they are read
         held = "the state held " + (
             f"from step {self._step}" if self._step is not None else "(a checkpoint with no step)"
         )
@@ -342,6 +424,8 @@ class StateSnapshots:
         if self._model is None:
             msg = "no state to save: capture() first"
             raise NoGoodStateError(msg)
+        if self._plan is not None:
+            self._plan.settle()
         torch.save({"model": self._model, "optimizer": self._optimizer, "step": self._step}, path)
 
     def load(self, path: str | os.PathLike[str]) -> None:
