@@ -280,7 +280,9 @@ class SessionOptions:
         if self.overhead_budget is not None:
             fraction("overhead_budget", self.overhead_budget, inclusive=False)
         if self.snapshots is not None and self.recovery is False:
-            msg = "snapshots= needs recovery (it keeps the state a restore loads): not recovery=False"
+            msg = (
+                "snapshots= needs recovery (it keeps the state a restore loads): not recovery=False"
+            )
             raise ValueError(msg)
         _check_type("device_skip", self.device_skip, (bool,), "a bool")
         if self.device_skip:

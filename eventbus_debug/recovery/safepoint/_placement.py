@@ -44,6 +44,7 @@ HOST_SHARE: Final = 0.5
 """The largest share of the host's available memory the snapshots of this machine's training
 processes may take together (auto and host): each process gets its part."""
 
+
 @final
 @dataclass(frozen=True, slots=True)
 class Placement:
@@ -126,9 +127,9 @@ def choose(
     by_device: Mapping[torch.device, int],
     *,
     stuck: int = 0,
-    host: Callable[[], int] = host_available,
-    total: Callable[[torch.device], int | None] = device_total,
-    processes: Callable[[], int] = local_processes,
+    host: Callable[[], int] | None = None,
+    total: Callable[[torch.device], int | None] | None = None,
+    processes: Callable[[], int] | None = None,
 ) -> Placement:
     """Where a snapshot of ``by_device`` bytes (per device of the live tensors) goes.
 
@@ -137,8 +138,13 @@ def choose(
     machine's training processes), else none. ``"auto"``: beside the live tensors when they
     are all on the host (CPU training: within the same host share) or when the copy takes at
     most ``DEVICE_SHARE`` of each accelerator's total memory; otherwise as ``"host"``. The
-    *stuck* bytes (tensor subclasses) stay on their device whatever the choice.
+    *stuck* bytes (tensor subclasses) stay on their device whatever the choice. *host*,
+    *total* and *processes* read the memory figures (default: :func:`host_available`,
+    :func:`device_total`, :func:`local_processes`).
     """
+    host = host if host is not None else host_available
+    total = total if total is not None else device_total
+    processes = processes if processes is not None else local_processes
     nbytes = sum(by_device.values())
     accelerators = {d: n for d, n in by_device.items() if d.type not in ("cpu", "meta")}
     if location == "device":
@@ -158,13 +164,14 @@ def choose(
     else:
         why = f"location={location!r}" if location == "host" else "CPU tensors"
     to_host = nbytes - stuck
-    share = HOST_SHARE * host() / processes()
+    local = processes()
+    share = HOST_SHARE * host() / local
     if to_host > share:
         return Placement(
             "none",
             nbytes,
             f"{why}; the host cannot hold it either: {_size(to_host)} > {_size(share)} "
-            f"({HOST_SHARE:.0%} of the available host memory over {processes()} "
+            f"({HOST_SHARE:.0%} of the available host memory over {local} "
             "local process(es))",
         )
     return Placement("host", nbytes, f"{why}; {_size(to_host)} in host memory")

@@ -125,9 +125,7 @@ def live_key(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple
     return tuple(key)
 
 
-def copied_tensors(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> list[torch.Tensor]:
+def copied_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """The tensors a snapshot copies: the model's state dict entries and the optimizer's
     state (to size the copy before it is made)."""
     live = model.state_dict(keep_vars=True).values()

@@ -84,7 +84,7 @@ class StateSnapshots:
         self.location: Location = location_of(location)
         self.placement: Placement | None = None
         """Where the last planned snapshot went and why (``None`` before the first capture)."""
-        self._unplaced: tuple[int, ...] | None = None  # the live key whose copy did not fit
+        self._unkept = False  # the last placement found no room: tried every `every` steps
         self._model: dict[str, torch.Tensor] | None = None
         self._optimizer: dict[str, Any] | None = None
         self._plan: Plan | None = None
@@ -124,9 +124,7 @@ class StateSnapshots:
         """Count a good step; capture when *every* good steps passed (or none is held yet;
         one that did not fit is tried again after *every* good steps)."""
         self._good_since += 1
-        if (self._model is not None or self._unplaced is not None) and (
-            self._good_since < self.every
-        ):
+        if (self._model is not None or self._unkept) and self._good_since < self.every:
             return False
         return self.capture(step, model, optimizer)
 
@@ -141,12 +139,14 @@ class StateSnapshots:
         # optimizer.state_dict() per tensor cost 490-610 us per capture (issue #13, item 7).
         # The plan also holds the parameters' grouping for the finite check (78 -> 30 us).
         plan = self._plan
-        key = live_key(model, optimizer)
-        if plan is not None and plan.key != key:
+        if plan is not None and plan.key != live_key(model, optimizer):
             plan = None  # the live tensors changed: plan the copies again
-        if plan is None and key == self._unplaced:
-            self._good_since = 0  # still no room for it: tried again in `every` good steps
-            return False
+        placement = None
+        if plan is None:
+            # where the copies go, before anything is checked or copied; none: not kept
+            placement = self._place(step, model, optimizer)
+            if placement is None:
+                return False
         groups = plan.finite if plan is not None else finite_groups(model, optimizer)
         if not all_finite(groups):
             self.refusals += 1
@@ -161,14 +161,10 @@ class StateSnapshots:
         if self._refused_since is not None:
             _log.info("snapshot_resumed", step=step, refused_since=self._refused_since)
             self._refused_since = None
-        if plan is None:
-            placement = self._place(step, model, optimizer, key)
-            if placement is None:
-                return False
-            plan = self._plan = Plan.build(
-                model, optimizer, groups, host=placement.where == "host"
-            )
+        if placement is not None:
+            plan = self._plan = Plan.build(model, optimizer, groups, host=placement.where == "host")
         else:
+            assert plan is not None
             plan.refresh(optimizer)
         self._model = plan.model
         self._optimizer = plan.optimizer
@@ -180,34 +176,35 @@ class StateSnapshots:
         return True
 
     def _place(
-        self,
-        step: int,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        key: tuple[int, ...],
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> Placement | None:
-        """Choose where a new plan's copies go; ``None`` when nowhere: the snapshot held (a
-        copy of a structure that is gone) is dropped, its memory with it, and it is said."""
+        """Choose where a new plan's copies go (said when it changes); ``None`` when nowhere:
+        then a snapshot held of ours (a copy of a structure that is gone) is dropped, its
+        memory with it; said once, and tried again after *every* good steps (memory may be
+        freed by then)."""
         by_device, stuck = sizes(copied_tensors(model, optimizer))
+        before = self.placement
         placement = self.placement = choose(self.location, by_device, stuck=stuck)
         if placement.where != "none":
-            self._unplaced = None
-            _log.info(
-                "snapshot_placed",
-                step=step,
-                where=placement.where,
-                bytes=placement.nbytes,
-                reason=placement.reason,
-            )
+            self._unkept = False
+            if before is None or before.where != placement.where:
+                _log.info(
+                    "snapshot_placed",
+                    step=step,
+                    where=placement.where,
+                    bytes=placement.nbytes,
+                    reason=placement.reason,
+                )
             return placement
-        first = self._unplaced is None
-        self._unplaced = key
         self._good_since = 0
         if self._plan is not None:  # a snapshot of ours, of the structure before: drop it
             self._plan = None
             self._model = self._optimizer = self._params = self._shapes = None
             self._step = None
-        (_log.warning if first else _log.info)(
+        if self._unkept:
+            return None
+        self._unkept = True
+        _log.warning(
             "snapshot_not_kept",
             step=step,
             bytes=placement.nbytes,

@@ -1,0 +1,335 @@
+"""Where the last good state is kept: beside the model while small, else in host memory, else
+nowhere (said once), so that the default session never doubles a device's memory."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from eventbus_debug import Session, TrainingStopped
+from eventbus_debug.events import RecoveryAction, RecoveryApplied
+from eventbus_debug.recovery import NoGoodStateError, StateSnapshots
+from eventbus_debug.recovery.safepoint import _placement
+from eventbus_debug.recovery.safepoint._placement import (
+    DEVICE_SHARE,
+    HOST_SHARE,
+    choose,
+    local_processes,
+    location_of,
+    sizes,
+)
+from eventbus_debug.recovery.safepoint._plan import copied_tensors
+from eventbus_debug.testing import RecordingSink
+
+from .test_policies import classifier, session_for, train
+
+GIB = 1 << 30
+CPU = torch.device("cpu")
+GPU = torch.device("cuda", 0)  # a device object only: no accelerator is needed to name one
+
+
+def _memory(host: int, device: int | None = 80 * GIB, processes: int = 1) -> dict[str, object]:
+    return {
+        "host": lambda: host,
+        "total": lambda _d: device,
+        "processes": lambda: processes,
+    }
+
+
+class TestChoose:
+    def test_a_small_copy_stays_beside_the_model_on_an_accelerator(self) -> None:
+        placed = choose("auto", {GPU: GIB}, **_memory(host=100 * GIB))  # type: ignore[arg-type]
+        assert placed.where == "device" and placed.nbytes == GIB
+
+    def test_a_large_copy_goes_to_host_memory(self) -> None:
+        """A 1.3 B-parameter AdamW model (21 GB of state) on an 80 GB device: host memory."""
+        n = int(80 * GIB * DEVICE_SHARE) + 1
+        placed = choose("auto", {GPU: n}, **_memory(host=100 * GIB))  # type: ignore[arg-type]
+        assert placed.where == "host"
+        assert "over 5% of device memory" in placed.reason and "in host memory" in placed.reason
+
+    def test_no_room_anywhere_keeps_none_and_says_why(self) -> None:
+        placed = choose("auto", {GPU: 40 * GIB}, **_memory(host=60 * GIB))  # type: ignore[arg-type]
+        assert placed.where == "none"
+        assert "40.0 GiB > 30.0 GiB" in placed.reason and "host cannot hold it" in placed.reason
+
+    def test_an_unknown_device_size_is_not_trusted(self) -> None:
+        placed = choose("auto", {GPU: 1024}, **_memory(host=GIB, device=None))  # type: ignore[arg-type]
+        assert placed.where == "host" and "unknown" in placed.reason
+
+    def test_cpu_training_keeps_its_copy_in_host_memory_within_the_share(self) -> None:
+        fits = choose("auto", {CPU: GIB}, **_memory(host=4 * GIB))  # type: ignore[arg-type]
+        assert fits.where == "host" and fits.reason.startswith("CPU tensors")
+        over = choose("auto", {CPU: 3 * GIB}, **_memory(host=4 * GIB))  # type: ignore[arg-type]
+        assert over.where == "none"
+
+    def test_the_host_share_is_split_among_the_local_processes(self) -> None:
+        """Eight ranks on one machine each take an eighth of the host share, not all of it."""
+        one = choose("auto", {GPU: 20 * GIB}, **_memory(host=100 * GIB, processes=1))  # type: ignore[arg-type]
+        eight = choose("auto", {GPU: 20 * GIB}, **_memory(host=100 * GIB, processes=8))  # type: ignore[arg-type]
+        assert one.where == "host" and eight.where == "none"
+        assert "over 8 local process(es)" in eight.reason
+        assert HOST_SHARE * 100 * GIB / 8 < 20 * GIB <= HOST_SHARE * 100 * GIB
+
+    def test_explicit_locations(self) -> None:
+        memory = _memory(host=1024)
+        assert choose("device", {GPU: 50 * GIB}, **memory).where == "device"  # type: ignore[arg-type]
+        assert choose("device", {CPU: 50 * GIB}, **memory).where == "host"  # type: ignore[arg-type]
+        assert choose("host", {GPU: 512}, **memory).where == "host"  # type: ignore[arg-type]
+        assert choose("host", {GPU: 4096}, **memory).where == "none"  # type: ignore[arg-type]
+
+    def test_tensor_subclasses_stay_on_their_device_and_do_not_count_against_the_host(
+        self,
+    ) -> None:
+        memory = _memory(host=2 * GIB)
+        placed = choose("auto", {GPU: 10 * GIB}, stuck=9 * GIB, **memory)  # type: ignore[arg-type]
+        assert placed.where == "host" and "1.0 GiB in host memory" in placed.reason
+
+    def test_the_default_memory_figures_are_read(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(_placement, "host_available", lambda: 100)
+        assert choose("auto", {CPU: 80}).where == "none"
+        monkeypatch.setattr(_placement, "host_available", lambda: 1000)
+        assert choose("auto", {CPU: 80}).where == "host"
+
+    def test_the_real_memory_figures(self) -> None:
+        assert _placement.host_available() > 0  # psutil's available memory
+        assert _placement.device_total(CPU) is None  # the host is no accelerator
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, 1), ("4", 4), ("0", 1), ("-2", 1), ("many", 1)]
+)
+def test_local_processes_reads_torchrun(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, expected: int
+) -> None:
+    if value is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    assert local_processes() == expected
+
+
+def test_sizes_count_each_device_and_the_subclasses() -> None:
+    class Shard(torch.Tensor):
+        pass
+
+    model = nn.Linear(4, 3)  # 12 + 3 float32
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    by_device, stuck = sizes(copied_tensors(model, opt))
+    # parameters, exp_avg, exp_avg_sq (15 floats each) and two float32 step counters
+    assert by_device == {CPU: 3 * 15 * 4 + 2 * 4} and stuck == 0
+    by_device, stuck = sizes(
+        [torch.zeros(8).as_subclass(Shard), torch.zeros(2, dtype=torch.float64)]
+    )
+    assert by_device == {CPU: 32 + 16} and stuck == 32
+
+
+@pytest.mark.parametrize("bad", ["gpu", "", "AUTO"])
+def test_an_unknown_location_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="location must be one of 'auto', 'device', 'host'"):
+        StateSnapshots(location=bad)  # type: ignore[arg-type]
+
+
+def test_a_location_of_another_type_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="location must be one of"):
+        location_of(0)
+    assert location_of("host") == "host"
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(16, 4)).pow(2).mean().backward()
+    opt.step()
+    return model, opt
+
+
+class TestNotKept:
+    def test_no_room_keeps_nothing_says_it_once_and_retries_every_n_good_steps(
+        self, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        model, opt = _model()
+        monkeypatch.setattr(_placement, "host_available", lambda: 16)
+        placed: list[int] = []
+        real = _placement.choose
+
+        def counting(*args: object, **kwargs: object) -> _placement.Placement:
+            placed.append(1)
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr("eventbus_debug.recovery.safepoint.snapshot.choose", counting)
+        snaps = StateSnapshots(every=10)
+        with caplog.at_level(logging.INFO, logger="eventbus_debug"):
+            results = [snaps.maybe_capture(step, model, opt) for step in range(25)]
+        assert not any(results) and not snaps.available and snaps.captures == 0
+        assert snaps.placement is not None and snaps.placement.where == "none"
+        assert len(placed) == 3  # steps 0, 10 and 20, not every step
+        said = [r for r in caplog.records if "snapshot_not_kept" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.WARNING
+        assert "no restore is possible" in said[0].getMessage()
+        with pytest.raises(NoGoodStateError, match="the snapshot was not kept, it would not fit"):
+            snaps.restore(model, opt)
+
+    def test_memory_freed_later_is_used(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        model, opt = _model()
+        monkeypatch.setattr(_placement, "host_available", lambda: 16)
+        snaps = StateSnapshots(every=5)
+        assert not snaps.maybe_capture(0, model, opt)
+        monkeypatch.setattr(_placement, "host_available", lambda: 1 << 30)
+        assert [snaps.maybe_capture(step, model, opt) for step in range(1, 6)] == [
+            False,
+            False,
+            False,
+            False,
+            True,
+        ]
+        assert snaps.available and snaps.placement is not None
+        assert snaps.placement.where == "host"
+
+    def test_a_held_snapshot_of_a_gone_structure_is_dropped_when_the_new_one_has_no_room(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        model, opt = _model()
+        snaps = StateSnapshots(every=1)
+        assert snaps.capture(0, model, opt)
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(1000))]})  # the plan is stale
+        monkeypatch.setattr(_placement, "host_available", lambda: 16)
+        assert not snaps.capture(1, model, opt)
+        assert not snaps.available and snaps.step is None
+
+    def test_a_loaded_checkpoint_is_kept_when_the_live_copy_has_no_room(
+        self, monkeypatch: pytest.MonkeyPatch, tmp_path: object
+    ) -> None:
+        model, opt = _model()
+        saved = StateSnapshots()
+        assert saved.capture(3, model, opt)
+        path = f"{tmp_path}/good.pt"
+        saved.save(path)
+        snaps = StateSnapshots(checkpoint=path)
+        monkeypatch.setattr(_placement, "host_available", lambda: 16)
+        assert not snaps.capture(4, model, opt)
+        assert snaps.available and snaps.step == 3
+        with torch.no_grad():
+            model[0].weight.fill_(math.nan)  # type: ignore[index]
+        assert snaps.restore(model, opt) == 3
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_host_copy_restores_the_values_it_took() -> None:
+    """location='host' on CPU tensors is the same copy; values come back exactly."""
+    model, opt = _model()
+    snaps = StateSnapshots(location="host")
+    assert snaps.capture(0, model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert snaps.restore(model, opt) == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+class TestSession:
+    async def test_the_session_uses_the_snapshots_given(self) -> None:
+        model, opt, x, y = classifier()
+        snaps = StateSnapshots(every=7, location="host")
+        async with session_for(model, opt, RecordingSink(), snapshots=snaps) as session:
+            await train(session, model, opt, x, y, 30)
+        # the first good step, then every 7 good steps (the plan is rebuilt at step 7, once
+        # AdamW created its state)
+        assert snaps.captures == 5 and snaps.step == 28
+
+    async def test_a_nan_parameter_with_no_snapshot_kept_stops_with_the_reason(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(_placement, "host_available", lambda: 16)
+        model, opt, x, y = classifier()
+        recorder = RecordingSink()
+        with pytest.raises(TrainingStopped, match="would not fit in memory"):
+            async with session_for(model, opt, recorder) as session:
+                await train(session, model, opt, x, y, 40, nan_param_at=(20,))
+        failed = [
+            e
+            for e in recorder.of_type(RecoveryApplied)
+            if e.action is RecoveryAction.RESTORE_STATE and e.outcome == "failed"
+        ]
+        assert len(failed) == 1
+
+    async def test_a_healthy_run_without_room_trains_as_usual(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """No room for a snapshot changes nothing on a healthy run: same weights at the end."""
+        model, opt, x, y = classifier()
+        async with session_for(model, opt, RecordingSink()) as session:
+            await train(session, model, opt, x, y, 60)
+        kept = [p.detach().clone() for p in model.parameters()]
+        monkeypatch.setattr(_placement, "host_available", lambda: 16)
+        model, opt, x, y = classifier()
+        async with session_for(model, opt, RecordingSink()) as session:
+            await train(session, model, opt, x, y, 60)
+        assert all(torch.equal(a, b) for a, b in zip(kept, model.parameters(), strict=True))
+
+    def test_bad_snapshots_are_refused_when_the_session_is_made(self) -> None:
+        model, opt, _, _ = classifier()
+        with pytest.raises(TypeError, match="snapshots must be a StateSnapshots or None"):
+            Session(model, opt, log_dir=None, snapshots=50)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="snapshots= needs recovery"):
+            Session(model, opt, log_dir=None, recovery=False, snapshots=StateSnapshots())
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cuda_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    _cuda_step(model, opt)
+    return model, opt
+
+
+def _cuda_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(32, 64, device="cuda")).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@CUDA
+def test_cuda_host_copies_are_pinned_and_restore_what_they_took() -> None:
+    model, opt = _cuda_model()
+    snaps = StateSnapshots(every=1, location="host")
+    assert snaps.capture(0, model, opt)
+    plan = snaps._plan
+    assert plan is not None and plan.host
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in plan.model_dst + plan.opt_dst)
+    _cuda_step(model, opt)
+    expected = [p.detach().clone() for p in model.parameters()]
+    moments = [s["exp_avg"].clone() for s in opt.state.values()]
+    assert snaps.capture(1, model, opt)  # a refresh: copies queued, the host not blocked
+    assert plan.pending  # ... and waited for before the host reads them
+    with torch.no_grad():  # queued after the copies on the same stream: not in the snapshot
+        for p in model.parameters():
+            p.add_(1.0)
+    assert snaps.restore(model, opt) == 1
+    assert not plan.pending
+    assert all(torch.equal(a, b) for a, b in zip(expected, model.parameters(), strict=True))
+    after = [s["exp_avg"] for s in opt.state.values()]
+    assert all(a.device.type == "cuda" for a in after)
+    assert all(torch.equal(a, b) for a, b in zip(moments, after, strict=True))
+    _cuda_step(model, opt)  # the optimizer steps on its restored state
+
+
+@CUDA
+def test_cuda_auto_keeps_a_small_model_beside_it() -> None:
+    model, opt = _cuda_model()
+    snaps = StateSnapshots()
+    assert snaps.capture(0, model, opt)
+    assert snaps.placement is not None and snaps.placement.where == "device"
+    plan = snaps._plan
+    assert plan is not None and all(t.is_cuda for t in plan.model_dst)
