@@ -304,6 +304,7 @@ class RankAgreement(BlockingAgreement):
             self._last_loss,
             loss_grad_bad=loss_grad_bad,
             applied=self._applied,
+            held=self.holds_state(),
         )
         started = time.perf_counter()
         try:

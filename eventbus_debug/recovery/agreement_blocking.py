@@ -76,6 +76,9 @@ class BlockingAgreement(Joinable):
         """The model the session trains (for the join context's checks)."""
         self._step = -1
         """The last step agreed (a joined rank shadows the steps after it)."""
+        self.holds_state: Callable[[], bool] = _holds
+        """Whether this rank holds a good state to restore (its safe point's snapshots say;
+        a rank without one makes every rank skip a restore, or stop when it is required)."""
 
     def _new_group(self) -> Any:
         """A new gloo group over the default group's ranks (a collective: every rank builds its
@@ -250,7 +253,9 @@ class BlockingAgreement(Joinable):
     def _agree_blocking(
         self, step: int, decisions: Sequence[DecidedAction], noted: bool, loss: float | None
     ) -> AgreedStep:
-        v = codec.encode(self._vec, decisions, noted, self.rank, loss, step=step)
+        v = codec.encode(
+            self._vec, decisions, noted, self.rank, loss, step=step, held=self.holds_state()
+        )
         started = time.perf_counter()
         self._reduce(v, lambda: _at(step, decisions))
         self.blocking_waits.append(time.perf_counter() - started)
@@ -314,6 +319,10 @@ def _steps_apart(step: int, apart: tuple[int, int], world: int) -> DecidedAction
         "and logs would not line up, so every rank stops here; pass the same step on every rank"
     )
     return agreed_stop(step, reason)
+
+
+def _holds() -> bool:
+    return True  # no safe point told otherwise: restores are not this agreement's concern
 
 
 def agreed_stop(step: int, reason: str) -> DecidedAction:

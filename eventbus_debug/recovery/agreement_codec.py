@@ -7,6 +7,8 @@ in its own slot (the others hold ``-inf``), so the maximum holds every rank's lo
 averages them alike. Slots for the overlapped agreement: whether some rank's loss gradient was
 non-finite, and what each rank applied at the previous safe point (as ``x`` and ``-x``, so the
 maximum gives both the largest and the smallest: the ranks applied the same iff they match).
+Whether some rank holds no good state to restore (its snapshot did not fit in memory, or none
+was captured yet) rides along, so that a restore is applied on every rank or on none.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class Slot(IntEnum):
     NEG_APPLIED_NOTED = 20
     STEP = 21  # blocking: the step each rank passed to check_step ...
     NEG_STEP = 22  # ... as x and -x: the ranks passed the same iff both maxima match
+    UNHELD = 23  # some rank holds no good state to restore
 
 
 SIZE: Final = len(Slot)
@@ -101,12 +104,13 @@ def encode(
     loss_grad_bad: bool = False,
     applied: tuple[bool, bool, bool] = NOTHING_APPLIED,
     step: int | None = None,
+    held: bool = True,
 ) -> torch.Tensor:
     """Write this rank's part into *v* (in place, returned): its decisions, flags and loss.
 
     A non-finite or missing *loss* leaves the rank's loss slot at ``-inf`` (not averaged); a
     missing *step* (an overlapped launch, before the step is known) leaves the step slots at
-    ``-inf`` (not compared).
+    ``-inf`` (not compared); *held*: whether this rank holds a good state to restore.
     A rank with nothing to say (no decision, no incident, no flag: a healthy step) copies a
     cached vector and writes its loss, without building the head slot by slot.
     """
@@ -118,8 +122,11 @@ def encode(
         if step is not None:
             slots[Slot.STEP] = step
             slots[Slot.NEG_STEP] = -step
+        if not held:
+            slots[Slot.UNHELD] = 1.0
         return v
     head = _head(decisions, noted, rank, loss_grad_bad, applied)
+    head[Slot.UNHELD] = float(not held)
     if step is not None:
         head[Slot.STEP], head[Slot.NEG_STEP] = float(step), -float(step)
     losses = [-math.inf] * (len(v) - SIZE)
@@ -229,9 +236,16 @@ def decode(
     if agreed[Slot.STOP]:
         stopper = int(agreed[Slot.STOP_RANK]) - 1
         out.append(make(Stop(), f"stop (rank {stopper})"))
+    unheld = False
     if agreed[Slot.RESTORE]:
         required = bool(agreed[Slot.RESTORE_REQUIRED])
-        out.append(make(RestoreState(required=required), "restore the last good state"))
+        if not agreed[Slot.UNHELD]:
+            out.append(make(RestoreState(required=required), "restore the last good state"))
+        elif required and not agreed[Slot.STOP]:
+            # restored on some ranks only, the replicas would differ: every rank stops instead
+            out.insert(0, _agreed(Stop(), world, step, _UNHELD_STOP))
+        else:
+            unheld = True  # a precaution: no rank restores, every rank skips the step
     factor = -agreed[Slot.NEG_LR_FACTOR]
     if factor != 1.0:
         steps = int(agreed[Slot.LR_STEPS]) or None
@@ -246,17 +260,30 @@ def decode(
     if agreed[Slot.SKIP]:
         out.append(make(SkipStep(batches=int(agreed[Slot.SKIP_BATCHES])), "skip the step"))
     elif bad_grad:
-        out.append(
-            DecidedAction(
-                decision=Decision(
-                    action=SkipStep(),
-                    reason=f"agreed across {world} ranks: a rank's loss gradient is non-finite "
-                    "(DDP spreads it to every rank's gradients)",
-                ),
-                strategy="agreed",
-                trigger_kind="agreement",
-                trigger_seq=-1,
-                step=step,
-            )
-        )
+        out.append(_agreed(SkipStep(), world, step, _BAD_GRAD))
+    elif unheld:
+        out.append(_agreed(SkipStep(), world, step, _UNHELD_SKIP))
     return tuple(out)
+
+
+_BAD_GRAD: Final = "a rank's loss gradient is non-finite (DDP spreads it to every rank's gradients)"
+_UNHELD_STOP: Final = (
+    "a restore is required and some rank holds no good state to restore (its snapshot did not "
+    "fit in memory, or none was captured yet): restored on the others only, the replicas would "
+    "differ, so every rank stops"
+)
+_UNHELD_SKIP: Final = (
+    "a precautionary restore was decided and some rank holds no good state: no rank restores "
+    "(the replicas stay equal), every rank skips the step"
+)
+
+
+def _agreed(action: Action, world: int, step: int, why: str) -> DecidedAction:
+    """A decision no rank took itself: the agreement's own."""
+    return DecidedAction(
+        decision=Decision(action=action, reason=f"agreed across {world} ranks: {why}"),
+        strategy="agreed",
+        trigger_kind="agreement",
+        trigger_seq=-1,
+        step=step,
+    )

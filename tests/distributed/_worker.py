@@ -30,6 +30,7 @@ from eventbus_debug import Cadence, CallState, Retrying, Session, TrainingStoppe
 from eventbus_debug.events import LossSpiked, MemoryLeakSuspected, RecoveryApplied, StepSkipped
 from eventbus_debug.recovery.actions import Decision, Stop
 from eventbus_debug.recovery.agreement import RankAgreement
+from eventbus_debug.recovery.safepoint import _placement
 from eventbus_debug.testing import RecordingSink
 
 STEPS = 40
@@ -55,8 +56,9 @@ def _fault(scenario: str, rank: int, step: int, loss: torch.Tensor, model: nn.Mo
 
 
 def _base(scenario: str) -> str:
-    """*scenario* without its ``ov_`` prefix (which opts into the overlapped agreement)."""
-    return scenario.removeprefix("ov_")
+    """*scenario* without its ``ov_`` prefix (which opts into the overlapped agreement) and its
+    ``unheld_`` prefix (rank 1 has no memory for a snapshot: it holds no good state)."""
+    return scenario.removeprefix("ov_").removeprefix("unheld_")
 
 
 class TwoOutputs(nn.Module):
@@ -138,6 +140,9 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
         distributed = RankAgreement(overlap=True)
     result: dict[str, Any] = {"rank": rank, "stopped_at": None, "reason": ""}
     step = -1
+    host_available = _placement.host_available
+    if "unheld_" in scenario and rank == 1:
+        _placement.host_available = lambda: 16  # no room for a snapshot on this rank
     try:
         async with Session(
             model,
@@ -231,6 +236,8 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
             raise
         result["stopped_at"] = step
         result["reason"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        _placement.host_available = host_available
     full = [getattr(p, "full_tensor", None) for p in net.parameters()]
     tensors = [f() if callable(f) else p for f, p in zip(full, net.parameters(), strict=True)]
     params = torch.cat([t.detach().reshape(-1) for t in tensors])

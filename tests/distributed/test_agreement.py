@@ -52,6 +52,9 @@ TWO_RANKS = (
     "ov_nan_three_one_rank_every5",
     "ov_no_sync_accumulate",
     "ov_stop_late_one_rank",
+    "unheld_nan_param_late",  # unheld_: rank 1 has no memory for a snapshot
+    "ov_unheld_nan_param_late",
+    "unheld_nan_three_one_rank_every5",
     "crash_one_rank",  # last: rank 1 exits
 )
 STEPS = 40  # tests/distributed/_worker.py's STEPS
@@ -236,6 +239,32 @@ def test_escalation_on_one_rank_restores_every_rank_together(
     assert all({12, 13, 14} <= set(r["skipped"]) and r["finite"] for r in results)
     assert any(a[1] == RecoveryAction.RESTORE_STATE.value for a in results[0]["applied"])
     assert same_everywhere(results, "applied") and same_everywhere(results, "params")
+
+
+@pytest.mark.parametrize("scenario", ["unheld_nan_param_late", "ov_unheld_nan_param_late"])
+def test_a_required_restore_with_a_rank_holding_no_state_stops_every_rank(
+    two: dict[str, list[Any]], scenario: str
+) -> None:
+    """Rank 1's snapshot did not fit in memory; its parameters turn NaN at step 20. Restored on
+    rank 0 alone the replicas would differ (and rank 1, stopping alone, would leave rank 0 in
+    DDP's next all-reduce): both stop at the same step, saying why, and neither restores."""
+    results = ranks(two, scenario)
+    assert results[0]["stopped_at"] == results[1]["stopped_at"]
+    assert results[0]["stopped_at"] is not None and results[0]["stopped_at"] >= 20
+    assert all("some rank holds no good state to restore" in r["reason"] for r in results)
+    assert not any(a[1:] == ["restore_state", "applied"] for r in results for a in r["applied"])
+
+
+def test_a_precautionary_restore_with_a_rank_holding_no_state_skips_on_every_rank(
+    two: dict[str, list[Any]],
+) -> None:
+    """Three NaN batches on rank 1 escalate to a precautionary restore; rank 1 holds no state:
+    no rank restores, both skip, and they end equal, finite and running."""
+    results = ranks(two, "unheld_nan_three_one_rank_every5")
+    assert all({12, 13, 14} <= set(r["skipped"]) and r["finite"] for r in results)
+    assert all(r["stopped_at"] is None for r in results)
+    assert not any(a[1:] == ["restore_state", "applied"] for r in results for a in r["applied"])
+    assert same_everywhere(results, "params") and same_everywhere(results, "skipped")
 
 
 def test_observe_policy_is_not_made_to_skip(two: dict[str, list[Any]]) -> None:
@@ -506,6 +535,35 @@ class TestEncoding:
         assert codec.decode(agreed, [], 3, world) == () and codec.digest_mismatch(agreed) is None
         finite_loss = loss is not None and math.isfinite(loss)
         assert codec.mean_loss(agreed) == (loss if finite_loss else None)
+
+    @pytest.mark.parametrize("held", [True, False])
+    def test_a_rank_holding_no_state_says_so_on_quiet_steps_too(self, held: bool) -> None:
+        quiet = codec.encode(codec.vector(2), [], False, 1, 2.0, held=held)
+        general = codec.encode(codec.vector(2), [], True, 1, 2.0, held=held)
+        general[codec.Slot.NOTED] = 0.0
+        assert torch.equal(quiet, general)
+        assert quiet[codec.Slot.UNHELD] == float(not held)
+
+    @pytest.mark.parametrize("required", [True, False])
+    def test_a_restore_with_some_rank_holding_no_state_is_applied_nowhere(
+        self, required: bool
+    ) -> None:
+        """Restored on some ranks only, DDP's replicas would differ: a required restore stops
+        every rank, a precautionary one becomes a skip on every rank."""
+        a = codec.encode(codec.vector(2), [self.decided(RestoreState(required=required))], True, 0)
+        b = codec.encode(codec.vector(2), [], False, 1, held=False)
+        agreed = codec.decode(a.maximum(b).tolist(), [], 3, 2)
+        kinds = [d.kind for d in agreed]
+        assert RecoveryAction.RESTORE_STATE not in kinds
+        if required:
+            assert kinds == [RecoveryAction.STOP]
+            assert "some rank holds no good state to restore" in agreed[0].reason
+        else:
+            assert kinds == [RecoveryAction.SKIP_STEP]
+            assert "no rank restores" in agreed[0].reason
+        held = codec.encode(codec.vector(2), [], False, 1)  # every rank holds one: restored
+        restored = codec.decode(a.maximum(held).tolist(), [], 3, 2)
+        assert [d.action for d in restored] == [RestoreState(required=required)]
 
     def test_needs_a_process_group(self) -> None:
         """RankAgreement outside a process group is a clear error."""

@@ -20,6 +20,7 @@ from ...events import RecoveryAction, RecoveryApplied, StepSkipped
 from ...exceptions import TrainingStopped
 from ..actions import Action, ClipGradients, DecidedAction, RestoreState, ScaleLR, SkipStep
 from ..agreement import AgreedStep, Agreement
+from ..agreement_blocking import BlockingAgreement
 from ..engine import RecoveryEngine
 from ..lr import lr_schedulers, scale_learning_rate
 from ..memory import free_memory
@@ -194,12 +195,18 @@ class SafePoint:
             msg = f"agreement must be an Agreement (with agree(step, decisions, noted)), got {agreement!r}"
             raise TypeError(msg)
         self.agreement = agreement
+        if isinstance(agreement, BlockingAgreement):
+            # a restore lands on every rank or on none: each says whether it holds a state
+            agreement.holds_state = self._holds_state
         self.agreed: AgreedStep | None = None
         """What the ranks agreed at the last safe point (None without an agreement)."""
         self._skip_remaining = 0
         self._skip_reason = ""
         self._temporary: list[_Temporary] = []  # the temporary LR changes in force
         self._restore_listeners: list[Callable[[], None]] = []
+
+    def _holds_state(self) -> bool:
+        return self.snapshots.available
 
     def add_restore_listener(self, listener: Callable[[], None]) -> None:
         """Call *listener* after every restore (the session restarts the probe's baselines).
