@@ -333,3 +333,50 @@ def test_cuda_auto_keeps_a_small_model_beside_it() -> None:
     assert snaps.placement is not None and snaps.placement.where == "device"
     plan = snaps._plan
     assert plan is not None and all(t.is_cuda for t in plan.model_dst)
+
+
+def _trained(hook: bool) -> tuple[nn.Module, torch.optim.Optimizer, StateSnapshots]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    if hook:  # a load hook: only load_state_dict runs it, so the restore goes through it
+        opt.register_load_state_dict_post_hook(lambda optimizer: None)
+    snaps = StateSnapshots(every=1)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        opt.zero_grad()
+        model(torch.randn(16, 4, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        if step == 3:
+            assert snaps.capture(step, model, opt)
+    opt.param_groups[0]["lr"] = 0.005  # an LR decided since: kept
+    opt.param_groups[0]["weight_decay"] = 0.5  # another setting: restored
+    return model, opt, snaps
+
+
+def test_an_optimizer_is_restored_in_place_exactly_as_load_state_dict_restores_it() -> None:
+    """The in-place restore allocates no second optimizer state (a model that fills its GPU
+    could not be restored otherwise) and ends exactly where ``load_state_dict`` does."""
+    model, opt, snaps = _trained(hook=False)
+    moments = {id(p): s["exp_avg"] for p, s in opt.state.items()}
+    assert snaps.restore(model, opt) == 3
+    assert all(s["exp_avg"] is moments[id(p)] for p, s in opt.state.items())  # the same tensors
+    ref_model, ref_opt, ref_snaps = _trained(hook=True)
+    ref_moments = {id(p): s["exp_avg"] for p, s in ref_opt.state.items()}
+    assert ref_snaps.restore(ref_model, ref_opt) == 3
+    assert all(s["exp_avg"] is not ref_moments[id(p)] for p, s in ref_opt.state.items())
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    mine, ref = opt.state_dict(), ref_opt.state_dict()
+    assert mine["param_groups"] == ref["param_groups"]
+    assert mine["param_groups"][0]["lr"] == 0.005 and mine["param_groups"][0]["weight_decay"] == 0.1
+    for i, entries in ref["state"].items():
+        for k, v in entries.items():
+            assert torch.equal(mine["state"][i][k], v), (i, k)
+    x = torch.randn(16, 4)  # both train on alike
+    for net, optimizer in ((model, opt), (ref_model, ref_opt)):
+        optimizer.zero_grad()
+        net(x).pow(2).mean().backward()
+        optimizer.step()
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -24,6 +24,7 @@ __all__ = (
     "copied_tensors",
     "finite_groups",
     "group_settings",
+    "in_place_ok",
     "live_key",
 )
 
@@ -267,11 +268,42 @@ class Plan:
             for group, live in zip(groups, optimizer.param_groups, strict=True):
                 group.update(group_settings(live, group["params"]))
 
+    def load_optimizer_back(self, optimizer: torch.optim.Optimizer, keep: tuple[str, ...]) -> None:
+        """Restore the optimizer's copies into the live state tensors they were taken from, in
+        place: ``load_state_dict`` builds a second optimizer state on the device before it
+        drops the first (twice the parameters' size for Adam), so a model that fills its GPU
+        could not be restored. Only while the plan is current (:func:`live_key` unchanged)
+        and the optimizer has no load hooks (:func:`in_place_ok`). The param groups get their
+        captured settings back, except the *keep* keys (the learning rates now)."""
+        self.settle()
+        with torch.no_grad():
+            copy_all(self.opt_src, self.opt_dst)
+        for copied, name, entries in self.scalars:
+            entries[name] = copy.deepcopy(copied[name])  # type: ignore[index]
+        if self.optimizer is None:
+            return
+        for live, held in zip(optimizer.param_groups, self.optimizer["param_groups"], strict=True):
+            for k, v in held.items():
+                if k != "params" and k not in keep:
+                    live[k] = (
+                        v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                    )
+
     def settle(self) -> None:
         """Wait for the last refresh's copies to the host (nothing to wait for otherwise)."""
         pending, self.pending = self.pending, []
         for event in pending:
             event.synchronize()
+
+
+def in_place_ok(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether *optimizer* may be restored in place: it has no ``load_state_dict`` hooks (which
+    only its own ``load_state_dict`` runs; unknown hook storage counts as hooks)."""
+    for name in ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+        hooks = getattr(optimizer, name, None)
+        if not isinstance(hooks, Mapping) or hooks:
+            return False
+    return True
 
 
 def _recorded(device: torch.device) -> torch.Event:

@@ -24,7 +24,15 @@ from ...exceptions import EventBusError
 from ..lr import GROUP_LR_KEYS
 from ._fit import PER_PARAMETER, SHOWN, Layout, Undo, model_changes
 from ._placement import Location, Placement, choose, location_of, sizes
-from ._plan import Plan, all_finite, copied_tensors, finite_groups, group_settings, live_key
+from ._plan import (
+    Plan,
+    all_finite,
+    copied_tensors,
+    finite_groups,
+    group_settings,
+    in_place_ok,
+    live_key,
+)
 
 __all__ = ("NoGoodStateError", "StateSnapshots")
 
@@ -279,14 +287,20 @@ class StateSnapshots:
             )
             raise NoGoodStateError(msg)
         undo = Undo.take(model, optimizer)
+        keys = ("lr", *GROUP_LR_KEYS)
+        plan = self._plan
+        current = plan is not None and plan.model is self._model
+        current = current and plan is not None and plan.key == live_key(model, optimizer)
         try:
-            model.load_state_dict(self._model)
+            model.load_state_dict(self._model)  # copies into the live tensors, hooks run
             if optimizer is not None and layout is not None:
-                keys = ("lr", *GROUP_LR_KEYS)
-                lrs = [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
-                optimizer.load_state_dict(copy.deepcopy(layout.state_dict))
-                for group, kept in zip(optimizer.param_groups, lrs, strict=True):
-                    group.update(kept)
+                if current and plan is not None and in_place_ok(optimizer):
+                    plan.load_optimizer_back(optimizer, keys)  # nothing allocated
+                else:
+                    lrs = [{k: g[k] for k in keys if k in g} for g in optimizer.param_groups]
+                    optimizer.load_state_dict(copy.deepcopy(layout.state_dict))
+                    for group, kept in zip(optimizer.param_groups, lrs, strict=True):
+                        group.update(kept)
         except BaseException as exc:
             self._failed()
             error = f"{type(exc).__name__}: {exc}"
