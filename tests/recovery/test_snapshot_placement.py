@@ -380,3 +380,27 @@ def test_an_optimizer_is_restored_in_place_exactly_as_load_state_dict_restores_i
         optimizer.step()
     for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_restore_without_memory_for_its_undo_copy_still_restores(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The copy that would undo a load failing part-way is taken where the snapshot is (host
+    memory here); when it cannot be had the restore goes on without it, and says so."""
+    model, opt = _model()
+    snaps = StateSnapshots()
+    assert snaps.capture(0, model, opt)
+    expected = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(math.nan)
+
+    def no_memory(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(torch.Tensor, "to", no_memory)
+    with caplog.at_level(logging.WARNING, logger="eventbus_debug"):
+        assert snaps.restore(model, opt) == 0
+    monkeypatch.undo()
+    assert any("restore_without_undo" in r.getMessage() for r in caplog.records)
+    assert all(torch.equal(a, b) for a, b in zip(expected, model.parameters(), strict=True))

@@ -116,7 +116,11 @@ class Undo:
     groups: list[dict[str, Any]] | None = None
 
     @classmethod
-    def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Undo:
+    def take(
+        cls, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, host: bool = False
+    ) -> Undo:
+        """Copy the model's values (in host memory with *host*: a snapshot kept there because
+        the device has no room would not find room for this copy either)."""
         live = [
             t.detach()
             for t in model.state_dict(keep_vars=True).values()
@@ -125,8 +129,11 @@ class Undo:
         saved: list[torch.Tensor] | None
         try:
             with torch.no_grad():
-                saved = [t.clone() for t in live]
-        except torch.OutOfMemoryError:
+                saved = [
+                    t.to("cpu", copy=True) if host and t.__class__ is torch.Tensor else t.clone()
+                    for t in live
+                ]
+        except RuntimeError:  # torch.OutOfMemoryError; the host allocator's is a RuntimeError
             saved = None
             _log.warning(
                 "restore_without_undo",

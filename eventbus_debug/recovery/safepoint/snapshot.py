@@ -286,9 +286,9 @@ class StateSnapshots:
                 "snapshot; the next good step takes a new one"
             )
             raise NoGoodStateError(msg)
-        undo = Undo.take(model, optimizer)
-        keys = ("lr", *GROUP_LR_KEYS)
         plan = self._plan
+        undo = Undo.take(model, optimizer, host=plan is not None and plan.host)
+        keys = ("lr", *GROUP_LR_KEYS)
         current = plan is not None and plan.model is self._model
         current = current and plan is not None and plan.key == live_key(model, optimizer)
         try:
