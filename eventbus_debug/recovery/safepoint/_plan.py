@@ -172,8 +172,9 @@ class Plan:
             finds each one's state by identity, whatever groups the optimizer has by then).
         shapes: their shapes when the plan was built (a restore tells the state tensors shaped
             like their parameter, whose shape must still be the parameter's).
-        host: whether the accelerator tensors' copies are in host memory (refreshed without
-            blocking the host; :meth:`settle` before reading them).
+        host: whether the copies are in host memory (those of accelerator tensors are
+            refreshed without blocking the host; :meth:`settle` before reading them).
+        devices: the accelerators whose tensors are copied to the host.
         pending: the events of the last refresh's copies to the host, one per accelerator.
     """
 
@@ -189,6 +190,7 @@ class Plan:
     params: list[torch.Tensor]
     shapes: list[torch.Size]
     host: bool = False
+    devices: tuple[torch.device, ...] = ()
     pending: list[torch.Event] = field(default_factory=list)
 
     @classmethod
@@ -247,6 +249,13 @@ class Plan:
             params,
             [p.shape for p in params],
             host,
+            tuple(
+                {
+                    t.device: None
+                    for t in (*model_src, *opt_src)
+                    if host and plain(t) and _on_accelerator(t)
+                }
+            ),
         )
 
     def refresh(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -255,12 +264,12 @@ class Plan:
         Copies to the host do not block it: they run in order on the accelerator's current
         stream (before the optimizer step that follows changes the live tensors), and
         :meth:`settle` waits for them before the host reads the copies."""
+        to_host = bool(self.devices)
         with torch.no_grad():
-            copy_all(self.model_dst, self.model_src, non_blocking=self.host)
-            copy_all(self.opt_dst, self.opt_src, non_blocking=self.host)
-        if self.host:
-            devices = {t.device for t in (*self.model_src, *self.opt_src) if _on_accelerator(t)}
-            self.pending = [_recorded(d) for d in devices]
+            copy_all(self.model_dst, self.model_src, non_blocking=to_host)
+            copy_all(self.opt_dst, self.opt_src, non_blocking=to_host)
+        if to_host:
+            self.pending = [_recorded(d) for d in self.devices]
         for copied, name, entries in self.scalars:
             copied[name] = copy.deepcopy(entries[name])
         if optimizer is not None and self.optimizer is not None:
