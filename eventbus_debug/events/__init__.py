@@ -54,6 +54,7 @@ from .recovery import (
     RecoveryDecided as RecoveryDecided,
     SampleSkipped as SampleSkipped,
     ScalerInTrouble as ScalerInTrouble,
+    SnapshotPlaced as SnapshotPlaced,
     StepSkipped as StepSkipped,
 )
 from .resources import (
@@ -126,6 +127,7 @@ __all__ = (
     "SinkUnresponsive",
     "StepChecked",
     "StepCompleted",
+    "SnapshotPlaced",
     "StepSkipped",
     "SystemSampled",
     "TensorRole",

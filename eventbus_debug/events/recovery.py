@@ -39,6 +39,7 @@ __all__ = (
     "ScalerInTrouble",
     "ShrinkBatch",
     "SkipStep",
+    "SnapshotPlaced",
     "StepSkipped",
     "Stop",
 )
@@ -453,6 +454,26 @@ class StepSkipped(Event):
     reason: str
     scale_before: float | None = None
     scale_after: float | None = None
+
+
+@event_type
+class SnapshotPlaced(Event):
+    """Recovery keeps no last good state (no memory for one: no restore is possible), or
+    keeps one again; where a kept one lives is logged (``snapshot_placed``), not published.
+
+    Attributes:
+        where: ``"device"`` (beside the model), ``"host"`` (host memory) or ``"none"``: it
+            would not fit in memory, so no restore is possible (a non-finite parameter then
+            stops the run); severity WARNING then, INFO otherwise.
+        nbytes: the bytes one snapshot takes.
+        reason: the figures behind the choice.
+    """
+
+    kind: ClassVar[str] = "snapshot_placed"
+    severity: Severity = Severity.INFO
+    where: str
+    nbytes: int
+    reason: str
 
 
 @event_type

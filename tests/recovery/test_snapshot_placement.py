@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from eventbus_debug import Session, TrainingStopped
-from eventbus_debug.events import RecoveryAction, RecoveryApplied
+from eventbus_debug.events import RecoveryAction, RecoveryApplied, Severity, SnapshotPlaced
 from eventbus_debug.recovery import NoGoodStateError, StateSnapshots
 from eventbus_debug.recovery.safepoint import _placement
 from eventbus_debug.recovery.safepoint._placement import (
@@ -177,6 +177,19 @@ class TestNotKept:
         with pytest.raises(NoGoodStateError, match="the snapshot was not kept, it would not fit"):
             snaps.restore(model, opt)
 
+    async def test_the_bus_hears_when_none_is_kept_and_when_one_is_again(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        model, opt, x, y = classifier()
+        recorder = RecordingSink()
+        monkeypatch.setattr(_placement, "host_available", lambda: 16)
+        async with session_for(model, opt, recorder, snapshots=StateSnapshots(every=10)) as session:
+            await train(session, model, opt, x, y, 15)
+            monkeypatch.setattr(_placement, "host_available", lambda: 1 << 30)
+            await train(session, model, opt, x, y, 15)  # steps 0-14 again: the loop's count
+        said = [(e.step, e.where, e.severity) for e in recorder.of_type(SnapshotPlaced)]
+        assert said == [(0, "none", Severity.WARNING), (5, "host", Severity.INFO)]
+
     def test_memory_freed_later_is_used(self, monkeypatch: pytest.MonkeyPatch) -> None:
         model, opt = _model()
         monkeypatch.setattr(_placement, "host_available", lambda: 16)
@@ -239,11 +252,13 @@ class TestSession:
     async def test_the_session_uses_the_snapshots_given(self) -> None:
         model, opt, x, y = classifier()
         snaps = StateSnapshots(every=7, location="host")
-        async with session_for(model, opt, RecordingSink(), snapshots=snaps) as session:
+        recorder = RecordingSink()
+        async with session_for(model, opt, recorder, snapshots=snaps) as session:
             await train(session, model, opt, x, y, 30)
         # the first good step, then every 7 good steps (the plan is rebuilt at step 7, once
         # AdamW created its state)
         assert snaps.captures == 5 and snaps.step == 28
+        assert recorder.of_type(SnapshotPlaced) == []  # kept: logged, not published
 
     async def test_a_nan_parameter_with_no_snapshot_kept_stops_with_the_reason(
         self, monkeypatch: pytest.MonkeyPatch
@@ -260,6 +275,9 @@ class TestSession:
             if e.action is RecoveryAction.RESTORE_STATE and e.outcome == "failed"
         ]
         assert len(failed) == 1
+        said = recorder.of_type(SnapshotPlaced)  # on the bus (the log, the report) once
+        assert [(e.step, e.where, e.severity) for e in said] == [(0, "none", Severity.WARNING)]
+        assert "host cannot hold it" in said[0].reason
 
     async def test_a_healthy_run_without_room_trains_as_usual(
         self, monkeypatch: pytest.MonkeyPatch

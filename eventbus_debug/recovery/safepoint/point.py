@@ -16,7 +16,7 @@ from eventbus_debug.diagnostics import get_logger
 from ..._records import fast_init
 from ..._saved import StateReader
 from ..._validate import positive_number
-from ...events import RecoveryAction, RecoveryApplied, StepSkipped
+from ...events import RecoveryAction, RecoveryApplied, Severity, SnapshotPlaced, StepSkipped
 from ...exceptions import TrainingStopped
 from ..actions import Action, ClipGradients, DecidedAction, RestoreState, ScaleLR, SkipStep
 from ..agreement import AgreedStep, Agreement
@@ -24,6 +24,7 @@ from ..agreement_blocking import BlockingAgreement
 from ..engine import RecoveryEngine
 from ..lr import lr_schedulers, scale_learning_rate
 from ..memory import free_memory
+from ._placement import Placement
 from .snapshot import NoGoodStateError, StateSnapshots
 
 __all__ = ("AgreeHook", "SafePoint", "StepDecision", "read_temporary")
@@ -204,9 +205,31 @@ class SafePoint:
         self._skip_reason = ""
         self._temporary: list[_Temporary] = []  # the temporary LR changes in force
         self._restore_listeners: list[Callable[[], None]] = []
+        self._placement_seen: Placement | None = None  # the last placement said on the bus
 
     def _holds_state(self) -> bool:
         return self.snapshots.available
+
+    def _say_placement(self, step: int) -> None:
+        """Publish that no snapshot is kept (no room for one), and that one is again: what
+        a reader of the log must know; where a kept one lives is logged only."""
+        placement = self.snapshots.placement
+        last, self._placement_seen = self._placement_seen, placement
+        if placement is None:
+            return
+        unkept = placement.where == "none"
+        if unkept == (last is not None and last.where == "none"):
+            return
+        self.engine.bus.publish_nowait(
+            SnapshotPlaced(
+                source=SOURCE,
+                step=step,
+                severity=Severity.WARNING if placement.where == "none" else Severity.INFO,
+                where=placement.where,
+                nbytes=placement.nbytes,
+                reason=placement.reason,
+            )
+        )
 
     def add_restore_listener(self, listener: Callable[[], None]) -> None:
         """Call *listener* after every restore (the session restarts the probe's baselines).
@@ -306,6 +329,8 @@ class SafePoint:
             if not pending.clean:
                 return StepDecision(step=step, should_step=True)
             self.snapshots.maybe_capture(step, self.model, self.optimizer)
+            if self.snapshots.placement is not self._placement_seen:
+                self._say_placement(step)
             if self._temporary:
                 return self._tick_temporary(step)
             return StepDecision(step=step, should_step=True)
