@@ -4,9 +4,11 @@ so ``update()`` does not raise "No inf checks were recorded"."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import anyio
+import pytest
 import torch
 from torch import nn
 
@@ -43,3 +45,37 @@ async def test_a_skipped_step_leaves_the_scaler_updatable() -> None:
     assert [e.step for e in recorder.of_type(StepSkipped)] == [10]
     assert scaler.get_scale() == scale / 2  # the NaN gradients' inf check backed the scale off
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+async def test_a_check_after_scaler_step_reads_the_true_norm_and_says_the_order_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Against the documented order (check, then ``scaler.step``): the gradients are already
+    unscaled; dividing them by the scale again reported norms 65,536x too small (read as
+    vanished gradients). The norm is the true one, and the log says the order once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(32, 8)
+    y = x.sum(1, keepdim=True)
+    norms: list[tuple[float, float]] = []
+    with caplog.at_level(logging.WARNING, logger="eventbus_debug"):
+        async with Session(
+            model, opt, scaler=scaler, log_dir=None, report=False, alerts=False
+        ) as s:
+            for step in range(5):
+                opt.zero_grad(set_to_none=True)
+                loss = nn.functional.mse_loss(model(x), y)
+                torch.autograd.backward(scaler.scale(loss))
+                scaler.step(opt)  # unscales the gradients, then steps: before the check
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                true = float(torch.nn.utils.get_total_norm(grads))
+                verdict = await s.check_step(step, loss=loss)
+                scaler.update()
+                await s.step_completed(step, loss=verdict.loss)
+                assert verdict.grad_norm is not None
+                norms.append((verdict.grad_norm, true))
+    assert all(got == pytest.approx(true, rel=1e-5) for got, true in norms)
+    said = [r for r in caplog.records if "checked_after_scaler_step" in r.getMessage()]
+    assert len(said) == 1 and "before scaler.step(optimizer)" in said[0].getMessage()

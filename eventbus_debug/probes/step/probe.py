@@ -164,6 +164,7 @@ class StepProbe:
             raise ValueError(msg)
         self._bus = publisher("bus", bus)
         self._scaler = scaler
+        self._said_late = False  # checked after scaler.step(): said once
         self._optimizer = optimizer
         self.cadence = cadence or Cadence()
         self.deferred = bool(deferred)
@@ -553,8 +554,18 @@ class StepProbe:
             return None  # scaler.scale() never ran: the gradients are not scaled
         states = getattr(scaler, "_per_optimizer_states", None)
         if self._optimizer is not None and isinstance(states, Mapping):
-            stage = states.get(id(self._optimizer), {}).get("stage")
-            if getattr(stage, "name", "") == "UNSCALED":
+            stage = getattr(states.get(id(self._optimizer), {}).get("stage"), "name", "")
+            if stage == "UNSCALED":
+                return None  # scaler.unscale_(optimizer) ran (to clip): already unscaled
+            if stage == "STEPPED":  # scaler.step() ran: unscaled, and stepped already
+                if not self._said_late:
+                    self._said_late = True
+                    _log.warning(
+                        "checked_after_scaler_step",
+                        source=self.source,
+                        fix="call check_step after backward and before scaler.step(optimizer): "
+                        "a skip decided now comes after the step was taken",
+                    )
                 return None
         # The scale is a float32 power of two (growth and backoff factors 2 and 0.5 by
         # default): its reciprocal is exact, and one kernel.
