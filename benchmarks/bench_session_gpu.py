@@ -9,7 +9,10 @@ Two workloads, each variant a ratio to the bare loop measured in the same run:
 
 Variants: ``bare`` (AdamW, torch's default implementation), ``probe`` (a ``StepProbe`` checking
 every step, its verdict read at once), ``deferred`` (the probe read a step later), ``session``
-(the full default ``Session``: log, report, alerts, system sampler), ``seed .item()`` (W1 only:
+(the full default ``Session``: log, report, alerts, system sampler; its last good state kept
+beside the model, as ``StateSnapshots(location="auto")`` does for these sizes on a large GPU),
+``session host`` (the same with the snapshot in pinned host memory, ``location="host"``, as
+"auto" does for a model over 5 % of the device), ``seed .item()`` (W1 only:
 one ``.item()`` per parameter, the seed's way); then, against ``bare fused``
 (``AdamW(fused=True)``), ``session fused`` and ``device_skip`` (``Session(...,
 device_skip=True)``: a non-finite step is skipped by the fused optimizer on the device, no host
@@ -51,6 +54,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eventbus_debug import EventBus, Session, StepProbe
+from eventbus_debug.recovery import StateSnapshots
 
 NO_CUDA: Final = (
     "CUDA is not available: bench_session_gpu.py measures GPU overheads, nothing to run "
@@ -66,7 +70,7 @@ class Variant:
     """One way of running the step: its name, its baseline, and how it checks the step."""
 
     name: str
-    kind: str  # bare | probe | deferred | session | seed | device_skip
+    kind: str  # bare | probe | deferred | session | session_host | seed | device_skip
     fused: bool = False
 
     @property
@@ -79,6 +83,7 @@ VARIANTS: Final = (
     Variant("probe", "probe"),
     Variant("deferred", "deferred"),
     Variant("session", "session"),
+    Variant("session host", "session_host"),
     Variant("seed .item()", "seed"),
     Variant(BARE_FUSED, "bare", fused=True),
     Variant("session fused", "session", fused=True),
@@ -305,10 +310,17 @@ async def _runner(
     if variant.kind in ("probe", "deferred"):
         runner.probe = StepProbe(model, bus, deferred=variant.kind == "deferred")
         stack.callback(runner.probe.close)
-    elif variant.kind in ("session", "device_skip"):
+    elif variant.kind in ("session", "session_host", "device_skip"):
         log_dir = log_root / variant.name.replace(" ", "_")
+        snapshots = StateSnapshots(location="host") if variant.kind == "session_host" else None
         runner.session = await stack.enter_async_context(
-            Session(model, optimizer, log_dir=log_dir, device_skip=variant.kind == "device_skip")
+            Session(
+                model,
+                optimizer,
+                log_dir=log_dir,
+                device_skip=variant.kind == "device_skip",
+                snapshots=snapshots,
+            )
         )
     return runner
 
@@ -418,6 +430,12 @@ def render(title: str, rows: Sequence[Row]) -> str:
             f"  {r.name:<14} {r.ms:9.3f} {r.ratio:6.2f}x  {r.baseline:<10} {host} {launches}"
         )
     by = {r.name: r for r in rows}
+    device, host = by.get("session"), by.get("session host")
+    if device is not None and host is not None:
+        lines.append(
+            f"  snapshot in host memory: step time {host.ms / device.ms:.3f}x the session's "
+            "with it beside the model (a copy every 50 good steps)"
+        )
     plain, skip = by.get("session fused"), by.get("device_skip")
     if plain is not None and skip is not None and plain.host_us and skip.host_us:
         lines.append(
