@@ -430,10 +430,10 @@ def render(title: str, rows: Sequence[Row]) -> str:
             f"  {r.name:<14} {r.ms:9.3f} {r.ratio:6.2f}x  {r.baseline:<10} {host} {launches}"
         )
     by = {r.name: r for r in rows}
-    device, host = by.get("session"), by.get("session host")
-    if device is not None and host is not None:
+    beside, in_host = by.get("session"), by.get("session host")
+    if beside is not None and in_host is not None:
         lines.append(
-            f"  snapshot in host memory: step time {host.ms / device.ms:.3f}x the session's "
+            f"  snapshot in host memory: step time {in_host.ms / beside.ms:.3f}x the session's "
             "with it beside the model (a copy every 50 good steps)"
         )
     plain, skip = by.get("session fused"), by.get("device_skip")
