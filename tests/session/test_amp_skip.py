@@ -17,13 +17,18 @@ from eventbus_debug.events import StepSkipped
 from eventbus_debug.testing import RecordingSink
 
 
-async def test_a_skipped_step_leaves_the_scaler_updatable() -> None:
+def _setup() -> tuple[
+    nn.Module, torch.optim.Optimizer, torch.amp.GradScaler, torch.Tensor, torch.Tensor
+]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
     x = torch.randn(32, 8)
-    y = x.sum(1, keepdim=True)
+    return model, opt, torch.amp.GradScaler("cpu"), x, x.sum(1, keepdim=True)
+
+
+async def test_a_skipped_step_leaves_the_scaler_updatable() -> None:
+    model, opt, scaler, x, y = _setup()
     recorder = RecordingSink()
     scale = scaler.get_scale()
     async with Session(model, opt, scaler=scaler, log_dir=None, report=False, alerts=False) as s:
@@ -53,12 +58,7 @@ async def test_a_check_after_scaler_step_reads_the_true_norm_and_says_the_order_
     """Against the documented order (check, then ``scaler.step``): the gradients are already
     unscaled; dividing them by the scale again reported norms 65,536x too small (read as
     vanished gradients). The norm is the true one, and the log says the order once."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
-    x = torch.randn(32, 8)
-    y = x.sum(1, keepdim=True)
+    model, opt, scaler, x, y = _setup()
     norms: list[tuple[float, float]] = []
     with caplog.at_level(logging.WARNING, logger="eventbus_debug"):
         async with Session(
