@@ -128,6 +128,10 @@ def test_sizes_count_each_device_and_the_subclasses() -> None:
         [torch.zeros(8).as_subclass(Shard), torch.zeros(2, dtype=torch.float64)]
     )
     assert by_device == {CPU: 32 + 16} and stuck == 32
+    sparse = torch.sparse_coo_tensor(
+        torch.tensor([[0, 999_999]]), torch.ones(2), (1_000_000,), check_invariants=True
+    )
+    assert sizes([sparse]) == ({CPU: 2 * 4 + 2 * 8}, 0)  # the stored values, not a million
 
 
 @pytest.mark.parametrize("bad", ["gpu", "", "AUTO"])

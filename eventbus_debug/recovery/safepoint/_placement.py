@@ -92,7 +92,10 @@ def sizes(tensors: Iterable[torch.Tensor]) -> tuple[dict[torch.device, int], int
     pinned_to_device = 0
     for t in tensors:
         local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-        n = local.numel() * local.element_size()
+        if local.layout is torch.sparse_coo:  # its copy holds the stored values, not numel()
+            n = local._values().numel() * local.element_size() + local._indices().numel() * 8
+        else:
+            n = local.numel() * local.element_size()
         by_device[t.device] = by_device.get(t.device, 0) + n
         if not plain(t):
             pinned_to_device += n
