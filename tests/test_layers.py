@@ -22,6 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "_saved",
         "_records",
         "_tensors",
+        "_memory",
         "_modules",
         "diagnostics",
         "threads",

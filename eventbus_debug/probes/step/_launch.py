@@ -20,10 +20,14 @@ from typing import Final
 import torch
 from torch import nn
 
+from ... import _memory
 from ..._tensors import copy_all
+from ...diagnostics import get_logger
 from .._reduce import NormPlan, assemble, sharded
 from ..levels import Checks
 from .activations import ActivationHooks, ActivationSlot
+
+_log = get_logger(__name__)
 
 __all__ = ("Launcher", "Layout", "Pending", "global_norms")
 
@@ -281,9 +285,13 @@ class Launcher:
         "_snapshot_step",
         "_state",
         "_state_plan",
+        "_update_budget",
         "_update_flat",
         "_update_idx",
+        "_update_next",
         "_update_plan",
+        "_update_said",
+        "_update_sizes",
         "_update_slots",
     )
 
@@ -304,6 +312,10 @@ class Launcher:
         self._update_plan: NormPlan | None = None
         self._update_slots: tuple[int, ...] = ()  # parameter index per update-norm position
         self._update_flat = False  # the update norms are 0-d pieces (no stacked or sharded group)
+        self._update_budget: int | None = -1  # bytes the weights' copy may take (-1: not read)
+        self._update_next = 0  # where the next window of a rotating measurement starts
+        self._update_said = False  # the rotation was logged
+        self._update_sizes: tuple[tuple[int, ...], list[int]] | None = None
         self._pool = _PinnedPool()
 
     @property
@@ -320,6 +332,52 @@ class Launcher:
         self._snapshot = None
         self._snapshot_step = -1
         self._pool = _PinnedPool()
+
+    def _within_budget(self, idx: tuple[int, ...]) -> tuple[int, ...]:
+        """The parameters of *idx* whose weights are copied for this update measurement.
+
+        All of them, unless the copy would take more than ``_memory.DEVICE_SHARE`` of the
+        accelerator's memory (a model that fills its GPU must not run out of it for a
+        debugging copy): then a window of them that fits, the next window at the next
+        measurement, so that every parameter's update is measured in turn. A parameter too
+        large for the budget on its own is not measured.
+        """
+        budget = self._update_budget
+        if budget == -1:
+            budget = self._update_budget = _memory.device_budget(self._params[idx[0]].device)
+        if budget is None:
+            return idx
+        known = self._update_sizes
+        if known is None or known[0] != idx:  # sized once per set of trainable parameters
+            known = self._update_sizes = (idx, [_nbytes(self._params[i]) for i in idx])
+        sizes = known[1]
+        if sum(sizes) <= budget:
+            return idx
+        if not self._update_said:
+            self._update_said = True
+            _log.info(
+                "update_ratios_rotating",
+                bytes=sum(sizes),
+                budget=budget,
+                reason="a copy of every trainable weight would take more than "
+                f"{_memory.DEVICE_SHARE:.0%} of the device's memory: the weight updates are "
+                "measured on a rotating window of parameters",
+            )
+        n = len(idx)
+        first = self._update_next % n
+        window: list[int] = []
+        used = 0
+        self._update_next = first  # all that fit, from *first* on: the same window again
+        for k in range(n):
+            j = (first + k) % n
+            if sizes[j] > budget:
+                continue  # too large on its own: never measured
+            if used + sizes[j] > budget:
+                self._update_next = j  # the next window starts where this one stopped
+                break
+            window.append(idx[j])
+            used += sizes[j]
+        return tuple(sorted(window))
 
     def _grad_plan(self, grads: list[torch.Tensor | None]) -> _GradPlan | None:
         key = tuple([None if g is None else g.layout for g in grads])
@@ -484,6 +542,8 @@ class Launcher:
                 i for i, p in enumerate(self._params) if p.requires_grad and p.grad is not None
             )
             if idx:
+                idx = self._within_budget(idx)
+            if idx:
                 now: list[torch.Tensor] = [self._params[i] for i in idx]
                 if snapshot is None or idx != self._update_idx:
                     snapshot = [t.detach().clone() for t in now]
@@ -494,3 +554,9 @@ class Launcher:
                     copy_all(snapshot, now)  # the persistent buffer: no allocation
                 self._snapshot, self._update_idx, self._snapshot_step = snapshot, idx, step
         return update_slots, base, flat
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """The bytes a copy of *t* takes (a DTensor: its local shard)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return int(local.numel() * local.element_size())

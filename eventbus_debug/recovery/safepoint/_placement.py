@@ -11,13 +11,13 @@ byte counts and the memory figures, so it is tested without an accelerator.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, Literal, cast, final, get_args
 
-import psutil
 import torch
+
+from ..._memory import DEVICE_SHARE, device_total, host_available, local_processes
 
 __all__ = (
     "DEVICE_SHARE",
@@ -36,9 +36,6 @@ __all__ = (
 
 Location = Literal["auto", "device", "host"]
 LOCATIONS: Final[tuple[str, ...]] = get_args(Location)
-
-DEVICE_SHARE: Final = 0.05
-"""The largest share of an accelerator's total memory a snapshot kept on it may take (auto)."""
 
 HOST_SHARE: Final = 0.5
 """The largest share of the host's available memory the snapshots of this machine's training
@@ -100,29 +97,6 @@ def sizes(tensors: Iterable[torch.Tensor]) -> tuple[dict[torch.device, int], int
         if not plain(t):
             pinned_to_device += n
     return by_device, pinned_to_device
-
-
-def host_available() -> int:
-    """The host memory available to new allocations, in bytes (psutil)."""
-    return int(psutil.virtual_memory().available)
-
-
-def device_total(device: torch.device) -> int | None:
-    """*device*'s total memory in bytes, or ``None`` when it cannot be read."""
-    try:
-        return int(torch.accelerator.get_memory_info(device)[1])
-    except (RuntimeError, ValueError, AssertionError, AttributeError):
-        return None
-
-
-def local_processes() -> int:
-    """The training processes on this machine that each keep a snapshot (torchrun's
-    ``LOCAL_WORLD_SIZE``; 1 outside a launcher)."""
-    try:
-        n = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-    return max(n, 1)
 
 
 def choose(
