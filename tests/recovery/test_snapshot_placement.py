@@ -426,3 +426,106 @@ def test_a_restore_without_memory_for_its_undo_copy_still_restores(
     monkeypatch.undo()
     assert any("restore_without_undo" in r.getMessage() for r in caplog.records)
     assert all(torch.equal(a, b) for a, b in zip(expected, model.parameters(), strict=True))
+
+
+class _WithExtraState(nn.Module):
+    """A module whose state dict carries ``get_extra_state()``: a dict here, a tensor made anew
+    at each call in its sub-module (as quantization and FP8 modules keep their scales)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = _TensorExtra()
+        self.meta = {"calls": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.meta["calls"] += 1
+        out: torch.Tensor = self.head(self.body(x))
+        return out
+
+    def get_extra_state(self) -> dict[str, int]:
+        return dict(self.meta)
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.meta = dict(state)
+
+
+class _TensorExtra(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(4, 1)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale *= 1.5
+        y: torch.Tensor = self.out(x)
+        return y
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor([self.scale])
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.scale = float(state[0])
+
+
+def test_modules_extra_states_are_kept_refreshed_and_restored() -> None:
+    """A model whose state dict holds extra states crashed the first capture (a dict has no
+    ``detach``): now they are copied at each capture and loaded back by a restore."""
+    torch.manual_seed(0)
+    model = _WithExtraState()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    snaps = StateSnapshots(every=1)
+    for step in range(3):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert snaps.capture(step, model, opt)  # the second and third refresh the plan's copies
+    kept = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(8, 4))
+    with torch.no_grad():
+        model.body.weight.fill_(math.nan)
+    assert (model.meta, model.head.scale) == ({"calls": 4}, 1.5**4)
+    assert snaps.restore(model, opt) == 2
+    assert (model.meta, model.head.scale) == ({"calls": 3}, 1.5**3)
+    assert all(torch.equal(a, b) for a, b in zip(kept, model.parameters(), strict=True))
+
+
+async def test_a_session_trains_a_model_with_extra_states() -> None:
+    torch.manual_seed(0)
+    model = _WithExtraState()
+    opt = torch.optim.AdamW(model.parameters())
+    recorder = RecordingSink()
+    async with session_for(model, opt, recorder) as session:
+        for step in range(60):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            verdict = await session.check_step(step, loss=loss)
+            if verdict.should_step:
+                opt.step()
+            opt.zero_grad()
+            await session.step_completed(step, loss=verdict.loss)
+    assert session.recovery is not None
+    assert recorder.of_type(RecoveryApplied) == []
+
+
+def test_a_module_keeping_the_extra_state_it_is_given_cannot_change_the_snapshot() -> None:
+    class Keeps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.meta: dict[str, int] = {"v": 1}
+
+        def get_extra_state(self) -> dict[str, int]:
+            return self.meta
+
+        def set_extra_state(self, state: dict[str, int]) -> None:
+            self.meta = state  # kept as given
+
+    model = Keeps()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    snaps = StateSnapshots()
+    assert snaps.capture(0, model, opt)
+    model.meta["v"] = 2  # the live object: the snapshot holds its own copy
+    assert snaps.restore(model, opt) == 0 and model.meta == {"v": 1}
+    model.meta["v"] = 3  # the object a restore gave: still not the snapshot's
+    assert snaps.restore(model, opt) == 0 and model.meta == {"v": 1}

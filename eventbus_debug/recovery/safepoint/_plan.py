@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
 from ..._tensors import copy_all
 from ._placement import plain
@@ -22,6 +23,7 @@ __all__ = (
     "Plan",
     "all_finite",
     "copied_tensors",
+    "extra_states",
     "finite_groups",
     "group_settings",
     "in_place_ok",
@@ -126,6 +128,15 @@ def live_key(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple
     return tuple(key)
 
 
+def extra_states(model: nn.Module) -> dict[str, nn.Module]:
+    """The state dict keys of *model*'s modules that define ``get_extra_state``, with them."""
+    return {
+        f"{name}.{_EXTRA_STATE_KEY_SUFFIX}" if name else _EXTRA_STATE_KEY_SUFFIX: module
+        for name, module in model.named_modules()
+        if type(module).get_extra_state is not nn.Module.get_extra_state
+    }
+
+
 def copied_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """The tensors a snapshot copies: the model's state dict entries and the optimizer's
     state (to size the copy before it is made)."""
@@ -160,7 +171,10 @@ class Plan:
 
     Attributes:
         key: :func:`live_key` when the plan was built (a different key: build again).
-        model: the model snapshot (a state dict of the buffers in *model_dst*).
+        model: the model snapshot (a state dict of the buffers in *model_dst*, and of copies
+            of the modules' extra states).
+        extra: the state dict keys of the modules' extra states (``get_extra_state()``, any
+            picklable object, made anew at each ``state_dict()``) and their modules.
         model_src: the live parameters and buffers, in the order of *model_dst*.
         model_dst: the preallocated copies.
         optimizer: the optimizer snapshot (a state dict whose tensors are in *opt_dst*).
@@ -179,7 +193,8 @@ class Plan:
     """
 
     key: tuple[int, ...]
-    model: dict[str, torch.Tensor]
+    model: dict[str, Any]
+    extra: list[tuple[str, nn.Module]]
     model_src: list[torch.Tensor]
     model_dst: list[torch.Tensor]
     optimizer: dict[str, Any] | None
@@ -207,9 +222,17 @@ class Plan:
         the accelerator tensors' copies go to host memory."""
         key = live_key(model, optimizer)
         live_model = model.state_dict(keep_vars=True)
-        model_src = [t.detach() for t in live_model.values()]
-        model_dst = [_copy_of(t, host) for t in model_src]
-        snapshot: dict[str, torch.Tensor] = OrderedDict(zip(live_model, model_dst, strict=True))
+        extra = extra_states(model)
+        snapshot: dict[str, Any] = OrderedDict()
+        model_src: list[torch.Tensor] = []
+        model_dst: list[torch.Tensor] = []
+        for name, value in live_model.items():
+            if name in extra:  # a module's get_extra_state(): made anew at each state_dict()
+                snapshot[name] = copy.deepcopy(value)
+                continue
+            model_src.append(value.detach())
+            model_dst.append(_copy_of(model_src[-1], host))
+            snapshot[name] = model_dst[-1]
         # the modules' state versions (BatchNorm's, ...): without them load_state_dict takes
         # the snapshot for one of an old format, and a module that loads by version misreads it
         metadata = getattr(live_model, "_metadata", None)
@@ -239,6 +262,7 @@ class Plan:
         return cls(
             key,
             snapshot,
+            [(name, extra[name]) for name in live_model if name in extra],
             model_src,
             model_dst,
             opt_snapshot,
@@ -270,12 +294,27 @@ class Plan:
             copy_all(self.opt_dst, self.opt_src, non_blocking=to_host)
         if to_host:
             self.pending = [_recorded(d) for d in self.devices]
+        for name, module in self.extra:
+            self.model[name] = copy.deepcopy(module.get_extra_state())
         for copied, name, entries in self.scalars:
             copied[name] = copy.deepcopy(entries[name])
         if optimizer is not None and self.optimizer is not None:
             groups = self.optimizer["param_groups"]
             for group, live in zip(groups, optimizer.param_groups, strict=True):
                 group.update(group_settings(live, group["params"]))
+
+    def model_to_load(self) -> dict[str, Any]:
+        """The model snapshot for ``load_state_dict``: its extra states copied again, so that a
+        module that keeps the object it is given cannot change the snapshot."""
+        if not self.extra:
+            return self.model
+        state = OrderedDict(self.model)
+        for name, _ in self.extra:
+            state[name] = copy.deepcopy(state[name])
+        metadata = getattr(self.model, "_metadata", None)
+        if metadata is not None:
+            state._metadata = metadata  # type: ignore[attr-defined]
+        return state
 
     def load_optimizer_back(self, optimizer: torch.optim.Optimizer, keep: tuple[str, ...]) -> None:
         """Restore the optimizer's copies into the live state tensors they were taken from, in

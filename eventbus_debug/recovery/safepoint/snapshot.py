@@ -292,7 +292,9 @@ class StateSnapshots:
         current = plan is not None and plan.model is self._model
         current = current and plan is not None and plan.key == live_key(model, optimizer)
         try:
-            model.load_state_dict(self._model)  # copies into the live tensors, hooks run
+            ours = plan is not None and plan.model is self._model
+            held_model = plan.model_to_load() if ours and plan is not None else self._model
+            model.load_state_dict(held_model)  # copies into the live tensors, hooks run
             if optimizer is not None and layout is not None:
                 if current and plan is not None and in_place_ok(optimizer):
                     plan.load_optimizer_back(optimizer, keys)  # nothing allocated
