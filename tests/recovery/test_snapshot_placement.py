@@ -529,3 +529,16 @@ def test_a_module_keeping_the_extra_state_it_is_given_cannot_change_the_snapshot
     assert snaps.restore(model, opt) == 0 and model.meta == {"v": 1}
     model.meta["v"] = 3  # the object a restore gave: still not the snapshot's
     assert snaps.restore(model, opt) == 0 and model.meta == {"v": 1}
+
+
+def test_a_saved_snapshot_with_extra_state_loads_as_a_checkpoint(tmp_path: object) -> None:
+    torch.manual_seed(0)
+    model = _WithExtraState()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = StateSnapshots()
+    assert saved.capture(7, model, opt)
+    path = f"{tmp_path}/extra.pt"
+    saved.save(path)
+    model.meta = {"calls": 99}
+    loaded = StateSnapshots(checkpoint=path)  # weights_only=True: a dict of ints loads
+    assert loaded.restore(model, opt) == 7 and model.meta == {"calls": 0}

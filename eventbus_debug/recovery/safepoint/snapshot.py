@@ -16,6 +16,7 @@ from typing import Any, Final, final
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
 from eventbus_debug.diagnostics import get_logger
 
@@ -501,7 +502,11 @@ def _check_checkpoint(
     if not model:
         msg = f"checkpoint {where!r} holds an empty model state dict"
         raise ValueError(msg)
-    odd = [k for k, v in model.items() if not isinstance(v, torch.Tensor)]
+    odd = [
+        k
+        for k, v in model.items()
+        if not isinstance(v, torch.Tensor) and not k.endswith(_EXTRA_STATE_KEY_SUFFIX)
+    ]
     if odd:
         msg = (
             f"checkpoint {where!r} is not a model state dict: {', '.join(map(repr, odd[:5]))} "
@@ -512,7 +517,11 @@ def _check_checkpoint(
     # NaN only in the model's entries: a state dict mixes parameters and buffers, and an
     # infinite buffer can be by construction (a -inf attention mask)
     bad = [
-        k for k, v in model.items() if (v.is_floating_point() or v.is_complex()) and v.isnan().any()
+        k
+        for k, v in model.items()
+        if isinstance(v, torch.Tensor)
+        and (v.is_floating_point() or v.is_complex())
+        and v.isnan().any()
     ]
     if optimizer is not None:
         state = optimizer.get("state")
