@@ -542,3 +542,92 @@ def test_a_saved_snapshot_with_extra_state_loads_as_a_checkpoint(tmp_path: objec
     model.meta = {"calls": 99}
     loaded = StateSnapshots(checkpoint=path)  # weights_only=True: a dict of ints loads
     assert loaded.restore(model, opt) == 7 and model.meta == {"calls": 0}
+
+
+class _Adapted(nn.Module):
+    """A LoRA-style fine-tune: a large frozen base and a small trainable adapter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(64, 64)
+        self.base.requires_grad_(False)
+        self.down = nn.Linear(64, 2, bias=False)
+        self.up = nn.Linear(2, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.base(x) + self.up(self.down(x))
+        return y
+
+
+def _adapted() -> tuple[_Adapted, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = _Adapted()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)  # the frozen ones get no gradient
+    for _ in range(2):
+        model(torch.randn(8, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+class TestFrozen:
+    def test_frozen_parameters_are_not_copied(self) -> None:
+        """A LoRA fine-tune of a 7 B model would copy 14 GB of weights that never change."""
+        model, opt = _adapted()
+        snaps = StateSnapshots()
+        assert snaps.capture(0, model, opt)
+        adapter = 2 * 64 * 2 * 4  # down and up, float32
+        assert snaps.placement is not None
+        assert snaps.placement.nbytes == 3 * adapter + 2 * 4  # weights, two moments, 2 steps
+
+    def test_a_restore_mends_the_trainable_and_leaves_the_frozen_as_they_are(self) -> None:
+        model, opt = _adapted()
+        snaps = StateSnapshots()
+        assert snaps.capture(0, model, opt)
+        base = model.base.weight
+        kept = model.down.weight.detach().clone()
+        with torch.no_grad():
+            model.down.weight.fill_(math.nan)
+        assert snaps.restore(model, opt) == 0
+        assert torch.equal(model.down.weight, kept) and model.base.weight is base
+
+    def test_a_non_finite_frozen_parameter_is_refused_naming_it(self) -> None:
+        model, opt = _adapted()
+        snaps = StateSnapshots()
+        assert snaps.capture(0, model, opt)
+        with torch.no_grad():
+            model.base.weight[0, 0] = math.nan
+            model.down.weight.fill_(1.0)
+        with pytest.raises(
+            NoGoodStateError, match=r"frozen parameters are non-finite \('base.weight'\)"
+        ):
+            snaps.restore(model, opt)
+        assert torch.equal(model.down.weight, torch.ones(2, 64))  # nothing restored
+
+    def test_a_parameter_unfrozen_since_is_in_the_next_snapshot(self) -> None:
+        model, opt = _adapted()
+        snaps = StateSnapshots(every=1)
+        assert snaps.capture(0, model, opt)
+        model.base.requires_grad_(True)  # unfrozen, in the optimizer all along
+        model(torch.randn(8, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert snaps.capture(1, model, opt)  # planned again: the base is copied now
+        kept = model.base.weight.detach().clone()
+        with torch.no_grad():
+            model.base.weight.fill_(math.nan)
+        assert snaps.restore(model, opt) == 1 and torch.equal(model.base.weight, kept)
+
+    def test_a_saved_snapshot_without_the_frozen_loads_as_a_checkpoint(
+        self, tmp_path: object
+    ) -> None:
+        model, opt = _adapted()
+        saved = StateSnapshots()
+        assert saved.capture(5, model, opt)
+        path = f"{tmp_path}/adapter.pt"
+        saved.save(path)
+        kept = model.up.weight.detach().clone()
+        with torch.no_grad():
+            model.up.weight.fill_(math.nan)
+        assert StateSnapshots(checkpoint=path).restore(model, opt) == 5
+        assert torch.equal(model.up.weight, kept)

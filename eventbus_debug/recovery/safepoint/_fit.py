@@ -71,14 +71,17 @@ def key_list(keys: list[str]) -> str:
     return shown + (f" ... ({len(keys)} in all)" if len(keys) > SHOWN else "")
 
 
-def model_changes(held: Mapping[str, torch.Tensor], model: nn.Module) -> list[str]:
+def model_changes(
+    held: Mapping[str, torch.Tensor], model: nn.Module, frozen: frozenset[str] = frozenset()
+) -> list[str]:
     """What keeps the held model state dict from loading into *model* as it is now, in words:
     entries added or removed since, a shape changed, or a dtype of another kind (a floating
     entry copied into an integer buffer would be truncated; a precision change is loaded
-    cast, as ``load_state_dict`` casts it). A lazy parameter takes any shape, as torch's."""
+    cast, as ``load_state_dict`` casts it). A lazy parameter takes any shape, as torch's.
+    The *frozen* parameters were left out of the snapshot: not missing."""
     live = model.state_dict(keep_vars=True)
     out: list[str] = []
-    added = [k for k in live if k not in held]
+    added = [k for k in live if k not in held and k not in frozen]
     if added:
         out.append(f"model entries added since: {key_list(added)}")
     removed = [k for k in held if k not in live]
@@ -117,14 +120,20 @@ class Undo:
 
     @classmethod
     def take(
-        cls, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, host: bool = False
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        host: bool = False,
+        skip: frozenset[str] = frozenset(),
     ) -> Undo:
         """Copy the model's values (in host memory with *host*: a snapshot kept there because
-        the device has no room would not find room for this copy either)."""
+        the device has no room would not find room for this copy either), but the *skip*
+        entries (frozen parameters the restore does not load)."""
         live = [
             t.detach()
-            for t in model.state_dict(keep_vars=True).values()
-            if isinstance(t, torch.Tensor)
+            for k, t in model.state_dict(keep_vars=True).items()
+            if isinstance(t, torch.Tensor) and k not in skip
         ]
         saved: list[torch.Tensor] | None
         try:

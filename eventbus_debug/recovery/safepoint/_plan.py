@@ -24,6 +24,7 @@ __all__ = (
     "all_finite",
     "copied_tensors",
     "extra_states",
+    "frozen",
     "finite_groups",
     "group_settings",
     "in_place_ok",
@@ -117,6 +118,7 @@ def live_key(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple
     ``optimizer.add_param_group(...)`` (unfreezing layers) changes the groups' membership.
     """
     key = [t.data_ptr() for t in model.parameters()]
+    key += [t.requires_grad for t in model.parameters()]  # a parameter frozen or unfrozen
     key += [t.data_ptr() for t in model.buffers()]
     if optimizer is not None:
         for group in optimizer.param_groups:
@@ -126,6 +128,12 @@ def live_key(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple
             key.append(len(state))
             key += [v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor)]
     return tuple(key)
+
+
+def frozen(t: object) -> bool:
+    """Whether *t* is a frozen parameter (``requires_grad=False``): training does not change
+    it, so a snapshot does not copy it (a LoRA fine-tune's base model is most of the model)."""
+    return isinstance(t, nn.Parameter) and not t.requires_grad
 
 
 def extra_states(model: nn.Module) -> dict[str, nn.Module]:
@@ -138,10 +146,10 @@ def extra_states(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def copied_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
-    """The tensors a snapshot copies: the model's state dict entries and the optimizer's
-    state (to size the copy before it is made)."""
+    """The tensors a snapshot copies: the model's state dict entries but its frozen
+    parameters, and the optimizer's state (to size the copy before it is made)."""
     live = model.state_dict(keep_vars=True).values()
-    out = [t.detach() for t in live if isinstance(t, torch.Tensor)]  # a Parameter: a Tensor
+    out = [t.detach() for t in live if isinstance(t, torch.Tensor) and not frozen(t)]
     if optimizer is not None:
         for state in optimizer.state.values():
             out += [v.detach() for v in state.values() if isinstance(v, torch.Tensor)]
@@ -229,6 +237,8 @@ class Plan:
         for name, value in live_model.items():
             if name in extra:  # a module's get_extra_state(): made anew at each state_dict()
                 snapshot[name] = copy.deepcopy(value)
+                continue
+            if frozen(value):  # not copied (live_key changes when one is unfrozen)
                 continue
             model_src.append(value.detach())
             model_dst.append(_copy_of(model_src[-1], host))

@@ -23,13 +23,14 @@ from eventbus_debug.diagnostics import get_logger
 from ..._validate import positive_int
 from ...exceptions import EventBusError
 from ..lr import GROUP_LR_KEYS
-from ._fit import PER_PARAMETER, SHOWN, Layout, Undo, model_changes
+from ._fit import PER_PARAMETER, SHOWN, Layout, Undo, key_list, model_changes
 from ._placement import Location, Placement, choose, location_of, sizes
 from ._plan import (
     Plan,
     all_finite,
     copied_tensors,
     finite_groups,
+    frozen,
     group_settings,
     in_place_ok,
     live_key,
@@ -274,7 +275,16 @@ class StateSnapshots:
         layout: Layout | None = None
         if optimizer is not None and self._optimizer is not None:
             layout = self._remapped(optimizer, self._optimizer)
-        changes = model_changes(self._model, model)
+        plan = self._plan
+        ours = plan is not None and plan.model is self._model
+        # frozen parameters a snapshot leaves out (a checkpoint saved from one, too)
+        held_keys = self._model.keys()
+        skipped = frozenset(
+            k
+            for k, v in model.state_dict(keep_vars=True).items()
+            if frozen(v) and k not in held_keys
+        )
+        changes = model_changes(self._model, model, skipped)
         if optimizer is not None and layout is not None:
             changes += self._optimizer_changes(model, optimizer, layout, changes)
         if changes:
@@ -287,15 +297,21 @@ class StateSnapshots:
                 "snapshot; the next good step takes a new one"
             )
             raise NoGoodStateError(msg)
-        plan = self._plan
-        undo = Undo.take(model, optimizer, host=plan is not None and plan.host)
+        bad = _non_finite_frozen(model, skipped)
+        if bad:
+            self._failed()
+            msg = (
+                f"frozen parameters are non-finite ({key_list(bad)}): the snapshot holds the "
+                "trainable ones only (training does not change the frozen), nothing was restored"
+            )
+            raise NoGoodStateError(msg)
+        undo = Undo.take(model, optimizer, host=plan is not None and plan.host, skip=skipped)
         keys = ("lr", *GROUP_LR_KEYS)
-        current = plan is not None and plan.model is self._model
-        current = current and plan is not None and plan.key == live_key(model, optimizer)
+        current = ours and plan is not None and plan.key == live_key(model, optimizer)
         try:
-            ours = plan is not None and plan.model is self._model
             held_model = plan.model_to_load() if ours and plan is not None else self._model
-            model.load_state_dict(held_model)  # copies into the live tensors, hooks run
+            # copies into the live tensors, hooks run; the frozen parameters are not in it
+            model.load_state_dict(held_model, strict=not skipped)
             if optimizer is not None and layout is not None:
                 if current and plan is not None and in_place_ok(optimizer):
                     plan.load_optimizer_back(optimizer, keys)  # nothing allocated
@@ -539,6 +555,14 @@ def _check_checkpoint(
             f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
         )
         raise ValueError(msg)
+
+
+def _non_finite_frozen(model: nn.Module, frozen: frozenset[str]) -> list[str]:
+    """The *frozen* entries of *model* that hold NaN or Inf now (a restore cannot mend them)."""
+    if not frozen:
+        return []
+    live = model.state_dict(keep_vars=True)
+    return [k for k in frozen if isinstance(live.get(k), torch.Tensor) and _non_finite(live[k])]
 
 
 def _non_finite(t: torch.Tensor) -> bool:
