@@ -117,8 +117,8 @@ def live_key(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple
     that creates or replaces its state all change a storage address (or the count); an
     ``optimizer.add_param_group(...)`` (unfreezing layers) changes the groups' membership.
     """
-    key = [t.data_ptr() for t in model.parameters()]
-    key += [t.requires_grad for t in model.parameters()]  # a parameter frozen or unfrozen
+    # a frozen parameter's address is written negated (~): freezing or unfreezing shows
+    key = [t.data_ptr() if t.requires_grad else ~t.data_ptr() for t in model.parameters()]
     key += [t.data_ptr() for t in model.buffers()]
     if optimizer is not None:
         for group in optimizer.param_groups:
