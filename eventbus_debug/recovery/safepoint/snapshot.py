@@ -56,8 +56,10 @@ class StateSnapshots:
 
     :class:`~eventbus_debug.recovery.SafePoint` calls :meth:`maybe_capture` on good steps; a
     snapshot is taken every *every* good steps (the first good step always captures). Memory
-    cost: one copy of the parameters, buffers and optimizer state (16 bytes a parameter for
-    fp32 AdamW), kept where *location* says.
+    cost: one copy of the trainable parameters, buffers, modules' extra states and optimizer
+    state (16 bytes a parameter for fp32 AdamW), kept where *location* says. Frozen parameters
+    (``requires_grad=False``) are not copied: training does not change them; a restore leaves
+    them as they are and refuses, naming them, when one is non-finite.
 
     Args:
         every: capture every this many good steps.
