@@ -23,6 +23,7 @@ from eventbus_debug.recovery.safepoint._placement import (
     sizes,
 )
 from eventbus_debug.recovery.safepoint._plan import copied_tensors
+from eventbus_debug.sinks import build_report
 from eventbus_debug.testing import RecordingSink
 
 from .test_policies import classifier, session_for, train
@@ -631,3 +632,18 @@ class TestFrozen:
             model.up.weight.fill_(math.nan)
         assert StateSnapshots(checkpoint=path).restore(model, opt) == 5
         assert torch.equal(model.up.weight, kept)
+
+
+async def test_the_report_lists_that_no_last_good_state_is_kept(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object
+) -> None:
+    """What a user reads after the run: the log's report has the warning in its incidents."""
+    monkeypatch.setattr(_placement, "host_available", lambda: 16)
+    model, opt, x, y = classifier()
+    log_dir = f"{tmp_path}/logs"
+    async with Session(model, opt, log_dir=log_dir, alerts=False, system_interval=None) as session:
+        await train(session, model, opt, x, y, 5)
+    summary, _ = build_report(log_dir, html=False)
+    rows = [r for r in summary.incidents if r.kind == "snapshot_placed"]
+    assert len(rows) == 1 and rows[0].severity == "warning" and rows[0].step == 0
+    assert "host cannot hold it" in rows[0].message
