@@ -647,3 +647,31 @@ async def test_the_report_lists_that_no_last_good_state_is_kept(
     rows = [r for r in summary.incidents if r.kind == "snapshot_placed"]
     assert len(rows) == 1 and rows[0].severity == "warning" and rows[0].step == 0
     assert "host cannot hold it" in rows[0].message
+
+
+def test_an_optimizer_whose_state_needs_a_collective_is_left_out_and_said(
+    tmp_path: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``ZeroRedundancyOptimizer.state_dict()`` raises unless every rank consolidated first: it
+    raised out of the safe point at the first good step. The snapshot holds the model alone."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        snaps = StateSnapshots(every=1)
+        with caplog.at_level(logging.WARNING, logger="eventbus_debug"):
+            assert snaps.capture(0, model, opt) and snaps.capture(1, model, opt)
+        said = [r for r in caplog.records if "snapshot_without_optimizer_state" in r.getMessage()]
+        assert len(said) == 1 and "consolidate_state_dict" in said[0].getMessage()
+        kept = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.fill_(math.nan)
+        assert snaps.restore(model, opt) == 1 and torch.equal(model.weight, kept)
+    finally:
+        dist.destroy_process_group()

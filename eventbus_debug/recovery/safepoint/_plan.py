@@ -136,6 +136,17 @@ def frozen(t: object) -> bool:
     return isinstance(t, nn.Parameter) and not t.requires_grad
 
 
+def _local_state_dict(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any] | None, str]:
+    """*optimizer*'s state dict (its "state" holds the optimizer's own dicts), or ``None`` and
+    why, when one rank cannot take it alone: ``ZeroRedundancyOptimizer.state_dict()`` needs a
+    collective first (``consolidate_state_dict``), and a capture must never be one (it raised
+    out of the safe point at the first good step). The snapshot then holds the model alone."""
+    try:
+        return optimizer.state_dict(), ""
+    except RuntimeError as exc:
+        return None, f"{type(optimizer).__name__}.state_dict(): {exc}"
+
+
 def extra_states(model: nn.Module) -> dict[str, nn.Module]:
     """The state dict keys of *model*'s modules that define ``get_extra_state``, with them."""
     return {
@@ -196,6 +207,7 @@ class Plan:
             like their parameter, whose shape must still be the parameter's).
         host: whether the copies are in host memory (those of accelerator tensors are
             refreshed without blocking the host; :meth:`settle` before reading them).
+        without_optimizer: why the optimizer's state is not in the snapshot ("": it is).
         devices: the accelerators whose tensors are copied to the host.
         pending: the events of the last refresh's copies to the host, one per accelerator.
     """
@@ -213,6 +225,7 @@ class Plan:
     params: list[torch.Tensor]
     shapes: list[torch.Size]
     host: bool = False
+    without_optimizer: str = ""
     devices: tuple[torch.device, ...] = ()
     pending: list[torch.Event] = field(default_factory=list)
 
@@ -253,9 +266,9 @@ class Plan:
         scalars: list[tuple[dict[str, Any], str, Mapping[str, Any]]] = []
         opt_snapshot: dict[str, Any] | None = None
         params: list[torch.Tensor] = []
-        if optimizer is not None:
+        live, without = _local_state_dict(optimizer) if optimizer is not None else (None, "")
+        if optimizer is not None and live is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            live = optimizer.state_dict()  # its "state" holds the optimizer's own dicts
             state: dict[Any, dict[str, Any]] = {}
             for index, entries in live["state"].items():
                 copied: dict[str, Any] = {}
@@ -283,6 +296,7 @@ class Plan:
             params,
             [p.shape for p in params],
             host,
+            without,
             tuple(
                 {
                     t.device: None

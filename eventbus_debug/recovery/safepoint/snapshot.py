@@ -97,6 +97,7 @@ class StateSnapshots:
         self.placement: Placement | None = None
         """Where the last planned snapshot went and why (``None`` before the first capture)."""
         self._unkept = False  # the last placement found no room: tried every `every` steps
+        self._said_without = False  # a snapshot without the optimizer's state was said
         self._model: dict[str, torch.Tensor] | None = None
         self._optimizer: dict[str, Any] | None = None
         self._plan: Plan | None = None
@@ -175,6 +176,15 @@ class StateSnapshots:
             self._refused_since = None
         if placement is not None:
             plan = self._plan = Plan.build(model, optimizer, groups, host=placement.where == "host")
+            if plan.without_optimizer and not self._said_without:
+                self._said_without = True
+                _log.warning(
+                    "snapshot_without_optimizer_state",
+                    step=step,
+                    error=plan.without_optimizer,
+                    effect="a restore brings back the weights and buffers, not the optimizer's "
+                    "state (it cannot be taken on one rank without a collective)",
+                )
         else:
             assert plan is not None
             plan.refresh(optimizer)
