@@ -675,3 +675,41 @@ def test_an_optimizer_whose_state_needs_a_collective_is_left_out_and_said(
         assert snaps.restore(model, opt) == 1 and torch.equal(model.weight, kept)
     finally:
         dist.destroy_process_group()
+
+
+class _WithSide(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.side = nn.Linear(2, 2)  # trained elsewhere: its gradient is not ours to drop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.body(x)
+        return y
+
+
+async def test_a_skip_clears_the_nan_gradients_of_parameters_outside_the_optimizer() -> None:
+    """An optimizer over the weights only (Muon-style: 2-D parameters): the loop's
+    ``optimizer.zero_grad()`` never clears the biases, so a skipped NaN step's gradient stayed
+    in them and every later step was non-finite and skipped. A finite one stays theirs."""
+    torch.manual_seed(0)
+    model = _WithSide()
+    side = torch.full((2, 2), 2.0)
+    model.side.weight.grad = side.clone()
+    opt = torch.optim.SGD([p for p in model.body.parameters() if p.dim() == 2], lr=0.01)
+    x = torch.randn(16, 4)
+    stepped: list[bool] = []
+    async with session_for(model, opt, RecordingSink()) as session:
+        for step in range(12):
+            opt.zero_grad()
+            loss = model(x).pow(2).mean() * (math.nan if step == 5 else 1.0)
+            loss.backward()
+            verdict = await session.check_step(step, loss=loss)
+            stepped.append(verdict.should_step)
+            if verdict.should_step:
+                opt.step()
+            await session.step_completed(step, loss=verdict.loss)
+    assert [i for i, ok in enumerate(stepped) if not ok] == [5]
+    grads = [p.grad for p in model.body.parameters() if p.grad is not None]
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(model.side.weight.grad, side)

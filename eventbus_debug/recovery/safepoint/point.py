@@ -489,6 +489,7 @@ class SafePoint:
         if self.scaler is not None:
             _record_inf_check(self.scaler, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        _clear_non_finite_grads(self.model, self.optimizer)
         detail = f"optimizer step {step} skipped, gradients zeroed"
         self._publish(step, RecoveryAction.SKIP_STEP, detail, "applied")
         self.engine.bus.publish_nowait(StepSkipped(source=SOURCE, step=step, reason=reason))
@@ -510,6 +511,23 @@ class SafePoint:
         self.engine.bus.publish_nowait(
             RecoveryApplied(source=SOURCE, step=step, action=action, detail=detail, outcome=outcome)
         )
+
+
+def _clear_non_finite_grads(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Drop the non-finite gradients of the model's parameters the optimizer does not step.
+
+    ``optimizer.zero_grad()`` clears its own; a parameter outside it (trained by another
+    optimizer, or by none: a loop calling ``optimizer.zero_grad()`` never clears it) kept the
+    skipped step's NaN, which every later step added to: each was then non-finite and skipped.
+    Their finite gradients are theirs to keep (another optimizer's, accumulating)."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for p in model.parameters():
+        grad = p.grad
+        if grad is None or id(p) in stepped:
+            continue
+        values = grad.coalesce().values() if grad.is_sparse else grad
+        if not bool(torch.isfinite(values).all()):
+            p.grad = None
 
 
 def _record_inf_check(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
