@@ -36,7 +36,7 @@ from .lr import scale_learning_rate
 from .memory import FreedMemory, free_memory
 from .registry import StrategySpec, default_strategies
 from .retry import Attempt, CallState, Retrying, retrying
-from .safepoint import NoGoodStateError, SafePoint, StateSnapshots, StepDecision
+from .safepoint import NoGoodStateError, Placement, SafePoint, StateSnapshots, StepDecision
 from .strategies import (
     ClipOnExplosion,
     DataLoaderFallback,
@@ -77,6 +77,7 @@ __all__: tuple[str, ...] = (
     "ModelLoadingFallback",
     "NoGoodStateError",
     "Pending",
+    "Placement",
     "RankAgreement",
     "RecoveryEngine",
     "RecoveryPolicy",

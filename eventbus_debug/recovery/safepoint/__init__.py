@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from ._placement import Location, Placement
 from .point import AgreeHook, SafePoint, StepDecision
 from .snapshot import NoGoodStateError, StateSnapshots
 
-__all__ = ("AgreeHook", "NoGoodStateError", "SafePoint", "StateSnapshots", "StepDecision")
+__all__ = (
+    "AgreeHook",
+    "Location",
+    "NoGoodStateError",
+    "Placement",
+    "SafePoint",
+    "StateSnapshots",
+    "StepDecision",
+)
