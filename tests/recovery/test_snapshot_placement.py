@@ -147,6 +147,15 @@ def test_a_location_of_another_type_is_a_type_error() -> None:
     assert location_of("host") == "host"
 
 
+def _saved(model: nn.Module, opt: torch.optim.Optimizer, step: int, path: str) -> str:
+    """A snapshot of *model* taken at *step*, saved to *path* (returned), to load as a
+    checkpoint."""
+    saved = StateSnapshots()
+    assert saved.capture(step, model, opt)
+    saved.save(path)
+    return path
+
+
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
@@ -226,10 +235,7 @@ class TestNotKept:
         self, monkeypatch: pytest.MonkeyPatch, tmp_path: object
     ) -> None:
         model, opt = _model()
-        saved = StateSnapshots()
-        assert saved.capture(3, model, opt)
-        path = f"{tmp_path}/good.pt"
-        saved.save(path)
+        path = _saved(model, opt, 3, f"{tmp_path}/good.pt")
         snaps = StateSnapshots(checkpoint=path)
         monkeypatch.setattr(_placement, "host_available", lambda: 16)
         assert not snaps.capture(4, model, opt)
@@ -536,10 +542,7 @@ def test_a_saved_snapshot_with_extra_state_loads_as_a_checkpoint(tmp_path: objec
     torch.manual_seed(0)
     model = _WithExtraState()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    saved = StateSnapshots()
-    assert saved.capture(7, model, opt)
-    path = f"{tmp_path}/extra.pt"
-    saved.save(path)
+    path = _saved(model, opt, 7, f"{tmp_path}/extra.pt")
     model.meta = {"calls": 99}
     loaded = StateSnapshots(checkpoint=path)  # weights_only=True: a dict of ints loads
     assert loaded.restore(model, opt) == 7 and model.meta == {"calls": 0}
@@ -623,10 +626,7 @@ class TestFrozen:
         self, tmp_path: object
     ) -> None:
         model, opt = _adapted()
-        saved = StateSnapshots()
-        assert saved.capture(5, model, opt)
-        path = f"{tmp_path}/adapter.pt"
-        saved.save(path)
+        path = _saved(model, opt, 5, f"{tmp_path}/adapter.pt")
         kept = model.up.weight.detach().clone()
         with torch.no_grad():
             model.up.weight.fill_(math.nan)
