@@ -713,3 +713,50 @@ async def test_a_skip_clears_the_nan_gradients_of_parameters_outside_the_optimiz
     grads = [p.grad for p in model.body.parameters() if p.grad is not None]
     assert all(torch.isfinite(g).all() for g in grads)
     assert torch.equal(model.side.weight.grad, side)
+
+
+class TestLooseParameters:
+    """A parameter the optimizer trains beside the model (a learnable temperature, as CLIP
+    keeps its logit scale): in no state dict of the model. A NaN written into it was never
+    restored: every later step was skipped, for good, and the run never stopped."""
+
+    @staticmethod
+    def _setup() -> tuple[nn.Module, nn.Parameter, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        temperature = nn.Parameter(torch.ones(()))
+        opt = torch.optim.AdamW([*model.parameters(), temperature], lr=0.01)
+        return model, temperature, opt
+
+    def test_it_is_copied_refused_when_not_finite_and_restored(self) -> None:
+        model, temperature, opt = self._setup()
+        (model(torch.randn(8, 4)) * temperature).pow(2).mean().backward()
+        opt.step()
+        snaps = StateSnapshots(every=1)
+        assert snaps.capture(0, model, opt)
+        kept = temperature.detach().clone()
+        with torch.no_grad():
+            temperature.fill_(math.nan)
+        assert not snaps.capture(1, model, opt)  # a NaN state is never taken
+        assert snaps.restore(model, opt) == 0 and torch.equal(temperature, kept)
+
+    async def test_a_session_restores_it_and_trains_on(self) -> None:
+        model, temperature, opt = self._setup()
+        x = torch.randn(16, 4)
+        stepped: list[bool] = []
+        async with session_for(model, opt, RecordingSink()) as session:
+            for step in range(50):
+                if step == 30:
+                    with torch.no_grad():
+                        temperature.fill_(math.nan)
+                opt.zero_grad()
+                loss = (model(x) * temperature).pow(2).mean()
+                loss.backward()
+                verdict = await session.check_step(step, loss=loss)
+                stepped.append(verdict.should_step)
+                if verdict.should_step:
+                    opt.step()
+                await session.step_completed(step, loss=verdict.loss)
+        skipped = [i for i, ok in enumerate(stepped) if not ok]
+        assert skipped == [30, 31, 32]  # the third NaN step in a row restores the state
+        assert bool(torch.isfinite(temperature))

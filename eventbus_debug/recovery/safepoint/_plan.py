@@ -29,6 +29,7 @@ __all__ = (
     "group_settings",
     "in_place_ok",
     "live_key",
+    "loose_parameters",
 )
 
 
@@ -51,7 +52,8 @@ class Checks:
 def finite_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Checks:
     """What a snapshot must hold finite.
 
-    The model's floating parameters; the optimizer's floating state shaped like its parameter
+    The model's floating parameters (and the optimizer's others: :func:`loose_parameters`); the
+    optimizer's floating state shaped like its parameter
     (NaN moments turn the restored parameters NaN at the next step; scalars such as a custom
     optimizer's ``inf`` sentinel are not judged); and the floating buffers, for NaN (a NaN
     written into BatchNorm's running stats leaves a train-mode loss finite: captured, it
@@ -68,6 +70,8 @@ def finite_groups(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
 
     for p in model.parameters():
         add(groups, p)
+    for loose in loose_parameters(model, optimizer):
+        add(groups, loose)
     if optimizer is not None:
         for param, state in optimizer.state.items():
             shape = getattr(param, "shape", None)
@@ -124,6 +128,7 @@ def live_key(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple
         for group in optimizer.param_groups:
             key.append(len(group["params"]))
             key += [id(p) for p in group["params"]]
+            key += [p.data_ptr() for p in group["params"]]  # a loose one's storage, too
         for state in optimizer.state.values():
             key.append(len(state))
             key += [v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor)]
@@ -156,11 +161,30 @@ def extra_states(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
+def loose_parameters(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> list[torch.Tensor]:
+    """The optimizer's parameters that are not the model's (a learnable temperature kept
+    beside it): in no state dict of the model, yet trained, so a snapshot copies them too."""
+    if optimizer is None:
+        return []
+    own = {id(p) for p in model.parameters()}
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in own and id(p) not in seen and p.requires_grad:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
 def copied_tensors(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
     """The tensors a snapshot copies: the model's state dict entries but its frozen
     parameters, and the optimizer's state (to size the copy before it is made)."""
     live = model.state_dict(keep_vars=True).values()
     out = [t.detach() for t in live if isinstance(t, torch.Tensor) and not frozen(t)]
+    out += [p.detach() for p in loose_parameters(model, optimizer)]
     if optimizer is not None:
         for state in optimizer.state.values():
             out += [v.detach() for v in state.values() if isinstance(v, torch.Tensor)]
@@ -194,6 +218,9 @@ class Plan:
             of the modules' extra states).
         extra: the state dict keys of the modules' extra states (``get_extra_state()``, any
             picklable object, made anew at each ``state_dict()``) and their modules.
+        loose_src: the optimizer's parameters that are not the model's
+            (:func:`loose_parameters`), themselves (a restore finds them by identity).
+        loose_dst: their copies.
         model_src: the live parameters and buffers, in the order of *model_dst*.
         model_dst: the preallocated copies.
         optimizer: the optimizer snapshot (a state dict whose tensors are in *opt_dst*).
@@ -215,6 +242,8 @@ class Plan:
     key: tuple[int, ...]
     model: dict[str, Any]
     extra: list[tuple[str, nn.Module]]
+    loose_src: list[torch.Tensor]
+    loose_dst: list[torch.Tensor]
     model_src: list[torch.Tensor]
     model_dst: list[torch.Tensor]
     optimizer: dict[str, Any] | None
@@ -266,6 +295,7 @@ class Plan:
         scalars: list[tuple[dict[str, Any], str, Mapping[str, Any]]] = []
         opt_snapshot: dict[str, Any] | None = None
         params: list[torch.Tensor] = []
+        loose_src = loose_parameters(model, optimizer)  # the parameters: found by identity
         live, without = _local_state_dict(optimizer) if optimizer is not None else (None, "")
         if optimizer is not None and live is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -286,6 +316,8 @@ class Plan:
             key,
             snapshot,
             [(name, extra[name]) for name in live_model if name in extra],
+            loose_src,
+            [_copy_of(p.detach(), host) for p in loose_src],
             model_src,
             model_dst,
             opt_snapshot,
@@ -300,7 +332,7 @@ class Plan:
             tuple(
                 {
                     t.device: None
-                    for t in (*model_src, *opt_src)
+                    for t in (*model_src, *loose_src, *opt_src)
                     if host and plain(t) and _on_accelerator(t)
                 }
             ),
@@ -315,6 +347,7 @@ class Plan:
         to_host = bool(self.devices)
         with torch.no_grad():
             copy_all(self.model_dst, self.model_src, non_blocking=to_host)
+            copy_all(self.loose_dst, self.loose_src, non_blocking=to_host)
             copy_all(self.opt_dst, self.opt_src, non_blocking=to_host)
         if to_host:
             self.pending = [_recorded(d) for d in self.devices]
@@ -326,6 +359,18 @@ class Plan:
             groups = self.optimizer["param_groups"]
             for group, live in zip(groups, optimizer.param_groups, strict=True):
                 group.update(group_settings(live, group["params"]))
+
+    def load_loose_back(self) -> None:
+        """Put the copies of :attr:`loose_src` back into those parameters (a restore), each
+        that still has its shape."""
+        self.settle()
+        pairs = [
+            (p, c)
+            for p, c in zip(self.loose_src, self.loose_dst, strict=True)
+            if p.shape == c.shape
+        ]
+        with torch.no_grad():
+            copy_all([p for p, _ in pairs], [c for _, c in pairs])
 
     def model_to_load(self) -> dict[str, Any]:
         """The model snapshot for ``load_state_dict``: its extra states copied again, so that a

@@ -324,6 +324,8 @@ class StateSnapshots:
             held_model = plan.model_to_load() if ours and plan is not None else self._model
             # copies into the live tensors, hooks run; the frozen parameters are not in it
             model.load_state_dict(held_model, strict=not skipped)
+            if ours and plan is not None:
+                plan.load_loose_back()  # the optimizer's parameters outside the model
             if optimizer is not None and layout is not None:
                 if current and plan is not None and in_place_ok(optimizer):
                     plan.load_optimizer_back(optimizer, keys)  # nothing allocated
