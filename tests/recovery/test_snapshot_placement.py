@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -677,6 +678,27 @@ def test_an_optimizer_whose_state_needs_a_collective_is_left_out_and_said(
         dist.destroy_process_group()
 
 
+async def _skipped(
+    session: Session,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    loss_of: Callable[[int], torch.Tensor],
+) -> list[int]:
+    """Train *steps* steps on ``loss_of(step)``; the steps the session said not to take."""
+    skipped: list[int] = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = loss_of(step)
+        loss.backward()  # type: ignore[no-untyped-call]
+        verdict = await session.check_step(step, loss=loss)
+        if verdict.should_step:
+            opt.step()
+        else:
+            skipped.append(step)
+        await session.step_completed(step, loss=verdict.loss)
+    return skipped
+
+
 class _WithSide(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -698,18 +720,11 @@ async def test_a_skip_clears_the_nan_gradients_of_parameters_outside_the_optimiz
     model.side.weight.grad = side.clone()
     opt = torch.optim.SGD([p for p in model.body.parameters() if p.dim() == 2], lr=0.01)
     x = torch.randn(16, 4)
-    stepped: list[bool] = []
     async with session_for(model, opt, RecordingSink()) as session:
-        for step in range(12):
-            opt.zero_grad()
-            loss = model(x).pow(2).mean() * (math.nan if step == 5 else 1.0)
-            loss.backward()
-            verdict = await session.check_step(step, loss=loss)
-            stepped.append(verdict.should_step)
-            if verdict.should_step:
-                opt.step()
-            await session.step_completed(step, loss=verdict.loss)
-    assert [i for i, ok in enumerate(stepped) if not ok] == [5]
+        skipped = await _skipped(
+            session, opt, 12, lambda step: model(x).pow(2).mean() * (math.nan if step == 5 else 1)
+        )
+    assert skipped == [5]
     grads = [p.grad for p in model.body.parameters() if p.grad is not None]
     assert all(torch.isfinite(g).all() for g in grads)
     assert torch.equal(model.side.weight.grad, side)
@@ -743,20 +758,15 @@ class TestLooseParameters:
     async def test_a_session_restores_it_and_trains_on(self) -> None:
         model, temperature, opt = self._setup()
         x = torch.randn(16, 4)
-        stepped: list[bool] = []
+
+        def loss_of(step: int) -> torch.Tensor:
+            if step == 30:
+                with torch.no_grad():
+                    temperature.fill_(math.nan)
+            loss: torch.Tensor = (model(x) * temperature).pow(2).mean()
+            return loss
+
         async with session_for(model, opt, RecordingSink()) as session:
-            for step in range(50):
-                if step == 30:
-                    with torch.no_grad():
-                        temperature.fill_(math.nan)
-                opt.zero_grad()
-                loss = (model(x) * temperature).pow(2).mean()
-                loss.backward()
-                verdict = await session.check_step(step, loss=loss)
-                stepped.append(verdict.should_step)
-                if verdict.should_step:
-                    opt.step()
-                await session.step_completed(step, loss=verdict.loss)
-        skipped = [i for i, ok in enumerate(stepped) if not ok]
+            skipped = await _skipped(session, opt, 50, loss_of)
         assert skipped == [30, 31, 32]  # the third NaN step in a row restores the state
         assert bool(torch.isfinite(temperature))
