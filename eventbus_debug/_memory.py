@@ -13,7 +13,14 @@ from typing import Final
 import psutil
 import torch
 
-__all__ = ("DEVICE_SHARE", "device_budget", "device_total", "host_available", "local_processes")
+__all__ = (
+    "DEVICE_SHARE",
+    "device_budget",
+    "device_total",
+    "host_available",
+    "local_processes",
+    "nbytes",
+)
 
 DEVICE_SHARE: Final = 0.05
 """The largest share of an accelerator's total memory one debugging copy may take there."""
@@ -51,3 +58,12 @@ def local_processes() -> int:
     except ValueError:
         return 1
     return max(n, 1)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """The bytes a copy of *t* takes: a DTensor's local shard; a sparse COO tensor's stored
+    values and indices, not its dense size."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    if local.layout is torch.sparse_coo:
+        return int(local._values().numel() * local.element_size() + local._indices().numel() * 8)
+    return int(local.numel() * local.element_size())

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ("copy_all",)
+__all__ = ("copy_all", "non_finite")
 
 
 def copy_all(
@@ -32,3 +32,12 @@ def copy_all(
     for d, s in zip(dst, src, strict=True):
         if d.__class__ is not torch.Tensor:
             d.copy_(s)
+
+
+def non_finite(t: torch.Tensor) -> bool:
+    """Whether floating or complex *t* holds a NaN or an infinity (one host read; a sparse
+    tensor's stored values are judged). Other dtypes never do."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return False
+    values = t.coalesce().values() if t.is_sparse else t
+    return not bool(torch.isfinite(values).all())

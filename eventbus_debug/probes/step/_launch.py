@@ -349,7 +349,7 @@ class Launcher:
             return idx
         known = self._update_sizes
         if known is None or known[0] != idx:  # sized once per set of trainable parameters
-            known = self._update_sizes = (idx, [_nbytes(self._params[i]) for i in idx])
+            known = self._update_sizes = (idx, [_memory.nbytes(self._params[i]) for i in idx])
         sizes = known[1]
         if sum(sizes) <= budget:
             return idx
@@ -554,9 +554,3 @@ class Launcher:
                     copy_all(snapshot, now)  # the persistent buffer: no allocation
                 self._snapshot, self._update_idx, self._snapshot_step = snapshot, idx, step
         return update_slots, base, flat
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    """The bytes a copy of *t* takes (a DTensor: its local shard)."""
-    local = t.to_local() if hasattr(t, "to_local") else t
-    return int(local.numel() * local.element_size())

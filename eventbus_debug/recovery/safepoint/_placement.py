@@ -17,7 +17,7 @@ from typing import Final, Literal, cast, final, get_args
 
 import torch
 
-from ..._memory import DEVICE_SHARE, device_total, host_available, local_processes
+from ..._memory import DEVICE_SHARE, device_total, host_available, local_processes, nbytes
 
 __all__ = (
     "DEVICE_SHARE",
@@ -88,11 +88,7 @@ def sizes(tensors: Iterable[torch.Tensor]) -> tuple[dict[torch.device, int], int
     by_device: dict[torch.device, int] = {}
     pinned_to_device = 0
     for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-        if local.layout is torch.sparse_coo:  # its copy holds the stored values, not numel()
-            n = local._values().numel() * local.element_size() + local._indices().numel() * 8
-        else:
-            n = local.numel() * local.element_size()
+        n = nbytes(t)
         by_device[t.device] = by_device.get(t.device, 0) + n
         if not plain(t):
             pinned_to_device += n

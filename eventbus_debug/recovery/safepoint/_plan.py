@@ -400,11 +400,8 @@ class Plan:
         if self.optimizer is None:
             return
         for live, held in zip(optimizer.param_groups, self.optimizer["param_groups"], strict=True):
-            for k, v in held.items():
-                if k != "params" and k not in keep:
-                    live[k] = (
-                        v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                    )
+            settings = group_settings(held, live["params"])  # copies of the captured values
+            live.update({k: v for k, v in settings.items() if k not in keep})
 
     def settle(self) -> None:
         """Wait for the last refresh's copies to the host (nothing to wait for otherwise)."""

@@ -15,6 +15,7 @@ from eventbus_debug.diagnostics import get_logger
 
 from ..._records import fast_init
 from ..._saved import StateReader
+from ..._tensors import non_finite
 from ..._validate import positive_number
 from ...events import RecoveryAction, RecoveryApplied, Severity, SnapshotPlaced, StepSkipped
 from ...exceptions import TrainingStopped
@@ -525,8 +526,7 @@ def _clear_non_finite_grads(model: nn.Module, optimizer: torch.optim.Optimizer) 
         grad = p.grad
         if grad is None or id(p) in stepped:
             continue
-        values = grad.coalesce().values() if grad.is_sparse else grad
-        if not bool(torch.isfinite(values).all()):
+        if non_finite(grad):
             p.grad = None
 
 

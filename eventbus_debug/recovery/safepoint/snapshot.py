@@ -20,6 +20,7 @@ from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
 from eventbus_debug.diagnostics import get_logger
 
+from ..._tensors import non_finite
 from ..._validate import positive_int
 from ...exceptions import EventBusError
 from ..lr import GROUP_LR_KEYS
@@ -96,7 +97,6 @@ class StateSnapshots:
         self.location: Location = location_of(location)
         self.placement: Placement | None = None
         """Where the last planned snapshot went and why (``None`` before the first capture)."""
-        self._unkept = False  # the last placement found no room: tried every `every` steps
         self._said_without = False  # a snapshot without the optimizer's state was said
         self._model: dict[str, torch.Tensor] | None = None
         self._optimizer: dict[str, Any] | None = None
@@ -125,6 +125,11 @@ class StateSnapshots:
     def age(self, step: int) -> int | None:
         """How many steps old the held state is at *step* (``None`` when none is held)."""
         return None if self._step is None else step - self._step
+
+    @property
+    def _unkept(self) -> bool:
+        """Whether the last placement found no room (tried again every *every* good steps)."""
+        return self.placement is not None and self.placement.where == "none"
 
     @property
     def available(self) -> bool:
@@ -208,7 +213,6 @@ class StateSnapshots:
         before = self.placement
         placement = self.placement = choose(self.location, by_device, stuck=stuck)
         if placement.where != "none":
-            self._unkept = False
             if before is None or before.where != placement.where:
                 _log.info(
                     "snapshot_placed",
@@ -223,9 +227,8 @@ class StateSnapshots:
             self._plan = None
             self._model = self._optimizer = self._params = self._shapes = None
             self._step = None
-        if self._unkept:
-            return None
-        self._unkept = True
+        if before is not None and before.where == "none":
+            return None  # said when it began
         _log.warning(
             "snapshot_not_kept",
             step=step,
@@ -287,15 +290,10 @@ class StateSnapshots:
         layout: Layout | None = None
         if optimizer is not None and self._optimizer is not None:
             layout = self._remapped(optimizer, self._optimizer)
-        plan = self._plan
-        ours = plan is not None and plan.model is self._model
+        plan = self._plan  # None: the state held is a loaded checkpoint's (or none)
         # frozen parameters a snapshot leaves out (a checkpoint saved from one, too)
-        held_keys = self._model.keys()
-        skipped = frozenset(
-            k
-            for k, v in model.state_dict(keep_vars=True).items()
-            if frozen(v) and k not in held_keys
-        )
+        live = model.state_dict(keep_vars=True)
+        skipped = frozenset(k for k, v in live.items() if frozen(v) and k not in self._model)
         changes = model_changes(self._model, model, skipped)
         if optimizer is not None and layout is not None:
             changes += self._optimizer_changes(model, optimizer, layout, changes)
@@ -309,7 +307,7 @@ class StateSnapshots:
                 "snapshot; the next good step takes a new one"
             )
             raise NoGoodStateError(msg)
-        bad = _non_finite_frozen(model, skipped)
+        bad = [k for k in skipped if non_finite(live[k])]  # a restore cannot mend them
         if bad:
             self._failed()
             msg = (
@@ -319,12 +317,12 @@ class StateSnapshots:
             raise NoGoodStateError(msg)
         undo = Undo.take(model, optimizer, host=plan is not None and plan.host, skip=skipped)
         keys = ("lr", *GROUP_LR_KEYS)
-        current = ours and plan is not None and plan.key == live_key(model, optimizer)
+        current = plan is not None and plan.key == live_key(model, optimizer)
         try:
-            held_model = plan.model_to_load() if ours and plan is not None else self._model
+            held_model = plan.model_to_load() if plan is not None else self._model
             # copies into the live tensors, hooks run; the frozen parameters are not in it
             model.load_state_dict(held_model, strict=not skipped)
-            if ours and plan is not None:
+            if plan is not None:
                 plan.load_loose_back()  # the optimizer's parameters outside the model
             if optimizer is not None and layout is not None:
                 if current and plan is not None and in_place_ok(optimizer):
@@ -561,7 +559,7 @@ def _check_checkpoint(
                     bad += [
                         f"optimizer state {index}.{name}"
                         for name, v in entries.items()
-                        if isinstance(v, torch.Tensor) and _non_finite(v)
+                        if isinstance(v, torch.Tensor) and non_finite(v)
                     ]
     if bad:
         msg = (
@@ -569,15 +567,3 @@ def _check_checkpoint(
             f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}"
         )
         raise ValueError(msg)
-
-
-def _non_finite_frozen(model: nn.Module, frozen: frozenset[str]) -> list[str]:
-    """The *frozen* entries of *model* that hold NaN or Inf now (a restore cannot mend them)."""
-    if not frozen:
-        return []
-    live = model.state_dict(keep_vars=True)
-    return [k for k in frozen if isinstance(live.get(k), torch.Tensor) and _non_finite(live[k])]
-
-
-def _non_finite(t: torch.Tensor) -> bool:
-    return (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all())
