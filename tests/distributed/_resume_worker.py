@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 from eventbus_debug import Session
 from eventbus_debug.events import Anomaly, RecoveryApplied
 from eventbus_debug.testing import RecordingSink
+from tests._doubles import quiet
 
 POLICY = "aggressive"
 """Every detected explosion clipped, a loss spike rolled back (with a temporary LR cut)."""
@@ -93,16 +94,7 @@ async def _run(
         opt.load_state_dict(checkpoint["optimizer"])
     data = _data(rank)
     recorder = RecordingSink()
-    session = Session(
-        model,
-        opt,
-        log_dir=None,
-        report=False,
-        alerts=False,
-        system_interval=None,
-        sinks=[recorder],
-        policy=POLICY,
-    )
+    session = Session(model, opt, **quiet(sinks=[recorder], policy=POLICY))
     if state is not None:
         session.load_state_dict(state)  # before the start: applied at it
     should_step: list[bool] = []

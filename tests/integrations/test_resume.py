@@ -23,7 +23,7 @@ from ignite.handlers import Checkpoint, DiskSaver
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+from transformers import BertForSequenceClassification, Trainer, TrainingArguments
 
 from eventbus_debug import SyncSession
 from eventbus_debug.integrations.ignite import EventBusDebugHandler
@@ -31,6 +31,7 @@ from eventbus_debug.integrations.lightning import EventBusDebugCallback as Light
 from eventbus_debug.integrations.transformers import STATE_FILE, EventBusDebugCallback as HFCallback
 
 from ._lightning import quiet_trainer
+from .test_transformers import _model as bert
 
 QUIET: dict[str, Any] = {"log_dir": None, "alerts": False, "system_interval": None}
 BATCHES = 8  # per epoch, every framework
@@ -193,17 +194,7 @@ def test_lightning_state_between_fits_and_an_ended_session(tmp_path: Path) -> No
 
 def _bert() -> BertForSequenceClassification:
     torch.manual_seed(0)
-    config = BertConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=100,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return BertForSequenceClassification(config)
+    return bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
 def _hf_data() -> list[dict[str, torch.Tensor]]:

@@ -34,16 +34,17 @@ STEPS = 8
 MAX_GRAD_NORM = 1.0
 
 
-def _model() -> BertForSequenceClassification:
-    config = BertConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=100,
-        max_position_embeddings=32,
-    )
-    return BertForSequenceClassification(config)
+def _model(**config: Any) -> BertForSequenceClassification:
+    """A tiny BERT classifier (no download); *config* overrides ``BertConfig``'s fields."""
+    small = {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": 100,
+        "max_position_embeddings": 32,
+    }
+    return BertForSequenceClassification(BertConfig(**(small | config)))
 
 
 def _data(n: int = STEPS * 4) -> list[dict[str, torch.Tensor]]:
