@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import nn
 from transformers import (
-    BertConfig,
     BertForSequenceClassification,
     Trainer,
     TrainerCallback,
@@ -27,21 +26,14 @@ from eventbus_debug import read_events
 from eventbus_debug.events import SessionEnded, StepChecked, StepCompleted
 from eventbus_debug.integrations.transformers import EventBusDebugCallback
 
+from .test_transformers import _model as bert
+
 TINY_NORM = 1e-3  # far below every gradient norm of these runs: every step clips
 
 
 def _model() -> BertForSequenceClassification:
     torch.manual_seed(0)
-    config: dict[str, Any] = {
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "intermediate_size": 64,
-        "vocab_size": 100,
-        "max_position_embeddings": 32,
-        "num_labels": 3,
-    }
-    return BertForSequenceClassification(BertConfig(**config))
+    return bert(num_labels=3)
 
 
 def _data(n: int) -> list[dict[str, torch.Tensor]]:

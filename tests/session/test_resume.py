@@ -33,6 +33,7 @@ from eventbus_debug import (
 from eventbus_debug.events import RUN_ID_ENV, Anomaly
 from eventbus_debug.sinks.report import ReportWriter, build_report, summarize_runs
 from eventbus_debug.testing import RecordingSink
+from tests._doubles import quiet
 
 STEPS = 900
 RESUME = 450
@@ -57,14 +58,17 @@ def _loss(model: nn.Module, step: int) -> torch.Tensor:
     return loss + 25.0 if step == SPIKE else loss  # the loss alone: its gradients are the same
 
 
-def _quiet(**extra: Any) -> dict[str, Any]:
-    return {
-        "log_dir": None,
-        "report": False,
-        "alerts": False,
-        "system_interval": None,
-        **extra,
-    }
+def _sync_steps(
+    session: SyncSession, model: nn.Module, opt: torch.optim.Optimizer, steps: range
+) -> None:
+    """Train *steps* through a ``SyncSession``, stepping when its verdict says so."""
+    for step in steps:
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(model, step)
+        torch.autograd.backward(loss)
+        if session.check_step(step, loss=loss).should_step:
+            opt.step()
+        session.step_completed(step)
 
 
 async def _steps(
@@ -87,7 +91,7 @@ def _incidents(recorder: RecordingSink) -> list[tuple[int | None, str]]:
 async def _uninterrupted() -> tuple[list[tuple[int | None, str]], dict[str, Any]]:
     model, opt = _model()
     recorder = RecordingSink()
-    async with Session(model, opt, sinks=[recorder], **_quiet()) as session:
+    async with Session(model, opt, sinks=[recorder], **quiet()) as session:
         await _steps(session, model, opt, 0, STEPS)
         return _incidents(recorder), session.state_dict()
 
@@ -95,7 +99,7 @@ async def _uninterrupted() -> tuple[list[tuple[int | None, str]], dict[str, Any]
 async def _checkpoint() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The first half: the model's, the optimizer's and the session's state at RESUME."""
     model, opt = _model()
-    async with Session(model, opt, **_quiet()) as session:
+    async with Session(model, opt, **quiet()) as session:
         await _steps(session, model, opt, 0, RESUME)
         state = session.state_dict()
     return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), state
@@ -129,7 +133,7 @@ async def test_resumed_run_is_judged_as_the_uninterrupted_one(how: str) -> None:
     model.load_state_dict(weights)
     opt.load_state_dict(optim)
     recorder = RecordingSink()
-    session = Session(model, opt, sinks=[recorder], **_quiet())
+    session = Session(model, opt, sinks=[recorder], **quiet())
     session.load_state_dict(_through_disk(state, how))  # before the start: applied at it
     async with session:
         assert session.step == RESUME - 1
@@ -149,7 +153,7 @@ async def test_a_cold_session_knows_nothing_of_the_run() -> None:
     model, opt = _model()
     model.load_state_dict(weights)
     opt.load_state_dict(optim)
-    async with Session(model, opt, **_quiet()) as session:
+    async with Session(model, opt, **quiet()) as session:
         await _steps(session, model, opt, RESUME, STEPS)
         cold = session.state_dict()
     judged = final["probe"]["judge"]["spikes"]["judged"]
@@ -162,7 +166,7 @@ async def test_load_between_steps_of_a_running_session() -> None:
     model, opt = _model()
     model.load_state_dict(weights)
     opt.load_state_dict(optim)
-    async with Session(model, opt, **_quiet()) as session:
+    async with Session(model, opt, **quiet()) as session:
         session.load_state_dict(state)
         assert session.step == RESUME - 1
         assert _judged(session.state_dict()) == _judged(state)
@@ -171,17 +175,11 @@ async def test_load_between_steps_of_a_running_session() -> None:
 
 def test_sync_session_saves_and_loads_the_same_state() -> None:
     model, opt = _model()
-    with SyncSession(model, opt, **_quiet()) as session:
-        for step in range(50):
-            opt.zero_grad(set_to_none=True)
-            loss = _loss(model, step)
-            torch.autograd.backward(loss)
-            if session.check_step(step, loss=loss).should_step:
-                opt.step()
-            session.step_completed(step)
+    with SyncSession(model, opt, **quiet()) as session:
+        _sync_steps(session, model, opt, range(50))
         state = session.state_dict()
     assert state["step"] == 49
-    again = SyncSession(model, opt, **_quiet())
+    again = SyncSession(model, opt, **quiet())
     again.load_state_dict(state)
     assert again.state_dict() == state  # before the start: the state it will start from
     with again:
@@ -190,9 +188,9 @@ def test_sync_session_saves_and_loads_the_same_state() -> None:
 
 async def test_state_before_the_start_is_empty_and_loads() -> None:
     model, opt = _model()
-    fresh = Session(model, opt, **_quiet()).state_dict()
+    fresh = Session(model, opt, **quiet()).state_dict()
     assert fresh["step"] is None and fresh["probe"] is None
-    session = Session(model, opt, **_quiet())
+    session = Session(model, opt, **quiet())
     session.load_state_dict(fresh)
     async with session:
         assert session.step is None
@@ -201,7 +199,7 @@ async def test_state_before_the_start_is_empty_and_loads() -> None:
 async def test_an_ended_session_refuses_a_state() -> None:
     _, _, state = await _checkpoint()
     model, opt = _model()
-    async with Session(model, opt, **_quiet()) as session:
+    async with Session(model, opt, **quiet()) as session:
         pass
     with pytest.raises(RuntimeError, match="has ended"):
         session.load_state_dict(state)
@@ -215,7 +213,7 @@ async def test_parameters_are_matched_by_name() -> None:
     torch.manual_seed(0)
     bigger = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1), nn.Linear(1, 1))
     opt = torch.optim.SGD(bigger.parameters(), lr=0.01)
-    async with Session(bigger, opt, **_quiet()) as session:
+    async with Session(bigger, opt, **quiet()) as session:
         session.load_state_dict(state)
         layers = session.state_dict()["probe"]["judge"]["layers"]
         saved = state["probe"]["judge"]["layers"]
@@ -235,7 +233,7 @@ async def test_changed_thresholds_keep_their_own_sizes() -> None:
     """A state saved with a 50-loss window, loaded with a 10-loss one: the last 10 are kept."""
     _, _, state = await _checkpoint()
     model, opt = _model()
-    async with Session(model, opt, thresholds=Thresholds(spike_window=10), **_quiet()) as s:
+    async with Session(model, opt, thresholds=Thresholds(spike_window=10), **quiet()) as s:
         s.load_state_dict(state)
         window = s.state_dict()["probe"]["judge"]["spikes"]["window"]
     assert window == state["probe"]["judge"]["spikes"]["window"][-10:]
@@ -307,10 +305,10 @@ async def test_a_bad_state_is_refused_and_changes_nothing(
     _, _, state = await _checkpoint()
     bad = _edit(state, change)
     model, opt = _model()
-    before_start = Session(model, opt, **_quiet())
+    before_start = Session(model, opt, **quiet())
     with pytest.raises(ValueError, match=message):
         before_start.load_state_dict(bad)  # checked whole when given, not at the start
-    async with Session(model, opt, **_quiet()) as session:
+    async with Session(model, opt, **quiet()) as session:
         await _steps(session, model, opt, 0, 20)
         kept = session.state_dict()
         with pytest.raises(ValueError, match=message):
@@ -322,14 +320,14 @@ async def test_a_bad_state_is_refused_and_changes_nothing(
 def test_not_a_dict_is_refused(state: object) -> None:
     model, opt = _model()
     with pytest.raises(ValueError, match="state must be a dict"):
-        Session(model, opt, **_quiet()).load_state_dict(state)  # type: ignore[arg-type]
+        Session(model, opt, **quiet()).load_state_dict(state)  # type: ignore[arg-type]
 
 
 def test_a_probe_state_is_not_a_session_state() -> None:
     model, _ = _model()
     probe_state = StepProbe(model, None).state_dict()
     with pytest.raises(ValueError, match=r"its format is 'eventbus_debug\.StepProbe'"):
-        Session(model, None, **_quiet()).load_state_dict(probe_state)
+        Session(model, None, **quiet()).load_state_dict(probe_state)
 
 
 def test_deferred_probe_reads_its_steps_in_flight_first() -> None:
@@ -382,7 +380,7 @@ async def _aggressive(
     """Steps *lo* .. *hi* under the aggressive policy (a spike at AGGRESSIVE_SPIKE rolls back
     and halves the LR for 200 healthy steps); the session's state and the LR per step."""
     lrs: list[float] = []
-    session = Session(model, opt, policy="aggressive", **_quiet())
+    session = Session(model, opt, policy="aggressive", **quiet())
     if state is not None:
         session.load_state_dict(state)
     async with session:
@@ -439,10 +437,10 @@ async def test_a_temporary_lr_change_is_undone_after_a_resume() -> None:
 )
 def test_a_bad_temporary_lr_change_is_refused(change: dict[str, Any], message: str) -> None:
     model, opt = _model()
-    state = Session(model, opt, **_quiet()).state_dict()
+    state = Session(model, opt, **quiet()).state_dict()
     state["recovery"] = {"temporary_lr_changes": [change]}
     with pytest.raises(ValueError, match=message):
-        Session(model, opt, **_quiet()).load_state_dict(state)
+        Session(model, opt, **quiet()).load_state_dict(state)
 
 
 # -- the run in the log ----------------------------------------------------------------------------
@@ -481,7 +479,7 @@ async def test_an_explicit_run_id_wins_over_the_saved_one(
     assert state["run_id"]
     monkeypatch.setenv(RUN_ID_ENV, "my-run-2")
     model, opt = _model()
-    session = Session(model, opt, **_quiet())
+    session = Session(model, opt, **quiet())
     session.load_state_dict(state)
     async with session:
         assert session.run_id == "my-run-2"
@@ -493,7 +491,7 @@ async def test_a_bad_run_id_is_refused(run_id: object) -> None:
     state["run_id"] = run_id
     model, opt = _model()
     with pytest.raises(ValueError, match=r"state\['run_id'\] must be a non-empty str or None"):
-        Session(model, opt, **_quiet()).load_state_dict(state)
+        Session(model, opt, **quiet()).load_state_dict(state)
 
 
 @pytest.mark.usefixtures("fresh_run_ids")
@@ -523,13 +521,7 @@ def test_a_restart_with_the_same_run_id_continues_the_report(
     model, opt = _model()
     for lo, hi in ((0, 30), (30, 50)):
         with SyncSession(model, opt, log_dir=tmp_path, alerts=False) as session:
-            for step in range(lo, hi):
-                opt.zero_grad(set_to_none=True)
-                loss = _loss(model, step)
-                torch.autograd.backward(loss)
-                if session.check_step(step, loss=loss).should_step:
-                    opt.step()
-                session.step_completed(step)
+            _sync_steps(session, model, opt, range(lo, hi))
         assert session.run_id == "job-7"
     live = json.loads((tmp_path / "report.json").read_text())
     assert live["summary"]["steps"] == 50
@@ -566,7 +558,7 @@ async def test_a_cold_resume_is_said_once(caplog: pytest.LogCaptureFixture) -> N
         if restored:
             model.load_state_dict(weights)
             opt.load_state_dict(optim)
-        session = Session(model, opt, **_quiet())
+        session = Session(model, opt, **quiet())
         if load:
             session.load_state_dict(state)
         caplog.clear()
