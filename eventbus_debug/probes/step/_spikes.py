@@ -347,6 +347,14 @@ class LossSpikeDetector:
             sigma = 0.0
             relative = self.rtol * max(abs(median), window.spread()) * _MIN_NOISE / n
         floor = max(self.atol, self.scale_tol * self._scale)
+        if relative == 0.0 and sigma == 0.0 and floor == 0.0:
+            # No scale yet: every loss so far was exactly zero (a loss weight ramped up from 0,
+            # a first batch that is all padding). Any positive loss is "infinitely" far above
+            # that; it is the run's first measure of its scale, not a spike.
+            if self._run_length:
+                self._calm()
+            window.add(loss)
+            return None
         tolerance = max(relative, self.mad_factor * sigma, floor)
         # ... and beyond the run's own noise: its robust z-score must exceed the largest the run
         # has had (decaying), so heavy-tailed minibatch noise (an overfitting classifier's rare

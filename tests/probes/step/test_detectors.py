@@ -203,6 +203,27 @@ class TestRecurringLevels:
         policy-gradient loss hovering around zero does not fire on its fifth step."""
         assert flagged([-0.153, -0.107, -0.0337, 0.171, 0.263, -0.373, 0.16, -0.131]) == []
 
+    @pytest.mark.parametrize("zeros", [1, 10])
+    def test_a_loss_rising_from_exactly_zero_is_its_scale_not_a_spike(self, zeros: int) -> None:
+        """A run whose first losses are exactly 0 (a loss weight ramped up from 0, first
+        batches all padding) has no scale to judge against: 0 -> 0.003 was five reports, one
+        loss of 0 then 1.38 too. Its first positive losses set the scale; a spike planted
+        later is still flagged at once."""
+        rng = random.Random(0)
+        ramp = [min(1.0, i / 500) * rng.uniform(1.3, 1.5) for i in range(zeros, 1500)]
+        assert flagged([0.0] * zeros + ramp) == []
+        jump = [1.38 + rng.uniform(-0.05, 0.05) for _ in range(1500)]
+        assert flagged([0.0] * zeros + jump) == []
+        jump[1000] = 20.0
+        assert flagged([0.0] * zeros + jump) == [(zeros + 1000, "spike")]
+
+    def test_a_configured_absolute_tolerance_still_judges_a_zero_start(self) -> None:
+        """With ``spike_atol`` set, the scale is the user's: 0 then 5 is 5 above it."""
+        detector = LossSpikeDetector.from_thresholds(Thresholds(spike_atol=1.0))
+        assert detector.observe(0.0) is None
+        verdict = detector.observe(5.0)
+        assert verdict is not None and verdict.rule is SpikeRule.SPIKE
+
     def test_the_memory_stays_bounded(self) -> None:
         """Outliers on every other step for 5,000 steps: at most `memory` are kept."""
         detector = spikes()
