@@ -260,6 +260,10 @@ class RunSummary:
     the largest of the ranks'), or None when no session measured it."""
     overhead_budget: float | None = None
     """The session's ``overhead_budget``, if one was set."""
+    incidents_first: int = 0
+    """How many of ``incidents`` are the run's first ones. When the run had more than the
+    table keeps (``incidents_total > len(incidents)``), the ones left out came between these
+    and the most recent rest."""
     last_completed_step: int | None = None
     """The last step a rank completed (``StepCompleted``), None when none did."""
     ended: Mapping[int, str] = dataclasses.field(default_factory=dict)

@@ -195,7 +195,8 @@ class ReportWriter:
         html: also write ``report.html``.
         title: the page title.
         max_points: the most points each plotted series keeps (memory stays bounded).
-        max_incidents: the most recent incidents listed (all are counted).
+        max_incidents: the most incidents listed: the run's first tenth of them and the
+            most recent rest (all are counted).
         clock: a monotonic clock in seconds, for the write interval (inject one in tests).
 
     Raises:

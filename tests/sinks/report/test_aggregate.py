@@ -22,6 +22,7 @@ from eventbus_debug.events import (
     ErrorCategory,
     ErrorRaised,
     Event,
+    GradientExploded,
     LossSpiked,
     MemorySampled,
     NonFiniteDetected,
@@ -310,6 +311,38 @@ class TestEdges:
             ("non_finite_detected", (1,)),
         ]
         assert s.anomalies == 2 and s.anomaly_steps == 1
+
+    def test_a_long_run_keeps_its_first_incidents_beside_the_most_recent(self) -> None:
+        """3,000 clipped explosions after one NaN: the table keeps the run's first tenth (the
+        NaN that began it) and the most recent rest; the page says how many are left out and
+        where."""
+        aggregator = RunAggregator(max_incidents=50)
+        aggregator.add(NonFiniteDetected(seq=1, step=0, role=TensorRole.LOSS, names=("loss",)))
+        for step in range(1, 3000):
+            aggregator.add(
+                GradientExploded(seq=step + 1, step=step, total_norm=1e6, threshold=10.0)
+            )
+        s = aggregator.summary()
+        assert s.incidents_total == 3000 and len(s.incidents) == 50 and s.incidents_first == 5
+        assert [r.step for r in s.incidents] == [*range(5), *range(2955, 3000)]
+        assert s.incidents[0].kind == "non_finite_detected"
+        page = render_html(s)
+        assert "showing the first 5 and the 45 most recent of 3000 incidents" in page
+        table = page[page.index("<table id='incidents'>") :]
+        gap = table.index("2950 incidents not listed")
+        rows = [table.index(f"<tr id='ev-0-{seq}'>") for seq in (3000, 2956, 5, 1)]
+        assert rows[0] < rows[1] < gap < rows[2] < rows[3]  # newest first, the gap between
+
+    def test_a_run_within_the_table_lists_everything_without_a_gap(self) -> None:
+        aggregator = RunAggregator(max_incidents=50)
+        for step in range(50):
+            aggregator.add(
+                NonFiniteDetected(seq=step + 1, step=step, role=TensorRole.LOSS, names=("loss",))
+            )
+        s = aggregator.summary()
+        assert [r.step for r in s.incidents] == list(range(50)) and s.incidents_first == 5
+        page = render_html(s)
+        assert "not listed" not in page and "showing" not in page
 
     def test_merging_memory_is_bounded(self) -> None:
         """Thousands of incidents on 3 ranks: the merge's bookkeeping stays within its caps."""

@@ -69,7 +69,8 @@ class RunAggregator(_IncidentRows):
 
     Args:
         max_points: the most points each plotted series keeps (older buckets merge).
-        max_incidents: the most recent incidents kept for the table (all are counted).
+        max_incidents: the most incidents kept for the table: the run's first tenth of them
+            and the most recent rest (all are counted).
         max_markers: the most plot markers kept (the earliest are kept).
         max_layers: the most layers kept for the per-layer views (the first seen; the others
             are counted in ``layers_omitted``).
@@ -556,6 +557,7 @@ class RunAggregator(_IncidentRows):
             markers=tuple(self._markers),
             incidents_total=self._incidents_total,
             incidents=self._linked_incidents(),
+            incidents_first=len(self._first_rows),
             incidents_by_rank=dict(sorted(self._incidents_by_rank.items())),
             run_id=run_ids[-1] if len(run_ids) == 1 else None,
             runs=runs,

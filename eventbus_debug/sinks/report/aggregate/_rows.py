@@ -13,6 +13,7 @@ entries go first, as their rows leave the table.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import deque
 from enum import Enum
 from typing import Final, TypeAlias
@@ -28,6 +29,11 @@ _MAX_GROUPS: Final = 4096
 """How many recent incidents are remembered for recognising the same incident on another rank
 (an incident at the same step, of the same kind and identity, the same occurrence of it on each
 rank)."""
+
+_FIRST_SHARE: Final = 10
+"""One row in this many of those kept is one of the run's first incidents: on a run with
+more incidents than the table keeps, the first ones (where the trouble began: the first NaN,
+the first explosion of thousands) stay listed beside the most recent."""
 
 _Key: TypeAlias = tuple[int, str, int, int]
 """An incident's step, kind, identity (a hash of :func:`_identity`) and occurrence on its rank:
@@ -73,16 +79,20 @@ class _RowState:
 
 
 class _IncidentRows:
-    """The most recent incident rows, merged over ranks and linked into recovery chains.
+    """The run's first and most recent incident rows, merged over ranks and linked into
+    recovery chains.
 
     A base of :class:`RunAggregator`, which decides what is an incident and calls
     :meth:`_merge` then :meth:`_list` for each, and the links for recovery events.
     """
 
     def _clear_rows(self, max_incidents: int) -> None:
-        """Forget every row, keeping at most *max_incidents* from now on."""
+        """Forget every row, keeping at most *max_incidents* from now on: the run's first
+        tenth of them and the most recent rest."""
         self._incidents_total = 0
-        self._incidents: deque[_RowState] = deque(maxlen=max_incidents)
+        self._first_rows: list[_RowState] = []
+        self._first_max = max_incidents // _FIRST_SHARE
+        self._incidents: deque[_RowState] = deque(maxlen=max_incidents - self._first_max)
         # the same incident on several ranks: (rank, step, kind, identity) -> occurrences on
         # that rank; (step, kind, identity, occurrence) -> its row; (rank, seq) of a merged
         # event -> its row's; (rank, seq) of an incident -> its key (a decision's trigger)
@@ -155,7 +165,10 @@ class _IncidentRows:
                 caused_by=caused_by,
             )
         )
-        self._incidents.append(state)
+        if len(self._first_rows) < self._first_max:
+            self._first_rows.append(state)
+        else:
+            self._incidents.append(state)
         if key is not None:
             groups = self._groups
             if len(groups) >= _MAX_GROUPS and key not in groups:
@@ -227,9 +240,10 @@ class _IncidentRows:
         return self._link(event.rank, decision, event.seq)
 
     def _linked_incidents(self) -> tuple[IncidentRow, ...]:
+        """The rows kept, in order: the run's first ones, then the most recent."""
         links = self._led_to
         out = []
-        for state in self._incidents:
+        for state in itertools.chain(self._first_rows, self._incidents):
             row = state.row
             led = links.get((row.rank, row.seq))
             out.append(

@@ -256,7 +256,7 @@ def render_html(
             s.layers_omitted,
         ),
         "<h2>Incidents</h2>",
-        _incident_table(s.incidents, s.incidents_total),
+        _incident_table(s.incidents, s.incidents_total, s.incidents_first),
         "<h2 id='recovery'>Recovery: incident → decision → action</h2>",
         _recovery_chain(s.incidents),
         "<div class='grid2'><div><h2>Anomalies by kind</h2>",

@@ -70,10 +70,18 @@ def _rank_header(rows: Sequence[IncidentRow]) -> str:
     return "ranks" if any(len(r.ranks) > 1 for r in rows) else "rank"
 
 
-def _incident_table(rows: Sequence[IncidentRow], total: int) -> str:
+def _incident_table(rows: Sequence[IncidentRow], total: int, first: int) -> str:
+    """Newest first; when incidents were left out, a row says how many, between the most
+    recent and the run's *first* ones."""
     by_key = {(r.rank, r.seq): r for r in rows}
     body = []
-    for r in reversed(rows):
+    left_out = total - len(rows)
+    for i, r in zip(range(len(rows) - 1, -1, -1), reversed(rows), strict=True):
+        if i == first - 1 and left_out > 0:
+            body.append(
+                f"<tr class='gap'><td colspan='9' class='note'>{_int(left_out)} incidents "
+                "not listed; the run's first ones below</td></tr>"
+            )
         caused = "" if r.caused_by is None else _ref(r.rank, r.caused_by, by_key)
         led = " ".join(_ref(r.rank, seq, by_key) for seq in r.led_to)
         body.append(
@@ -87,11 +95,11 @@ def _incident_table(rows: Sequence[IncidentRow], total: int) -> str:
     if not body:
         body.append("<tr><td colspan='9' class='note'>no incident: a quiet run</td></tr>")
     note = ""
-    if total > len(rows):
-        note = (
-            f"<p class='note'>showing the {_int(len(rows))} most recent of {_int(total)} "
-            "incidents</p>"
-        )
+    if left_out > 0:
+        shown = f"the {_int(len(rows) - first)} most recent"
+        if first:
+            shown = f"the first {_int(first)} and {shown}"
+        note = f"<p class='note'>showing {shown} of {_int(total)} incidents</p>"
     return (
         f"{note}<table id='incidents'><thead><tr><th>step</th><th>{_rank_header(rows)}</th><th>severity</th>"
         "<th>kind</th><th>what happened</th><th>source</th><th>caused by</th><th>led to</th>"
