@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import os
 from typing import Final, TypeGuard
 
@@ -31,6 +32,7 @@ __all__ = (
     "positive_seconds",
     "publisher",
     "real_number",
+    "sample_count",
 )
 
 
@@ -52,6 +54,22 @@ def int64_count(name: str, value: int) -> int:
     else:
         msg = f"{name} must fit in 64 bits (<= 2**63 - 1, as the log stores it), got {brief(value)}"
     raise ValueError(msg)
+
+
+def sample_count(samples: object) -> int:
+    """*samples* (how many samples a step took) as an int >= 0.
+
+    Raises:
+        TypeError: if it is not an integer (a bool, a float).
+        ValueError: if it is negative or too large for the log.
+    """
+    if isinstance(samples, bool | float) or not hasattr(samples, "__index__"):
+        msg = (
+            "samples must be an int (the step's number of samples), got "
+            f"{type(samples).__qualname__} {samples!r}"
+        )
+        raise TypeError(msg)
+    return int64_count("samples", operator.index(samples))
 
 
 def brief(value: object) -> str:

@@ -109,9 +109,17 @@ class SampleCounter:
 
     def take(self) -> int | None:
         """The samples added since the last call (``None`` when none was, or one was unknown)."""
-        total, known = self._total, self._known
+        total = self.peek()
         self._total, self._known = 0, True
-        return total if known and total > 0 else None
+        return total
+
+    def peek(self, more: int | None = 0) -> int | None:
+        """What :meth:`take` would return with *more* samples added, leaving the count as it
+        is (``None`` when *more* is)."""
+        if more is None or not self._known:
+            return None
+        total = self._total + more
+        return total if total > 0 else None
 
 
 class FitViews:
@@ -136,8 +144,9 @@ class FitViews:
                 state[name] = None
         if isinstance(state.get("_loss"), LossAccumulator):
             state["_loss"] = LossAccumulator()
-        if isinstance(state.get("_samples"), SampleCounter):
-            state["_samples"] = SampleCounter()
+        for name, value in state.items():
+            if isinstance(value, SampleCounter):
+                state[name] = SampleCounter()
         return state
 
     @property
@@ -323,8 +332,11 @@ class FitSession:
         self.last_verdict = None
         return session
 
-    def check(self, step: int, loss: torch.Tensor | float | None) -> Verdict:
-        """The safe point: check the gradients (and *loss*) of *step*; enforce a skip.
+    def check(
+        self, step: int, loss: torch.Tensor | float | None, samples: int | None = None
+    ) -> Verdict:
+        """The safe point: check the gradients (and *loss*) of *step*, which averaged *samples*
+        samples (``None``: unknown); enforce a skip.
 
         On a skipped step the optimizer's gradients are set to ``None``, so the framework's
         ``optimizer.step()`` leaves the parameters and the optimizer state as they are.
@@ -338,7 +350,7 @@ class FitSession:
             msg = f"the {self.framework} debug session is not running (the fit has not started)"
             raise RuntimeError(msg)
         try:
-            verdict = session.check_step(step, loss=loss)
+            verdict = session.check_step(step, loss=loss, samples=samples)
         except BaseException as exc:
             self.close(exc)
             raise

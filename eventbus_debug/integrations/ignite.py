@@ -266,7 +266,9 @@ class EventBusDebugHandler(FitViews):
             self._drop_window()
         step = max(engine.state.iteration - 1, 0)
         lr = learning_rate(optimizer)
-        verdict = self._fit.check(step, self._loss.take(mean=True))
+        # the window's earlier iterations (accumulation) and this one's batch
+        samples = self._samples.peek(batch_size(engine.state.batch))
+        verdict = self._fit.check(step, self._loss.take(mean=True), samples)
         if verdict.should_step and self.max_grad_norm is not None:
             clip_gradients(self.model.parameters(), self.max_grad_norm)
         self._pending = (step, verdict, lr)

@@ -102,6 +102,7 @@ class EventBusDebugCallback(Callback, FitViews):
         self._fit = FitSession("lightning", log_dir, session_options)
         self._loss = LossAccumulator()
         self._samples = SampleCounter()
+        self._checked_samples = SampleCounter()  # the micro-batches since the last check
         self._scaler: torch.amp.GradScaler | None = None
         self._accumulation = 1  # Lightning divides each micro-batch loss by this (automatic)
         self._pending: tuple[int, Verdict, float | None] | None = None
@@ -165,12 +166,21 @@ class EventBusDebugCallback(Callback, FitViews):
         self._scaler = scaler if isinstance(scaler, torch.amp.GradScaler) else None
         self._loss.take()
         self._samples.take()
+        self._checked_samples.take()
         self._pending = self._early = None
         automatic = pl_module.automatic_optimization
         self._accumulation = int(trainer.accumulate_grad_batches) if automatic else 1
         self._fit.open(pl_module, optimizer, schedulers=schedulers, scaler=self._scaler)
         if not automatic:
             self._wrap_clip(trainer.precision_plugin, trainer)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Count this micro-batch's samples for its step's check (an epoch's last batch may be
+        a few samples: the detectors then judge it leniently)."""
+        if self._fit.running:
+            self._checked_samples.add(batch_size(batch))
 
     def on_before_backward(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
@@ -246,7 +256,7 @@ class EventBusDebugCallback(Callback, FitViews):
         if loss is not None and 0 < count != self._accumulation:
             # A short window (an epoch's last): Lightning still divided by the full count.
             loss = loss * (self._accumulation / count)
-        return step, self._fit.check(step, loss), lr
+        return step, self._fit.check(step, loss, self._checked_samples.take()), lr
 
     def _wrap_clip(self, plugin: Any, trainer: pl.Trainer) -> None:
         """Manual optimization: check the step when ``self.clip_gradients`` starts, before it
@@ -279,4 +289,5 @@ class EventBusDebugCallback(Callback, FitViews):
         self._pending = self._early = None
         self._loss.take()
         self._samples.take()
+        self._checked_samples.take()
         self._fit.close(exc)

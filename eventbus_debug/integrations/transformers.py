@@ -306,7 +306,7 @@ class EventBusDebugCallback(TrainerCallback, FitViews):
         lr = learning_rate(fit.optimizer)
         samples = self._samples.take()
         try:
-            verdict = fit.check(step, self._loss.take())
+            verdict = fit.check(step, self._loss.take(), samples)
         except BaseException as exc:  # TrainingStopped: no Trainer hook runs after this
             self._teardown(exc)
             raise

@@ -3,12 +3,11 @@ checked and converted, with the error a wrong one gets."""
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 
-from .._validate import int64_count, real_number
+from .._validate import real_number, sample_count
 from ..exceptions import ArgumentTypeError
 from ..probes import StepProbe
 from ..probes.step.probe import loss_value
@@ -78,14 +77,6 @@ def _number(name: str, value: object) -> float:
             raise ValueError(msg)
         return float(value.detach())
     return real_number(name, value)
-
-
-def sample_count(samples: object) -> int:
-    """*samples* (how many samples a step took) as an int >= 0."""
-    if isinstance(samples, bool | float) or not hasattr(samples, "__index__"):
-        msg = f"samples must be an int (the step's number of samples), got {type(samples).__qualname__} {samples!r}"
-        raise TypeError(msg)
-    return int64_count("samples", operator.index(samples))
 
 
 def checked_loss(loss: object, loss_fn: object) -> torch.Tensor:

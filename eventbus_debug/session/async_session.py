@@ -252,16 +252,33 @@ class Session(SessionBase[EventBus]):
 
     # -- the per-step API -------------------------------------------------------------------------
 
-    async def check_step(self, step: int, *, loss: torch.Tensor | float | None = None) -> Verdict:
+    async def check_step(
+        self,
+        step: int,
+        *,
+        loss: torch.Tensor | float | None = None,
+        samples: int | None = None,
+    ) -> Verdict:
         """The safe point: run the probes due at *step*, then say whether to step.
 
         Call it after ``loss.backward()`` and before ``optimizer.step()``.
 
+        Args:
+            step: the training step.
+            loss: the step's loss (a one-element tensor or a number; ``None``: not checked).
+            samples: how many samples the step's gradients average, when the loop knows
+                (``len(batch)``; the integrations pass it). A step of at most half the run's
+                usual count (an epoch's last batch under ``drop_last=False``) is judged that
+                many times more leniently for loss spikes and gradient explosions, and the
+                detectors learn nothing from it: one hard sample is the whole batch.
+
         Raises:
             RuntimeError: if the session is not running.
             TrainingStopped: if recovery decided to stop.
+            TypeError: if *samples* is not an int (and as :meth:`StepProbe.check_step
+                <eventbus_debug.StepProbe.check_step>` for *step* and *loss*).
         """
-        return await self._running().check(step, loss)
+        return await self._running().check(step, loss, samples)
 
     async def step_completed(
         self,

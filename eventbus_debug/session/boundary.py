@@ -190,7 +190,9 @@ class StepBoundary:
 
     # -- the entries ------------------------------------------------------------------------------
 
-    async def check(self, step: int, loss: torch.Tensor | float | None = None) -> Verdict:
+    async def check(
+        self, step: int, loss: torch.Tensor | float | None = None, samples: int | None = None
+    ) -> Verdict:
         """Run the checks due at *step* and the safe point; say whether to step."""
         # The body of _check without its generator (this runs on every step): the same parts
         # around the same two waits.
@@ -201,9 +203,9 @@ class StepBoundary:
         # is step_completed's hand-over. Each is awaited only when it must wait (reductions
         # offloaded to a thread, incidents for the engine); a healthy step calls both inline.
         probe = self.probe
-        verdict = probe.check_inline(step, loss)
+        verdict = probe.check_inline(step, loss, samples)
         if verdict is None:
-            verdict = await probe.check_step(step, loss=loss, checkpoint=False)
+            verdict = await probe.check_step(step, loss=loss, checkpoint=False, samples=samples)
         self._probed(step, loss, verdict)
         safe_point = self.safe_point
         if safe_point is None:
@@ -213,13 +215,15 @@ class StepBoundary:
             decision = await safe_point.before_optimizer_step(step, loss=verdict.loss)
         return self._check_end(started, self._decided(step, verdict, safe_point, decision))
 
-    def check_sync(self, step: int, loss: torch.Tensor | float | None = None) -> Verdict:
+    def check_sync(
+        self, step: int, loss: torch.Tensor | float | None = None, samples: int | None = None
+    ) -> Verdict:
         """:meth:`check`, blocking.
 
         Raises:
             RuntimeError: if another thread is inside a blocking entry of this boundary.
         """
-        return self._alone("check_step", self._check(step, loss))
+        return self._alone("check_step", self._check(step, loss, samples))
 
     def _alone(self, entry: str, body: Body[R]) -> R:
         """Drive *body* blocking, unless another thread is inside a blocking entry (then
@@ -301,7 +305,9 @@ class StepBoundary:
 
     # -- the bodies -------------------------------------------------------------------------------
 
-    def _check(self, step: int, loss: torch.Tensor | float | None) -> Body[Verdict]:
+    def _check(
+        self, step: int, loss: torch.Tensor | float | None, samples: int | None = None
+    ) -> Body[Verdict]:
         """The checks of a step as a body (``check_sync``'s and ``training_step``'s);
         :meth:`check` runs the same parts around the same waits directly."""
         started = self._check_begin(step)
@@ -309,8 +315,8 @@ class StepBoundary:
             loss = loss_argument(loss)  # a numpy scalar as a float; the probe checks the rest
         probe = self.probe
         verdict: StepVerdict = yield (
-            lambda: probe.check_step(step, loss=loss, checkpoint=False),
-            lambda: probe.check_step_sync(step, loss=loss),
+            lambda: probe.check_step(step, loss=loss, checkpoint=False, samples=samples),
+            lambda: probe.check_step_sync(step, loss=loss, samples=samples),
         )
         self._probed(step, loss, verdict)
         safe_point = self.safe_point
@@ -501,7 +507,9 @@ class StepBoundary:
             self.output_checker.check(outputs, publish=self.publisher.publish_nowait, step=step)
         loss = checked_loss(loss_fn(outputs, targets), loss_fn)
         torch.autograd.backward(loss)
-        verdict = yield from self._check(step, loss)
+        if samples is None:
+            samples = _batch_size(inputs)
+        verdict = yield from self._check(step, loss, samples)
         if verdict.should_step:
             optimizer.step()
         else:
@@ -518,7 +526,7 @@ class StepBoundary:
             optimizer.zero_grad(set_to_none=True)
         late = verdict.probe.step != step  # a deferred verdict is an earlier step's
         value = verdict.loss if verdict.loss is not None and not late else float(loss.detach())
-        yield from self._completed(step, value, None, samples or _batch_size(inputs))
+        yield from self._completed(step, value, None, samples)
         return TrainingStepResult(
             step=step,
             loss=value,

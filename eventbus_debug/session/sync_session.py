@@ -187,17 +187,24 @@ class SyncSession(SessionBase[SyncEventBus]):
 
     # -- the per-step API -------------------------------------------------------------------------
 
-    def check_step(self, step: int, *, loss: torch.Tensor | float | None = None) -> Verdict:
+    def check_step(
+        self,
+        step: int,
+        *,
+        loss: torch.Tensor | float | None = None,
+        samples: int | None = None,
+    ) -> Verdict:
         """The safe point of a synchronous loop; see :meth:`Session.check_step`.
 
-        Blocks while recovery catches up with this step's incidents.
+        Blocks while recovery catches up with this step's incidents. *samples*: how many
+        samples the step's gradients average (see :meth:`Session.check_step`).
 
         Raises:
             RuntimeError: if the session is not running, or another thread is inside its
                 ``training_step``, ``check_step`` or ``step_completed`` (one loop per session).
             TrainingStopped: if recovery decided to stop.
         """
-        return self._running().check_sync(step, loss)
+        return self._running().check_sync(step, loss, samples)
 
     def step_completed(
         self,

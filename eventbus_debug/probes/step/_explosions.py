@@ -282,6 +282,33 @@ class ExplosionDetector:
         self._largest = max(self._largest, norm)
         return None
 
+    def observe_partial(self, norm: float, widen: float) -> ExplosionVerdict | None:
+        """Judge the total norm of a partial batch without learning from it: an explosion
+        only beyond *widen* times the bar (the cap, before any norm was accepted).
+
+        A batch of a fraction ``1 / widen`` of the run's usual samples (an epoch's last) has a
+        gradient that averages fewer samples: one hard sample's gradient is the whole batch's,
+        far above a full batch's mean. Its norm joins no window, tail or largest norm, so the
+        bars of the full batches are not raised by it. The verdict's threshold is the full
+        batches' bar, not the widened one: what a clip brings an exploded gradient back to.
+        """
+        if norm == 0.0:
+            return None
+        window = self._window
+        if not window:
+            if self.cap is not None and norm > widen * self.cap:
+                return ExplosionVerdict(self.cap, math.nan, self._largest, "cap")
+            return None
+        baseline = window.median()
+        bar = max(
+            self.factor * baseline, self.floor * self._largest, self.reach * self._peaks.largest
+        )
+        if norm > widen * bar and self._lr_range.raised:
+            bar = max(bar, self._scale())
+        if norm > widen * bar:
+            return ExplosionVerdict(bar, baseline, self._largest, "growth")
+        return None
+
     def _settled(self) -> bool:
         """Whether the current streak has held one level (within 2x) for its last *settle*
         checks, within *factor* times the scale the run has shown while healthy."""

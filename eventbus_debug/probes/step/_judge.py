@@ -39,11 +39,16 @@ from ._dead_layers import DeadLayers
 from ._explosions import ExplosionDetector
 from ._launch import Layout, Pending
 from ._spikes import LossSpikeDetector
+from ._windows import RecentMax
 from .verdict import StepVerdict
 
 __all__ = ("Judge", "Judgement")
 
 _log = get_logger(__name__)
+
+_PARTIAL: Final = 0.5
+"""A step of at most this fraction of the run's usual samples (the largest count of its last
+1,000 steps that said theirs) is a *partial* batch: an epoch's last, with ``drop_last=False``."""
 
 _CONVERGED: Final = 1e-6
 """A loss within this fraction of the largest loss the run had has converged: gradients near
@@ -118,6 +123,13 @@ class Judge:
         """Whether the next vanishing-due step needs the mean ``|grad|`` pass: decided from the
         last judged gradients (``mean|g| >= Σ‖g‖₂ / n``, so while that bound clears the
         threshold no gradient can have vanished) and never while the loss has converged."""
+        self._samples = RecentMax(1000, 0.0)
+        """The largest samples count of the last 1,000 steps that said theirs: the run's
+        batch. Not part of :meth:`state`: a resumed run learns it again at its first step."""
+        self._counted = 0
+        self._widen = 1.0
+        """The step being judged is a partial batch of ``1 / _widen`` of the run's usual
+        samples (1.0: a full one, or unknown)."""
         self._layers = DeadLayers(
             len(names),
             relative=thresholds.vanishing_relative,
@@ -200,6 +212,7 @@ class Judge:
         """Decide *pending*'s step from its *values*; *recheck* reads the state norms on a fire."""
         lay = pending.layout
         step = lay.step
+        widen = self._widen = 1.0 if lay.samples is None else self._partial(lay.samples)
         incidents: list[Event] = []
         pos = 0
         loss_value: float | None = lay.host_loss
@@ -210,7 +223,9 @@ class Judge:
         loss_finite = True
         if loss_value is not None:
             if math.isfinite(loss_value):
-                if not self.global_spikes:  # else on the ranks' mean loss, in :meth:`scale`
+                # else on the ranks' mean loss, in :meth:`scale`; a partial batch's loss is
+                # not the run's scale
+                if not self.global_spikes and widen == 1.0:
                     self.scale(loss_value)
             else:
                 loss_finite = False
@@ -245,7 +260,7 @@ class Judge:
             if lay.checks.layers:
                 layer_norms = dict(zip(self._slot_names(lay.grad_slots), l2, strict=True))
         if loss_value is not None and loss_finite and not overflow and not self.global_spikes:
-            spike = self.spike(step, loss_value)
+            spike = self.spike(step, loss_value, widen=widen)
             if spike is not None:
                 incidents.append(spike)
         param_norm: float | None = None
@@ -322,9 +337,13 @@ class Judge:
             self._loss_scale = scale
         self._converged = scale <= _CONVERGED * self._loss_scale
 
-    def spike(self, step: int, loss: float) -> LossSpiked | None:
-        """Judge one finite loss for spikes; the incident, or ``None``."""
-        verdict = self._spikes.observe(loss, self.lr)
+    def spike(self, step: int, loss: float, *, widen: float = 1.0) -> LossSpiked | None:
+        """Judge one finite loss for spikes; the incident, or ``None``. *widen* > 1: the loss
+        of a partial batch, judged that many times more leniently and not learned from."""
+        if widen == 1.0:
+            verdict = self._spikes.observe(loss, self.lr)
+        else:
+            verdict = self._spikes.observe_partial(loss, widen)
         if verdict is None:
             return None
         base = verdict.baseline
@@ -340,6 +359,19 @@ class Judge:
         )
 
     # -- parts ----------------------------------------------------------------------------------
+
+    def _partial(self, samples: int) -> float:
+        """How many times fewer samples than the run's usual the step had, when it is a
+        partial batch (at most half of them); else 1.0. The count joins the run's."""
+        counted = self._counted = self._counted + 1
+        usual = self._samples
+        if counted >= usual.end:
+            usual.roll(counted)
+        largest = usual.largest
+        usual.feed(float(samples))
+        if 0 < samples <= _PARTIAL * largest:
+            return largest / samples
+        return 1.0
 
     def _param_norm(self, slots: tuple[int, ...], p2: list[float]) -> tuple[float, list[int]]:
         """The parameters' total norm (buffers left out) and the non-finite slots."""
@@ -462,7 +494,13 @@ class Judge:
             total = math.sqrt(math.fsum(v * v for v in l2))
             if not math.isfinite(total):
                 total = math.inf
-        exploded = self._explosions.observe(total, self.lr) if math.isfinite(total) else None
+        exploded = None
+        if math.isfinite(total):
+            widen = self._widen
+            if widen == 1.0:
+                exploded = self._explosions.observe(total, self.lr)
+            else:
+                exploded = self._explosions.observe_partial(total, widen)
         if exploded is not None or total == math.inf:
             top = sorted(
                 zip(self._slot_names(lay.grad_slots), l2, strict=True),

@@ -89,6 +89,7 @@ class Layout:
     update_slots: tuple[int, ...]  # ‖Δw‖ per parameter since the snapshot step
     update_base: int  # the step whose parameter norms are the ‖w‖ of the update ratios
     activations: tuple[ActivationSlot, ...]
+    samples: int | None = None  # the step's samples, when the caller said
 
 
 def global_norms(norms: torch.Tensor) -> torch.Tensor:
@@ -408,8 +409,10 @@ class Launcher:
         *,
         l1: bool,
         inverse_scale: torch.Tensor | None,
+        samples: int | None = None,
     ) -> Pending:
-        """Start the device work of *step*'s *checks*; *l1*: run the mean ``|grad|`` pass."""
+        """Start the device work of *step*'s *checks*; *l1*: run the mean ``|grad|`` pass;
+        *samples*: the step's samples, for the judge (``None``: unknown)."""
         pieces: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         grad_slots: tuple[int, ...] = ()
@@ -493,6 +496,7 @@ class Launcher:
             update_slots=update_slots,
             update_base=update_base,
             activations=activations,
+            samples=samples,
         )
         flat = all_scalars and not with_state and updates_flat
         pending = Pending(layout, pieces, grads, self._pool, flat=flat)

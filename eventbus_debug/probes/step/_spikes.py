@@ -340,13 +340,7 @@ class LossSpikeDetector:
             window.add(loss)
             return None
         n = len(window)
-        if n >= _MIN_NOISE:
-            sigma = _MAD_TO_SIGMA * window.mad(median)
-            relative = self.rtol * abs(median)
-        else:
-            sigma = 0.0
-            relative = self.rtol * max(abs(median), window.spread()) * _MIN_NOISE / n
-        floor = max(self.atol, self.scale_tol * self._scale)
+        relative, sigma, floor = self._noise(median)
         if relative == 0.0 and sigma == 0.0 and floor == 0.0:
             # No scale yet: every loss so far was exactly zero (a loss weight ramped up from 0,
             # a first batch that is all padding). Any positive loss is "infinitely" far above
@@ -406,6 +400,47 @@ class LossSpikeDetector:
             self._tail = max(self._tail, z)
         window.add(loss)  # an elevated or recurring loss is the data
         return None
+
+    def observe_partial(self, loss: float, widen: float) -> SpikeVerdict | None:
+        """Judge the loss of a partial batch without learning from it: a spike only beyond
+        *widen* times the tolerance, never a streak.
+
+        A batch of a fraction ``1 / widen`` of the run's usual samples (an epoch's last,
+        ``drop_last=False``) has the noise of that fraction: one hard sample's loss is the whole
+        batch's. Its loss joins no window and no memory, so the run's own noise is not widened
+        by it either.
+        """
+        window = self._window
+        if len(window) < max(self.warmup, 1):
+            return None
+        median = window.median()
+        excess = loss - median
+        if excess <= 0.0:
+            return None
+        relative, sigma, floor = self._noise(median)
+        if relative == 0.0 and sigma == 0.0 and floor == 0.0:
+            return None  # no scale yet (see observe)
+        tolerance = widen * max(relative, self.mad_factor * sigma, floor)
+        if (
+            excess > tolerance
+            and excess > widen * self.rtol * self._tail * sigma
+            and loss > self._range()
+        ):
+            return SpikeVerdict(SpikeRule.SPIKE, median, tolerance, 1)
+        return None
+
+    def _noise(self, median: float) -> tuple[float, float, float]:
+        """How far above *median* the window's losses may go: its relative tolerance, its
+        noise sigma (0 with fewer than five losses) and the absolute floor."""
+        window = self._window
+        n = len(window)
+        if n >= _MIN_NOISE:
+            sigma = _MAD_TO_SIGMA * window.mad(median)
+            relative = self.rtol * abs(median)
+        else:
+            sigma = 0.0
+            relative = self.rtol * max(abs(median), window.spread()) * _MIN_NOISE / n
+        return relative, sigma, max(self.atol, self.scale_tol * self._scale)
 
     def _range(self) -> float:
         """The run's range: its largest healthy baseline of the last *memory* observations,

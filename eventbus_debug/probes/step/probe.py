@@ -36,6 +36,7 @@ from ..._validate import (
     positive_int,
     publisher,
     real_number,
+    sample_count,
 )
 from ...events import Event, LossSpiked
 from ...typing import Publisher
@@ -328,6 +329,7 @@ class StepProbe:
         *,
         loss: torch.Tensor | float | None = None,
         checkpoint: bool = True,
+        samples: int | None = None,
     ) -> StepVerdict:
         """Run the checks due at *step*, publish the results, and return the verdict.
 
@@ -343,21 +345,28 @@ class StepProbe:
             checkpoint: yield to the event loop once (so sinks progress). A caller that yields
                 once per step anyway (a session) passes False: the call then yields only when
                 it offloads large CPU reductions to a worker thread (see *offload_numel*).
+            samples: how many samples the step's gradients average (``None``: unknown). A
+                step of at most half the run's usual count (an epoch's last batch, with
+                ``drop_last=False``) has its loss and gradient norm judged that many times
+                more leniently, and the detectors learn nothing from it: one hard sample is
+                the whole batch.
 
         Raises:
             TypeError: if *step* is not an int, or *loss* is neither a tensor nor a real number,
-                or is a complex, bool or sparse tensor.
-            ValueError: if *step* is negative, *loss* has more than one element, is a meta
-                tensor, or a number too large for a float (``10**400``).
+                or is a complex, bool or sparse tensor, or *samples* is not an int.
+            ValueError: if *step* or *samples* is negative, *loss* has more than one element,
+                is a meta tensor, or a number too large for a float (``10**400``).
         """
-        verdict = self.check_inline(step, loss)
+        verdict = self.check_inline(step, loss, samples)
         if verdict is None:
-            return await self._check_offloaded(step, loss)
+            return await self._check_offloaded(step, loss, samples)
         if checkpoint:
             await anyio.lowlevel.checkpoint()
         return verdict
 
-    async def _check_offloaded(self, step: int, loss: torch.Tensor | float | None) -> StepVerdict:
+    async def _check_offloaded(
+        self, step: int, loss: torch.Tensor | float | None, samples: int | None
+    ) -> StepVerdict:
         """The step's check with its reductions in a worker thread (``offload_numel``).
 
         The worker thread reduces and judges; the events are published here, on the loop's
@@ -367,13 +376,13 @@ class StepProbe:
         loss = self._validate(step, loss)  # validated by check_inline already: cheap, and rare
         checks = checks_due(self._level, self.cadence, step)
         events: list[Event] = []
-        verdict = await anyio.to_thread.run_sync(self._check, step, loss, checks, events)
+        verdict = await anyio.to_thread.run_sync(self._check, step, loss, checks, events, samples)
         if self._bus is not None:
             self._bus.publish_many_nowait(events)
         return verdict
 
     def check_inline(
-        self, step: int, loss: torch.Tensor | float | None = None
+        self, step: int, loss: torch.Tensor | float | None = None, samples: int | None = None
     ) -> StepVerdict | None:
         """``check_step(step, loss=loss, checkpoint=False)`` without a coroutine, when it
         would not wait: the verdict; ``None`` when the step's reductions go to a worker thread
@@ -386,13 +395,19 @@ class StepProbe:
             ValueError: as :meth:`check_step`.
         """
         loss = self._validate(step, loss)
+        if samples is not None:
+            samples = sample_count(samples)
         checks = checks_due(self._level, self.cadence, step)
         if checks.any and self._offload(checks):
             return None
-        return self._check(step, loss, checks)
+        return self._check(step, loss, checks, None, samples)
 
     def check_step_sync(
-        self, step: int, *, loss: torch.Tensor | float | None = None
+        self,
+        step: int,
+        *,
+        loss: torch.Tensor | float | None = None,
+        samples: int | None = None,
     ) -> StepVerdict:
         """:meth:`check_step` for synchronous loops (with a :class:`SyncEventBus`): no yield.
 
@@ -403,7 +418,9 @@ class StepProbe:
             ValueError: as :meth:`check_step`.
         """
         loss = self._validate(step, loss)
-        return self._check(step, loss, checks_due(self._level, self.cadence, step))
+        if samples is not None:
+            samples = sample_count(samples)
+        return self._check(step, loss, checks_due(self._level, self.cadence, step), None, samples)
 
     async def flush(self) -> StepVerdict | None:
         """In deferred mode, read and publish the steps still pending now (``None`` if none)."""
@@ -494,6 +511,7 @@ class StepProbe:
         loss: torch.Tensor | float | None,
         checks: Checks,
         out: list[Event] | None = None,
+        samples: int | None = None,
     ) -> StepVerdict:
         """Launch and read *step*'s *checks*; its events are published, or appended to *out*
         (a worker thread's call: the caller publishes them on the loop)."""
@@ -509,7 +527,12 @@ class StepProbe:
             torch._C._set_grad_enabled(False)
             try:
                 pending = launcher.launch(
-                    step, loss, checks, l1=vanishing, inverse_scale=self._inverse_scale()
+                    step,
+                    loss,
+                    checks,
+                    l1=vanishing,
+                    inverse_scale=self._inverse_scale(),
+                    samples=samples,
                 )
             finally:
                 torch._C._set_grad_enabled(grad_mode)
