@@ -831,6 +831,34 @@ def _batch_ramp(steps: int, lr_scale: float) -> Workload:
     )
 
 
+def _last_batch(steps: int, lr_scale: float) -> Workload:
+    """Epochs of a dataset that leaves one sample over (255 batches of 16, then one of 1:
+    ``DataLoader(drop_last=False)``), reshuffled each epoch, 2 % label noise. The loop says
+    each batch's samples (``check_step(..., samples=len(x))``, as the integrations do)."""
+    d, k, per_epoch = 32, 10, 256
+    n = 16 * (per_epoch - 1) + 1
+    x, y = _classification_data(SEED, n + 512, d, k, noise=0.02)
+    xt, yt, xh, yh = x[:n], y[:n], x[n:], y[n:]
+    torch.manual_seed(SEED)
+    model = _mlp(d, k)
+    g = torch.Generator().manual_seed(SEED + 1)
+    orders = [torch.randperm(n, generator=g) for _ in range(steps // per_epoch + 1)]
+
+    def batch(step: int) -> Batch:
+        epoch, at = divmod(step, per_epoch)
+        rows = orders[epoch][16 * at : 16 * (at + 1)]
+        return xt[rows], yt[rows]
+
+    return Workload(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3 * lr_scale, fused=True),
+        batch=batch,
+        loss=lambda m, xb, yb: F.cross_entropy(m(xb), yb),
+        heldout=lambda m: _eval(m, lambda: F.cross_entropy(m(xh), yh)),
+        n_classes=k,
+    )
+
+
 def _ring(n: int, g: torch.Generator) -> torch.Tensor:
     """*n* samples of eight Gaussians (std 0.05) on a circle of radius 2."""
     angle = torch.randint(0, 8, (n,), generator=g).float() * (2 * math.pi / 8)
@@ -980,6 +1008,7 @@ RUNS: Final[tuple[RunSpec, ...]] = (
     RunSpec(name="gan_two_sessions", kind=RunKind.HEALTHY, build=_gan),
     RunSpec(name="curriculum", kind=RunKind.HEALTHY, build=_curriculum),
     RunSpec(name="batch_ramp_eval", kind=RunKind.HEALTHY, build=_batch_ramp),
+    RunSpec(name="last_batch_of_one", kind=RunKind.HEALTHY, build=_last_batch),
     RunSpec(
         name="nan_input",
         kind=RunKind.FAULTY,
@@ -1218,7 +1247,7 @@ async def _train(
         should_step = True
         reported: float | None = None
         if session is not None:
-            verdict = await session.check_step(step, loss=loss)
+            verdict = await session.check_step(step, loss=loss, samples=len(x))
             should_step, reported = verdict.should_step, verdict.loss
         if should_step:
             if scaler is not None:
