@@ -196,3 +196,23 @@ def test_training_step_tells_its_batch_size(tmp_path: Path) -> None:
     kinds = {e.kind for e in read_events(tmp_path) if e.step == 90}
     assert not kinds & {"loss_spiked", "gradient_exploded"}, kinds
     assert NonFiniteDetected.kind not in kinds
+
+
+def test_the_ranks_mean_loss_of_a_partial_batch_is_judged_leniently() -> None:
+    """Under DDP the loss spike is judged on the ranks' mean loss after they agreed
+    (``observe_global_loss``): a partial step's mean is widened like a local one, a full
+    step's is not."""
+    from eventbus_debug import StepProbe
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    probe = StepProbe(model, None, global_spikes=True)
+    rng = random.Random(0)
+    for step in range(100):
+        model.zero_grad()
+        torch.autograd.backward(model(torch.randn(64, 4)).pow(2).mean())
+        samples = 1 if step in (60, 80) else 64
+        probe.check_step_sync(step, loss=1.0, samples=samples)
+        loss = 20.0 if step in (60, 70, 80) else 1.0 + 0.05 * rng.random()
+        spike = probe.observe_global_loss(step, loss)
+        assert (spike is not None) == (step == 70), step

@@ -130,6 +130,8 @@ class Judge:
         self._widen = 1.0
         """The step being judged is a partial batch of ``1 / _widen`` of the run's usual
         samples (1.0: a full one, or unknown)."""
+        self._widened = -1
+        """The step :attr:`_widen` is for (see :meth:`widen_at`)."""
         self._layers = DeadLayers(
             len(names),
             relative=thresholds.vanishing_relative,
@@ -213,6 +215,7 @@ class Judge:
         lay = pending.layout
         step = lay.step
         widen = self._widen = 1.0 if lay.samples is None else self._partial(lay.samples)
+        self._widened = step
         incidents: list[Event] = []
         pos = 0
         loss_value: float | None = lay.host_loss
@@ -359,6 +362,12 @@ class Judge:
         )
 
     # -- parts ----------------------------------------------------------------------------------
+
+    def widen_at(self, step: int) -> float:
+        """How much more leniently *step*'s loss is judged: the last judged step's partial-batch
+        widening when it is *step*, else 1.0 (a ranks' mean loss of a partial batch, judged
+        after the ranks agreed: every rank had the same samples under ``DistributedSampler``)."""
+        return self._widen if step == self._widened else 1.0
 
     def _partial(self, samples: int) -> float:
         """How many times fewer samples than the run's usual the step had, when it is a

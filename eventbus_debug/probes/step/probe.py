@@ -448,8 +448,11 @@ class StepProbe:
         if not math.isfinite(loss):
             return None  # the local non-finite checks act on it, at once
         with self._lock:
-            self._judge.scale(loss)  # the convergence too: the same on every rank
-            spike = self._judge.spike(step, loss)
+            judge = self._judge
+            widen = judge.widen_at(step)
+            if widen == 1.0:
+                judge.scale(loss)  # the convergence too: the same on every rank
+            spike = judge.spike(step, loss, widen=widen)
         if spike is not None and self._bus is not None:
             self._bus.publish_nowait(spike)
         return spike
