@@ -369,9 +369,12 @@ class StepBoundary:
         )
 
     def _check_end(self, started: float, verdict: Verdict) -> Verdict:
-        """The end of a step's checks: arm the device-side skip, count the session's time."""
+        """The end of a step's checks: arm the device-side skip, drop the update measurement
+        across a step that changes no weight, count the session's time."""
         if self.device_skip is not None and verdict.should_step:
             self.device_skip.arm()
+        if not verdict.should_step or verdict.probe.overflow:
+            self.probe.discard_update()
         meter = self.meter
         meter.add(meter.clock() - started)
         return verdict

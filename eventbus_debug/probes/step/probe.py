@@ -265,6 +265,14 @@ class StepProbe:
             self._judge.rebaseline()
             self._launcher.forget_updates()
 
+    def discard_update(self) -> None:
+        """Say that the step just checked will not change the weights (the loop skips it, or
+        the AMP scaler does on an overflow): the weight-update ratios measured across it at
+        the next check would read 0 for every parameter ("stalled"), so none are measured
+        then. The session calls it on every step it does not step. Thread-safe."""
+        with self._lock:
+            self._launcher.forget_updates()
+
     def state_dict(self) -> dict[str, Any]:
         """What the detectors learned of the run, to save beside the model's checkpoint.
 
