@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .._validate import INT64_MAX
+from ..diagnostics import get_logger
 from ..events import Event, StepCompleted, StepSkipped
 from ..extras.validation import InputValidator, OutputChecker, Violation
 from ..probes import AnomalyArming, LeakDetector, StepProbe, StepProfiler, StepVerdict
@@ -82,6 +83,9 @@ def run_sync(body: Body[R]) -> R:
     except BaseException:
         body.close()
         raise
+
+
+_log = get_logger(__name__)
 
 
 def _concurrent(entry: str) -> NoReturn:
@@ -181,6 +185,7 @@ class StepBoundary:
         self.meter = OverheadMeter(probe, overhead_budget)
         """The session's own cost per step (and the budget keeping it in bounds)."""
         self.step: int | None = None
+        self._went_back = False  # step_went_back was logged
         """The step being checked or last completed (None before the first)."""
         self.steps_completed = 0
         self._last_step_t: float | None = None
@@ -344,6 +349,16 @@ class StepBoundary:
     def _probed(self, step: int, loss: torch.Tensor | float | None, verdict: StepVerdict) -> None:
         """After the probe: *step* becomes the session's step (a loss the probe refused
         leaves it as it was), and the probe's results go to the parts that take them."""
+        previous = self.step
+        if previous is not None and step < previous and not self._went_back:
+            self._went_back = True
+            _log.warning(
+                "step_went_back",
+                step=step,
+                previous=previous,
+                hint="pass the run's global step, counting on across epochs (epoch * "
+                "len(loader) + i): a batch index restarting at 0 folds the epochs together",
+            )
         self.step = step
         if self.device_skip is not None:
             self.device_skip.launched(step, self.probe.in_flight(step), loss, verdict)

@@ -154,3 +154,16 @@ class TestTrainingStepLossFn:
                 await session.training_step(*batch(), loss_fn, samples=2.5)  # type: ignore[arg-type]
             result = await session.training_step(*batch(), loss_fn, samples=6)
         assert calls == [1] and result.stepped
+
+
+def test_a_step_going_back_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A per-epoch batch index passed as the step (``for step, batch in enumerate(loader)``
+    inside the epoch loop) restarts at 0: the run goes on, and the log says once what to pass."""
+    model, opt = setup()
+    with SyncSession(model, opt, log_dir=None, report=False, alerts=False) as session:
+        for _ in range(3):
+            for step in range(5):
+                session.training_step(*batch(), nn.functional.mse_loss, step=step)
+        session.training_step(*batch(), nn.functional.mse_loss, step=4)  # a retry: not back
+    assert caplog.text.count("step_went_back") == 1
+    assert "step=0 previous=4" in caplog.text and "epoch * len(loader) + i" in caplog.text
