@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ("copy_all", "non_finite")
+__all__ = ("batch_size", "copy_all", "non_finite")
+
+
+def batch_size(batch: Any) -> int | None:
+    """The leading dimension of the first tensor found in *batch* (a tensor, or a mapping,
+    list or tuple of them, nested); None when there is none."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() > 0 else None
+    if isinstance(batch, Mapping):
+        batch = batch.values()
+    elif not isinstance(batch, list | tuple):
+        return None
+    for value in batch:
+        size = batch_size(value)
+        if size is not None:
+            return size
+    return None
 
 
 def copy_all(

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Final, final
 import torch
 from torch import nn
 
+from .._tensors import batch_size
 from .._validate import log_dir as check_log_dir
 from ..session import SyncSession, Verdict
 from ..session._state import read_state, session_state
@@ -396,21 +397,6 @@ def learning_rate(optimizer: torch.optim.Optimizer) -> float | None:
     if isinstance(lr, torch.Tensor):
         return float(lr)
     return float(lr) if isinstance(lr, int | float) else None
-
-
-def batch_size(batch: Any) -> int | None:
-    """The leading dimension of the first tensor found in *batch* (None when there is none)."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() > 0 else None
-    if isinstance(batch, Mapping):
-        batch = batch.values()
-    elif not isinstance(batch, list | tuple):
-        return None
-    for value in batch:
-        size = batch_size(value)
-        if size is not None:
-            return size
-    return None
 
 
 def clip_gradients(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:

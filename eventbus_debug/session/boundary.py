@@ -22,6 +22,7 @@ import anyio.lowlevel
 import torch
 from torch import nn
 
+from .._tensors import batch_size
 from .._validate import INT64_MAX
 from ..diagnostics import get_logger
 from ..events import Event, StepCompleted, StepSkipped
@@ -98,13 +99,6 @@ def _concurrent(entry: str) -> NoReturn:
         "around the whole step"
     )
     raise RuntimeError(msg)
-
-
-def _batch_size(inputs: object) -> int | None:
-    """The leading dimension of *inputs* when it is a tensor with one (else None)."""
-    if isinstance(inputs, torch.Tensor) and inputs.dim() > 0:
-        return int(inputs.shape[0])
-    return None
 
 
 class StepBoundary:
@@ -526,7 +520,7 @@ class StepBoundary:
         loss = checked_loss(loss_fn(outputs, targets), loss_fn)
         torch.autograd.backward(loss)
         if samples is None:
-            samples = _batch_size(inputs)
+            samples = batch_size(inputs)
         verdict = yield from self._check(step, loss, samples)
         if verdict.should_step:
             optimizer.step()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -216,3 +217,37 @@ def test_the_ranks_mean_loss_of_a_partial_batch_is_judged_leniently() -> None:
         loss = 20.0 if step in (60, 70, 80) else 1.0 + 0.05 * rng.random()
         spike = probe.observe_global_loss(step, loss)
         assert (spike is not None) == (step == 70), step
+
+
+def test_training_step_counts_the_samples_of_structured_inputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inputs given as a mapping (or a list, a tuple) count the leading dimension of their
+    first tensor, as the integrations count a batch."""
+    from eventbus_debug import StepProbe
+
+    told: list[int | None] = []
+    check = StepProbe.check_step_sync
+
+    def spy(self: StepProbe, step: int, **kwargs: Any) -> Any:
+        told.append(kwargs.get("samples"))
+        return check(self, step, **kwargs)
+
+    monkeypatch.setattr(StepProbe, "check_step_sync", spy)
+
+    class OnDict(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.net(batch["x"])  # type: ignore[no-any-return]
+
+    torch.manual_seed(0)
+    model = OnDict()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with SyncSession(model, opt, **quiet()) as session:
+        for step, n in enumerate((8, 8, 3)):
+            inputs = {"mask": None, "x": torch.randn(n, 4)}
+            session.training_step(inputs, torch.randn(n, 1), nn.functional.mse_loss, step=step)
+    assert told == [8, 8, 3]
