@@ -361,13 +361,13 @@ class Judge:
             streak=verdict.streak,
         )
 
-    # -- parts ----------------------------------------------------------------------------------
-
     def widen_at(self, step: int) -> float:
         """How much more leniently *step*'s loss is judged: the last judged step's partial-batch
         widening when it is *step*, else 1.0 (a ranks' mean loss of a partial batch, judged
         after the ranks agreed: every rank had the same samples under ``DistributedSampler``)."""
         return self._widen if step == self._widened else 1.0
+
+    # -- parts ----------------------------------------------------------------------------------
 
     def _partial(self, samples: int) -> float:
         """How many times fewer samples than the run's usual the step had, when it is a
