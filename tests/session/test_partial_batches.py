@@ -251,3 +251,23 @@ def test_training_step_counts_the_samples_of_structured_inputs(
             inputs = {"mask": None, "x": torch.randn(n, 4)}
             session.training_step(inputs, torch.randn(n, 1), nn.functional.mse_loss, step=step)
     assert told == [8, 8, 3]
+
+
+def test_the_usual_count_is_a_median_that_one_odd_step_does_not_move() -> None:
+    """A step that summed two batches (a window with no check before it) is not the run's
+    batch: the full steps after it are still judged as full ones."""
+    from eventbus_debug import StepProbe
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    probe = StepProbe(model, None)
+    rng = random.Random(0)
+    fired = {}
+    for step in range(100):
+        model.zero_grad()
+        torch.autograd.backward(model(torch.randn(64, 4)).pow(2).mean())
+        samples = 128 if step == 60 else 64
+        # 4.5: a spike at 64 samples (3x the median), not at half the usual (6x)
+        loss = 4.5 if step == 70 else 1.0 + 0.05 * rng.random()
+        fired[step] = probe.check_step_sync(step, loss=loss, samples=samples).fired
+    assert [s for s, kinds in fired.items() if "loss_spiked" in kinds] == [70]

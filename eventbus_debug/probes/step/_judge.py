@@ -39,7 +39,7 @@ from ._dead_layers import DeadLayers
 from ._explosions import ExplosionDetector
 from ._launch import Layout, Pending
 from ._spikes import LossSpikeDetector
-from ._windows import RecentMax
+from ._windows import RunningMedian
 from .verdict import StepVerdict
 
 __all__ = ("Judge", "Judgement")
@@ -47,8 +47,13 @@ __all__ = ("Judge", "Judgement")
 _log = get_logger(__name__)
 
 _PARTIAL: Final = 0.5
-"""A step of at most this fraction of the run's usual samples (the largest count of its last
-1,000 steps that said theirs) is a *partial* batch: an epoch's last, with ``drop_last=False``."""
+"""A step of at most this fraction of the run's usual samples (the median count of its last
+:data:`_USUAL` steps that said theirs) is a *partial* batch: an epoch's last, with
+``drop_last=False``."""
+
+_USUAL: Final = 50
+"""How many recent steps' sample counts make the run's usual one: a median, so that neither
+an epoch's short last batch nor a window that summed two batches moves it."""
 
 _CONVERGED: Final = 1e-6
 """A loss within this fraction of the largest loss the run had has converged: gradients near
@@ -123,10 +128,9 @@ class Judge:
         """Whether the next vanishing-due step needs the mean ``|grad|`` pass: decided from the
         last judged gradients (``mean|g| >= Σ‖g‖₂ / n``, so while that bound clears the
         threshold no gradient can have vanished) and never while the loss has converged."""
-        self._samples = RecentMax(1000, 0.0)
-        """The largest samples count of the last 1,000 steps that said theirs: the run's
-        batch. Not part of :meth:`state`: a resumed run learns it again at its first step."""
-        self._counted = 0
+        self._samples = RunningMedian(_USUAL)
+        """The sample counts of the last steps that said theirs (their median is the run's
+        batch). Not part of :meth:`state`: a resumed run learns it again at its first step."""
         self._widen = 1.0
         """The step being judged is a partial batch of ``1 / _widen`` of the run's usual
         samples (1.0: a full one, or unknown)."""
@@ -372,14 +376,11 @@ class Judge:
     def _partial(self, samples: int) -> float:
         """How many times fewer samples than the run's usual the step had, when it is a
         partial batch (at most half of them); else 1.0. The count joins the run's."""
-        counted = self._counted = self._counted + 1
-        usual = self._samples
-        if counted >= usual.end:
-            usual.roll(counted)
-        largest = usual.largest
-        usual.feed(float(samples))
-        if 0 < samples <= _PARTIAL * largest:
-            return largest / samples
+        counts = self._samples
+        usual = counts.median() if len(counts) else 0.0
+        counts.add(float(samples))
+        if 0 < samples <= _PARTIAL * usual:
+            return usual / samples
         return 1.0
 
     def _param_norm(self, slots: tuple[int, ...], p2: list[float]) -> tuple[float, list[int]]:
