@@ -180,6 +180,7 @@ class StepBoundary:
         """The session's own cost per step (and the budget keeping it in bounds)."""
         self.step: int | None = None
         self._went_back = False  # step_went_back was logged
+        self._told: tuple[int, int] = (-1, 0)  # the step whose check was told its samples
         """The step being checked or last completed (None before the first)."""
         self.steps_completed = 0
         self._last_step_t: float | None = None
@@ -205,7 +206,7 @@ class StepBoundary:
         verdict = probe.check_inline(step, loss, samples)
         if verdict is None:
             verdict = await probe.check_step(step, loss=loss, checkpoint=False, samples=samples)
-        self._probed(step, loss, verdict)
+        self._probed(step, loss, verdict, samples)
         safe_point = self.safe_point
         if safe_point is None:
             return self._check_end(started, self._verdict(step, verdict))
@@ -317,7 +318,7 @@ class StepBoundary:
             lambda: probe.check_step(step, loss=loss, checkpoint=False, samples=samples),
             lambda: probe.check_step_sync(step, loss=loss, samples=samples),
         )
-        self._probed(step, loss, verdict)
+        self._probed(step, loss, verdict, samples)
         safe_point = self.safe_point
         if safe_point is None:
             return self._check_end(started, self._verdict(step, verdict))
@@ -340,9 +341,18 @@ class StepBoundary:
                 self.lone()
         return self.meter.clock()
 
-    def _probed(self, step: int, loss: torch.Tensor | float | None, verdict: StepVerdict) -> None:
+    def _probed(
+        self,
+        step: int,
+        loss: torch.Tensor | float | None,
+        verdict: StepVerdict,
+        samples: int | None,
+    ) -> None:
         """After the probe: *step* becomes the session's step (a loss the probe refused
-        leaves it as it was), and the probe's results go to the parts that take them."""
+        leaves it as it was), its *samples* the default of its record, and the probe's
+        results go to the parts that take them."""
+        if samples is not None:
+            self._told = (step, int(samples))
         previous = self.step
         if previous is not None and step < previous and not self._went_back:
             self._went_back = True
@@ -430,6 +440,8 @@ class StepBoundary:
             and (samples is None or (samples.__class__ is int and 0 <= samples <= INT64_MAX))
         ):  # the common case costs these tests; anything else (a NaN rate too) is checked first
             loss, learning_rate, samples = completed_values(step, loss, learning_rate, samples)
+        if samples is None and self._told[0] == step:
+            samples = self._told[1]  # what its check was told
         started = self.meter.clock()
         if self.profiler is not None:
             self.profiler.step(step)

@@ -271,3 +271,26 @@ def test_the_usual_count_is_a_median_that_one_odd_step_does_not_move() -> None:
         loss = 4.5 if step == 70 else 1.0 + 0.05 * rng.random()
         fired[step] = probe.check_step_sync(step, loss=loss, samples=samples).fired
     assert [s for s, kinds in fired.items() if "loss_spiked" in kinds] == [70]
+
+
+async def test_step_completed_takes_the_samples_its_check_was_told(tmp_path: Path) -> None:
+    """``check_step(..., samples=n)`` then ``step_completed(step)``: the record has the
+    throughput without saying the samples twice."""
+    from eventbus_debug.events import StepCompleted
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    async with Session(model, opt, **quiet(log_dir=tmp_path)) as session:
+        for step in range(4):
+            opt.zero_grad()
+            torch.autograd.backward(model(torch.randn(8, 4)).pow(2).mean())
+            await session.check_step(step, loss=1.0, samples=8 if step != 2 else None)
+            opt.step()
+            await session.step_completed(step, samples=4 if step == 3 else None)
+    rates = {
+        e.step: e.samples_per_s
+        for e in read_events(tmp_path)
+        if isinstance(e, StepCompleted) and e.step is not None
+    }
+    assert rates[2] is None and all(rates[s] for s in (1, 3))
