@@ -167,3 +167,31 @@ def test_a_step_going_back_is_said_once(caplog: pytest.LogCaptureFixture) -> Non
         session.training_step(*batch(), nn.functional.mse_loss, step=4)  # a retry: not back
     assert caplog.text.count("step_went_back") == 1
     assert "step=0 previous=4" in caplog.text and "epoch * len(loader) + i" in caplog.text
+
+
+def test_a_check_before_backward_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """check_step before loss.backward() (after zero_grad) sees no gradient: the gradient
+    checks would see nothing for the whole run, so the log says where the call belongs."""
+    model, opt = setup()
+    with SyncSession(model, opt, log_dir=None, report=False, alerts=False) as session:
+        for step in range(3):
+            x, y = batch()
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(x), y)
+            session.check_step(step, loss=loss)  # the wrong place
+            torch.autograd.backward(loss)
+            opt.step()
+            session.step_completed(step)
+    assert caplog.text.count("no_gradients_at_check") == 1
+    assert "after loss.backward()" in caplog.text
+
+
+def test_a_frozen_model_checks_without_a_word(caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing to train, nothing to say (an evaluation-only session)."""
+    model, _ = setup()
+    model.requires_grad_(False)
+    with SyncSession(model, None, log_dir=None, report=False, alerts=False) as session:
+        for step in range(3):
+            session.check_step(step, loss=1.0)
+            session.step_completed(step)
+    assert "no_gradients_at_check" not in caplog.text

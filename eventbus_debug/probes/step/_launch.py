@@ -280,6 +280,7 @@ class Launcher:
     __slots__ = (
         "_activations",
         "_grad_plans",
+        "_no_grads_said",
         "_params",
         "_pool",
         "_snapshot",
@@ -318,6 +319,7 @@ class Launcher:
         self._update_said = False  # the rotation was logged
         self._update_sizes: tuple[tuple[int, ...], list[int]] | None = None
         self._pool = _PinnedPool()
+        self._no_grads_said = False  # no_gradients_at_check was logged
 
     @property
     def measuring_updates(self) -> bool:
@@ -379,6 +381,19 @@ class Launcher:
             window.append(idx[j])
             used += sizes[j]
         return tuple(sorted(window))
+
+    def _no_gradients(self, step: int) -> None:
+        """A gradient check found no gradient on any trainable parameter: said once, since the
+        checks then see nothing (a check called before ``loss.backward()``, after
+        ``zero_grad()``); a model with nothing to train says nothing."""
+        if any(map(_requires_grad, self._params)):
+            self._no_grads_said = True
+            _log.warning(
+                "no_gradients_at_check",
+                step=step,
+                hint="call check_step after loss.backward() and before optimizer.step(): "
+                "before backward (or after zero_grad) the gradient checks see nothing",
+            )
 
     def _grad_plan(self, grads: list[torch.Tensor | None]) -> _GradPlan | None:
         key = tuple([None if g is None else g.layout for g in grads])
@@ -443,6 +458,8 @@ class Launcher:
                     g if p.requires_grad else None for p, g in zip(self._params, grads, strict=True)
                 ]
             planned = self._grad_plan(grads)
+            if planned is None and not self._no_grads_said:
+                self._no_gradients(step)
             if planned is not None:
                 plan = planned.plan
                 grad_slots = planned.ordered
