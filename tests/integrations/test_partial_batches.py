@@ -58,39 +58,23 @@ def test_lightning(
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
+    from ._lightning import quiet_trainer
+
     torch.manual_seed(0)
-    trainer = pl.Trainer(
-        max_epochs=1,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accumulate_grad_batches=accumulate,
-        callbacks=[EventBusDebugCallback(log_dir=tmp_path, **QUIET)],
+    trainer = quiet_trainer(
+        [EventBusDebugCallback(log_dir=tmp_path, **QUIET)], accumulate_grad_batches=accumulate
     )
     trainer.fit(Module(), DataLoader(_data(), batch_size=4))
     assert told == expected
 
 
-def test_ignite(tmp_path: Path, told: list[int | None]) -> None:
-    pytest.importorskip("ignite")
-    from ignite.engine import create_supervised_trainer
-
-    from eventbus_debug.integrations.ignite import EventBusDebugHandler
-
-    torch.manual_seed(0)
-    model = nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    handler = EventBusDebugHandler(model, optimizer, log_dir=tmp_path, **QUIET)
-    trainer = create_supervised_trainer(model, optimizer, nn.MSELoss())
-    handler.attach(trainer)
-    trainer.run(DataLoader(_data(), batch_size=4), max_epochs=1)
-    assert told == [4, 4, 2]
-
-
-def test_ignite_accumulation(tmp_path: Path, told: list[int | None]) -> None:
+@pytest.mark.parametrize(
+    ("accumulate", "expected"),
+    [(1, [4, 4, 2]), (2, [8])],  # with 2: the third batch ends the epoch in its window
+)
+def test_ignite(
+    tmp_path: Path, told: list[int | None], accumulate: int, expected: list[int]
+) -> None:
     pytest.importorskip("ignite")
     from ignite.engine import create_supervised_trainer
 
@@ -101,11 +85,11 @@ def test_ignite_accumulation(tmp_path: Path, told: list[int | None]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     handler = EventBusDebugHandler(model, optimizer, log_dir=tmp_path, **QUIET)
     trainer = create_supervised_trainer(
-        model, optimizer, nn.MSELoss(), gradient_accumulation_steps=2
+        model, optimizer, nn.MSELoss(), gradient_accumulation_steps=accumulate
     )
     handler.attach(trainer)
     trainer.run(DataLoader(_data(), batch_size=4), max_epochs=1)
-    assert told == [8]  # the third batch ends the epoch inside its window: no step
+    assert told == expected
 
 
 @pytest.mark.parametrize(("accumulate", "expected"), [(1, [4, 4, 2]), (2, [8, 2])])
