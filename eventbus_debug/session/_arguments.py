@@ -10,7 +10,7 @@ import torch
 from .._validate import real_number, sample_count
 from ..exceptions import ArgumentTypeError
 from ..probes import StepProbe
-from ..probes.step.probe import loss_value
+from ..probes.step._arguments import loss_value
 
 __all__ = ("checked_loss", "completed_values", "loss_argument", "sample_count")
 

@@ -35,12 +35,12 @@ from ..._validate import (
     int64_count,
     positive_int,
     publisher,
-    real_number,
     sample_count,
 )
 from ...events import Event, LossSpiked
 from ...typing import Publisher
 from ..levels import Cadence, Checks, DebugLevel, Thresholds, checks_due, level_of
+from ._arguments import loss_value, optimizer_lr, refuse_tensor
 from ._judge import Judge, Judgement
 from ._launch import Launcher, Pending
 from .activations import ActivationHooks
@@ -51,8 +51,6 @@ __all__ = (
     "STATE_FORMAT",
     "STATE_VERSION",
     "StepProbe",
-    "loss_value",
-    "optimizer_lr",
 )
 
 _log = get_logger(__name__)
@@ -497,7 +495,7 @@ class StepProbe:
         if loss.__class__ is not _TENSOR and not isinstance(loss, torch.Tensor):
             return loss_value(loss)
         if loss.numel() != 1 or loss.layout is not _STRIDED:
-            _refuse_tensor(loss)
+            refuse_tensor(loss)
         if loss.is_meta:
             msg = "loss is a meta tensor (it has no values); pass the real loss"
             raise ValueError(msg)
@@ -612,56 +610,3 @@ def _probe_state(state: object, name: str) -> StateReader:
     check_format(reader, STATE_FORMAT, STATE_VERSION, "a StepProbe.state_dict()")
     reader.names("parameters")  # parameters are matched by name
     return reader
-
-
-def optimizer_lr(optimizer: torch.optim.Optimizer) -> float | None:
-    """The largest learning rate of *optimizer*'s parameter groups (``None``: none readable).
-
-    An LR held in a tensor is read only on the CPU (a device tensor would synchronize)."""
-    groups = optimizer.param_groups
-    if len(groups) == 1:
-        lr = groups[0].get("lr")
-        if lr.__class__ is float:
-            return lr  # the usual case, on every check
-    best: float | None = None
-    for group in groups:
-        lr = group.get("lr")
-        if isinstance(lr, torch.Tensor):
-            if lr.device.type != "cpu" or lr.numel() != 1:
-                continue
-            lr = lr.item()
-        if isinstance(lr, (int, float)) and not isinstance(lr, bool):
-            value = float(lr)
-            if best is None or value > best:
-                best = value
-    return best
-
-
-def loss_value(loss: object) -> float | None:
-    """*loss*, a number that is not a float (an int, ``numpy.float32(0.5)``, a 0-d NumPy
-    array, a ``Fraction``), as a float; None as None.
-
-    Raises:
-        TypeError: if *loss* is not a real number (a bool, a complex, a string, a list...).
-        ValueError: if *loss* is too large for a float (``10**400``).
-    """
-    if loss is None:
-        return None
-    if isinstance(loss, np.ndarray) and loss.shape == ():
-        loss = loss[()]  # a 0-d array (np.mean of a batch's losses) as its NumPy scalar
-    return real_number("loss", loss, expected="a one-element tensor or a number")
-
-
-def _refuse_tensor(loss: torch.Tensor) -> None:
-    """Raise the error for a loss tensor that is not dense or not of one element."""
-    if loss.layout is not _STRIDED:
-        msg = (
-            f"loss must be a dense tensor, got a {loss.layout} one; pass loss.to_dense() "
-            "(a loss is a one-element real tensor)"
-        )
-        raise TypeError(msg)
-    msg = (
-        f"loss must be a scalar tensor (one element), got shape {tuple(loss.shape)}; "
-        "reduce it first, e.g. loss.mean()"
-    )
-    raise ValueError(msg)

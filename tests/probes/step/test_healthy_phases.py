@@ -33,10 +33,10 @@ from torch.optim.lr_scheduler import CosineAnnealingWarmRestarts
 from eventbus_debug import Anomaly, Event, Session
 from eventbus_debug.events import RecoveryAction, RecoveryApplied
 from eventbus_debug.probes.levels import Thresholds
+from eventbus_debug.probes.step._arguments import optimizer_lr
 from eventbus_debug.probes.step._explosions import ExplosionDetector
 from eventbus_debug.probes.step._spikes import LossSpikeDetector
 from eventbus_debug.probes.step._windows import LrRange
-from eventbus_debug.probes.step.probe import optimizer_lr
 
 CYCLE = 1200
 """Steps per warm-restart cycle: longer than the detectors' memory (1,000), so the first
