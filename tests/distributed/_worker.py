@@ -27,7 +27,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from eventbus_debug import Cadence, CallState, Retrying, Session, TrainingStopped
-from eventbus_debug.events import LossSpiked, MemoryLeakSuspected, RecoveryApplied, StepSkipped
+from eventbus_debug.events import (
+    GradientExploded,
+    LossSpiked,
+    MemoryLeakSuspected,
+    RecoveryApplied,
+    StepSkipped,
+)
 from eventbus_debug.recovery.actions import Decision, Stop
 from eventbus_debug.recovery.agreement import RankAgreement
 from eventbus_debug.recovery.safepoint import _placement
@@ -49,6 +55,8 @@ def _fault(scenario: str, rank: int, step: int, loss: torch.Tensor, model: nn.Mo
         return loss * 1e4
     if scenario == "sustained_one_rank" and rank == 0 and 20 <= step < 30:
         return loss * 40
+    if scenario == "explode_samples_one_rank" and step == 20:
+        return loss * 1000  # on every rank: the all-reduced norm explodes
     if scenario == "nan_param_one_rank" and rank == 1 and step == 0:
         with torch.no_grad():
             next(model.parameters())[0, 0] = math.nan
@@ -217,7 +225,10 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
                     os._exit(3)  # after DDP's all-reduce: the others meet it at the agreement
                 if base == "stop_late_one_rank" and rank == 1 and step == 15:
                     session.publish(_leak(step))  # after the launch: agreed one step later
-                verdict = await session.check_step(step, loss=loss)
+                told = None  # the samples: rank 0 calls step 20 a one-sample batch, rank 1 not
+                if base == "explode_samples_one_rank":
+                    told = 1 if rank == 0 and step == 20 else 320
+                verdict = await session.check_step(step, loss=loss, samples=told)
                 if step == 0 and scenario == "fsdp2":
                     grads = [p.grad for p in net.parameters() if p.grad is not None]
                     total = torch.nn.utils.get_total_norm(grads)
@@ -249,6 +260,9 @@ async def _train(scenario: str, rank: int, world: int, policy: str, out: Path) -
     result["applied"] = [
         [e.step, e.action.value, e.outcome] for e in recorder.of_type(RecoveryApplied)
     ]
+    result["exploded"] = sorted(
+        {e.step for e in recorder.of_type(GradientExploded) if e.step is not None}
+    )
     result["lr"] = opt.param_groups[0]["lr"]
     result["spikes"] = sorted(
         [e.step, e.rule] for e in recorder.of_type(LossSpiked) if e.step is not None

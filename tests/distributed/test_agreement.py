@@ -55,6 +55,7 @@ TWO_RANKS = (
     "unheld_nan_param_late",  # unheld_: rank 1 has no memory for a snapshot
     "ov_unheld_nan_param_late",
     "unheld_nan_three_one_rank_every5",
+    "explode_samples_one_rank",
     "crash_one_rank",  # last: rank 1 exits
 )
 STEPS = 40  # tests/distributed/_worker.py's STEPS
@@ -265,6 +266,20 @@ def test_a_precautionary_restore_with_a_rank_holding_no_state_skips_on_every_ran
     assert all(r["stopped_at"] is None for r in results)
     assert not any(a[1:] == ["restore_state", "applied"] for r in results for a in r["applied"])
     assert same_everywhere(results, "params") and same_everywhere(results, "skipped")
+
+
+def test_ranks_told_different_samples_still_apply_the_same_decisions(
+    two: dict[str, list[Any]],
+) -> None:
+    """Step 20's all-reduced gradient explodes (x1000) where rank 0 calls the step a one-sample
+    batch (judged 320x more leniently: no explosion there) and rank 1 a full one (an explosion,
+    clipped by the safe policy): the clip is agreed, both ranks apply it, and the replicas stay
+    equal, finite and running."""
+    results = ranks(two, "explode_samples_one_rank")
+    assert 20 not in results[0]["exploded"] and 20 in results[1]["exploded"]
+    assert all([20, "clip_gradients", "applied"] in r["applied"] for r in results)
+    assert all(r["stopped_at"] is None and r["finite"] for r in results)
+    assert same_everywhere(results, "applied") and same_everywhere(results, "params")
 
 
 def test_observe_policy_is_not_made_to_skip(two: dict[str, list[Any]]) -> None:
