@@ -179,9 +179,9 @@ class StepBoundary:
         self.meter = OverheadMeter(probe, overhead_budget)
         """The session's own cost per step (and the budget keeping it in bounds)."""
         self.step: int | None = None
+        """The step being checked or last completed (None before the first)."""
         self._went_back = False  # step_went_back was logged
         self._told: tuple[int, int] = (-1, 0)  # the step whose check was told its samples
-        """The step being checked or last completed (None before the first)."""
         self.steps_completed = 0
         self._last_step_t: float | None = None
         self._busy = threading.RLock()
