@@ -294,3 +294,20 @@ async def test_step_completed_takes_the_samples_its_check_was_told(tmp_path: Pat
         if isinstance(e, StepCompleted) and e.step is not None
     }
     assert rates[2] is None and all(rates[s] for s in (1, 3))
+
+
+def test_partial_batches_in_isolation() -> None:
+    """The widening: 1.0 while nothing is known or the count is a full batch's; usual/n at
+    half the usual count or below; widen_at says it only for the step judged last."""
+    from eventbus_debug.probes.step._partial import PartialBatches
+
+    partial = PartialBatches()
+    assert partial.judge(0, None) == 1.0 and partial.judge(1, 1) == 1.0  # nothing known yet
+    for step in range(2, 60):
+        assert partial.judge(step, 64) == 1.0
+    assert partial.judge(60, 33) == 1.0  # above half: a full batch's noise
+    assert partial.judge(61, 32) == 2.0 and partial.widen_at(61) == 2.0
+    assert partial.widen_at(60) == 1.0  # not the step judged last
+    assert partial.judge(62, 1) == 64.0
+    assert partial.judge(63, 0) == 1.0  # an empty batch has nothing to widen
+    assert partial.judge(64, None) == 1.0 and partial.widen_at(64) == 1.0

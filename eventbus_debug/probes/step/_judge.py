@@ -38,22 +38,13 @@ from ..levels import Thresholds
 from ._dead_layers import DeadLayers
 from ._explosions import ExplosionDetector
 from ._launch import Layout, Pending
+from ._partial import PartialBatches
 from ._spikes import LossSpikeDetector
-from ._windows import RunningMedian
 from .verdict import StepVerdict
 
 __all__ = ("Judge", "Judgement")
 
 _log = get_logger(__name__)
-
-_PARTIAL: Final = 0.5
-"""A step of at most this fraction of the run's usual samples (the median count of its last
-:data:`_USUAL` steps that said theirs) is a *partial* batch: an epoch's last, with
-``drop_last=False``."""
-
-_USUAL: Final = 50
-"""How many recent steps' sample counts make the run's usual one: a median, so that neither
-an epoch's short last batch nor a window that summed two batches moves it."""
 
 _CONVERGED: Final = 1e-6
 """A loss within this fraction of the largest loss the run had has converged: gradients near
@@ -128,14 +119,8 @@ class Judge:
         """Whether the next vanishing-due step needs the mean ``|grad|`` pass: decided from the
         last judged gradients (``mean|g| >= Σ‖g‖₂ / n``, so while that bound clears the
         threshold no gradient can have vanished) and never while the loss has converged."""
-        self._samples = RunningMedian(_USUAL)
-        """The sample counts of the last steps that said theirs (their median is the run's
-        batch). Not part of :meth:`state`: a resumed run learns it again at its first step."""
-        self._widen = 1.0
-        """The step being judged is a partial batch of ``1 / _widen`` of the run's usual
-        samples (1.0: a full one, or unknown)."""
-        self._widened = -1
-        """The step :attr:`_widen` is for (see :meth:`widen_at`)."""
+        self._partial = PartialBatches()
+        """Whether the step judged is a partial batch (an epoch's short last one)."""
         self._layers = DeadLayers(
             len(names),
             relative=thresholds.vanishing_relative,
@@ -218,8 +203,7 @@ class Judge:
         """Decide *pending*'s step from its *values*; *recheck* reads the state norms on a fire."""
         lay = pending.layout
         step = lay.step
-        widen = self._widen = 1.0 if lay.samples is None else self._partial(lay.samples)
-        self._widened = step
+        widen = self._partial.judge(step, lay.samples)
         incidents: list[Event] = []
         pos = 0
         loss_value: float | None = lay.host_loss
@@ -369,19 +353,9 @@ class Judge:
         """How much more leniently *step*'s loss is judged: the last judged step's partial-batch
         widening when it is *step*, else 1.0 (a ranks' mean loss of a partial batch, judged
         after the ranks agreed: every rank had the same samples under ``DistributedSampler``)."""
-        return self._widen if step == self._widened else 1.0
+        return self._partial.widen_at(step)
 
     # -- parts ----------------------------------------------------------------------------------
-
-    def _partial(self, samples: int) -> float:
-        """How many times fewer samples than the run's usual the step had, when it is a
-        partial batch (at most half of them); else 1.0. The count joins the run's."""
-        counts = self._samples
-        usual = counts.median() if len(counts) else 0.0
-        counts.add(float(samples))
-        if 0 < samples <= _PARTIAL * usual:
-            return usual / samples
-        return 1.0
 
     def _param_norm(self, slots: tuple[int, ...], p2: list[float]) -> tuple[float, list[int]]:
         """The parameters' total norm (buffers left out) and the non-finite slots."""
@@ -506,7 +480,7 @@ class Judge:
                 total = math.inf
         exploded = None
         if math.isfinite(total):
-            widen = self._widen
+            widen = self._partial.widen
             if widen == 1.0:
                 exploded = self._explosions.observe(total, self.lr)
             else:
