@@ -307,11 +307,13 @@ class Session(SessionBase[EventBus]):
         step: int | None = None,
         samples: int | None = None,
     ) -> TrainingStepResult:
-        """One fully checked training step .
+        """One fully checked training step.
 
         Validates the inputs (when an ``input_spec`` was given), runs forward and backward,
         checks the outputs (when an ``output_checker`` was given), awaits the safe point,
-        steps the optimizer unless the verdict says not to, and records the step.
+        steps the optimizer unless the verdict says not to, and records the step. *step*
+        defaults to the one after the last; *samples* to the leading dimension of the first
+        tensor in *inputs* (see :meth:`check_step`).
 
         Raises:
             RuntimeError: if the session has no optimizer or is not running.
