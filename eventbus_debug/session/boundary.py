@@ -89,6 +89,25 @@ def run_sync(body: Body[R]) -> R:
 _log = get_logger(__name__)
 
 
+class _StepsBeforeCheck:
+    """Whether *optimizer* stepped between the session's start and its first check: a hook
+    on the optimizer's steps until that check (then removed; it holds nothing but a flag)."""
+
+    __slots__ = ("_handle", "stepped")
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.stepped = False
+        self._handle = optimizer.register_step_post_hook(self._hook)
+
+    def _hook(self, optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        self.stepped = True  # not removed here: the optimizer is iterating its hooks
+
+    def close(self) -> bool:
+        """Remove the hook; whether the optimizer stepped before."""
+        self._handle.remove()
+        return self.stepped
+
+
 def _concurrent(entry: str) -> NoReturn:
     """Refuse a blocking *entry* called while another thread is inside one."""
     msg = (
@@ -181,6 +200,8 @@ class StepBoundary:
         self.step: int | None = None
         """The step being checked or last completed (None before the first)."""
         self._went_back = False  # step_went_back was logged
+        self._first = True  # the first check is still to come
+        self._order = _StepsBeforeCheck(optimizer) if optimizer is not None else None
         self._told: tuple[int, int] = (-1, 0)  # the step whose check was told its samples
         self.steps_completed = 0
         self._last_step_t: float | None = None
@@ -333,6 +354,8 @@ class StepBoundary:
         """The start of a step's checks: the time they started (*step* checked)."""
         if step.__class__ is not int or not 0 <= step <= INT64_MAX:
             StepProbe._validate(step, None)  # a refused step never becomes the session's step
+        if self._first:
+            self._first_check(step)
         if self.lone is not None:
             if self._lone_in:
                 self._lone_in -= 1
@@ -340,6 +363,19 @@ class StepBoundary:
                 self._lone_in = LONE_EVERY - 1
                 self.lone()
         return self.meter.clock()
+
+    def _first_check(self, step: int) -> None:
+        """The first check: say once when the optimizer stepped before it (a check placed
+        after ``optimizer.step()`` decides on a step already taken)."""
+        self._first = False
+        order, self._order = self._order, None
+        if order is not None and order.close():
+            _log.warning(
+                "check_after_optimizer_step",
+                step=step,
+                hint="call check_step after loss.backward() and before optimizer.step(): "
+                "a skip or clip decided after the step comes too late",
+            )
 
     def _probed(
         self,

@@ -195,3 +195,29 @@ def test_a_frozen_model_checks_without_a_word(caplog: pytest.LogCaptureFixture) 
             session.check_step(step, loss=1.0)
             session.step_completed(step)
     assert "no_gradients_at_check" not in caplog.text
+
+
+def test_a_check_after_the_optimizer_step_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """backward, optimizer.step(), then check_step: every skip or clip would come after the
+    step it was for; the first check says so, once, and the optimizer keeps no hook."""
+    model, opt = setup()
+    with SyncSession(model, opt, log_dir=None, report=False, alerts=False) as session:
+        for step in range(3):
+            x, y = batch()
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(model(x), y)
+            torch.autograd.backward(loss)
+            opt.step()
+            session.check_step(step, loss=loss)  # the wrong place
+            session.step_completed(step)
+    assert caplog.text.count("check_after_optimizer_step") == 1
+    assert not opt._optimizer_step_post_hooks
+
+
+def test_checks_in_their_place_say_nothing_of_the_order(caplog: pytest.LogCaptureFixture) -> None:
+    model, opt = setup()
+    with SyncSession(model, opt, log_dir=None, report=False, alerts=False) as session:
+        for step in range(3):
+            session.training_step(*batch(), nn.functional.mse_loss, step=step)
+    assert "check_after_optimizer_step" not in caplog.text and "no_gradients" not in caplog.text
+    assert not opt._optimizer_step_post_hooks
