@@ -69,6 +69,7 @@ from .session import (
     SessionEnded as SessionEnded,
     SessionStarted as SessionStarted,
     StepCompleted as StepCompleted,
+    UsageWarning as UsageWarning,
     given_run_id as given_run_id,
     new_run_id as new_run_id,
 )
@@ -131,6 +132,7 @@ __all__ = (
     "StepSkipped",
     "SystemSampled",
     "TensorRole",
+    "UsageWarning",
     "current_rank",
     "event_type",
     "event_types",

@@ -15,6 +15,7 @@ __all__ = (
     "SessionEnded",
     "SessionStarted",
     "StepCompleted",
+    "UsageWarning",
     "given_run_id",
     "new_run_id",
 )
@@ -107,3 +108,24 @@ class StepCompleted(Event):
     learning_rate: float | None = None
     samples_per_s: float | None = None
     duration_s: float | None = None
+
+
+@event_type
+class UsageWarning(Event):
+    """The session is called in a way that defeats its checks; said once per problem and
+    session, on the bus (so the log, the report and the console show it) and in the library's
+    log.
+
+    Attributes:
+        problem: which, as the library's log names it: ``"check_after_optimizer_step"`` (the
+            first check came after an optimizer step: its skips and clips come too late),
+            ``"no_gradients_at_check"`` (a gradient check found no gradient: called before
+            ``loss.backward()``), ``"step_went_back"`` (a step lower than the one before: a
+            per-epoch batch index passed as the step).
+        message: what to do about it.
+    """
+
+    kind: ClassVar[str] = "usage_warning"
+    severity: Severity = Severity.WARNING
+    problem: str
+    message: str

@@ -25,7 +25,7 @@ from torch import nn
 from .._tensors import batch_size
 from .._validate import INT64_MAX
 from ..diagnostics import get_logger
-from ..events import Event, StepCompleted, StepSkipped
+from ..events import Event, StepCompleted, StepSkipped, UsageWarning
 from ..extras.validation import InputValidator, OutputChecker, Violation
 from ..probes import AnomalyArming, LeakDetector, StepProbe, StepProfiler, StepVerdict
 from ..probes.anomaly_arming import RngState
@@ -370,12 +370,19 @@ class StepBoundary:
         self._first = False
         order, self._order = self._order, None
         if order is not None and order.close():
-            _log.warning(
+            self._usage(
+                step,
                 "check_after_optimizer_step",
-                step=step,
-                hint="call check_step after loss.backward() and before optimizer.step(): "
-                "a skip or clip decided after the step comes too late",
+                "check_step ran after an optimizer step: its skips and clips come after the "
+                "step they are for; call it after loss.backward() and before optimizer.step()",
             )
+
+    def _usage(self, step: int, problem: str, message: str) -> None:
+        """Say a usage *problem* once: in the library's log and as a UsageWarning event."""
+        _log.warning(problem, step=step, hint=message)
+        self.publisher.publish_nowait(
+            UsageWarning(step=step, source=self.name, problem=problem, message=message)
+        )
 
     def _probed(
         self,
@@ -392,12 +399,12 @@ class StepBoundary:
         previous = self.step
         if previous is not None and step < previous and not self._went_back:
             self._went_back = True
-            _log.warning(
+            self._usage(
+                step,
                 "step_went_back",
-                step=step,
-                previous=previous,
-                hint="pass the run's global step, counting on across epochs (epoch * "
-                "len(loader) + i): a batch index restarting at 0 folds the epochs together",
+                f"step {step} came after step {previous}: pass the run's global step, counting "
+                "on across epochs (epoch * len(loader) + i); a batch index restarting at 0 "
+                "folds the epochs together",
             )
         self.step = step
         if self.device_skip is not None:

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from eventbus_debug import Session, SyncSession, read_events
-from eventbus_debug.events import StepCompleted
+from eventbus_debug.events import StepCompleted, UsageWarning
 from eventbus_debug.testing import RecordingSink
 
+from .._doubles import quiet
 from ._helpers import batch, setup
 
 BAD_VALUES: list[tuple[dict[str, Any], type[Exception], str]] = [
@@ -160,20 +161,26 @@ def test_a_step_going_back_is_said_once(caplog: pytest.LogCaptureFixture) -> Non
     """A per-epoch batch index passed as the step (``for step, batch in enumerate(loader)``
     inside the epoch loop) restarts at 0: the run goes on, and the log says once what to pass."""
     model, opt = setup()
-    with SyncSession(model, opt, log_dir=None, report=False, alerts=False) as session:
+    recorder = RecordingSink()
+    opts = quiet(sinks=[recorder])
+    with SyncSession(model, opt, **opts) as session:
         for _ in range(3):
             for step in range(5):
                 session.training_step(*batch(), nn.functional.mse_loss, step=step)
         session.training_step(*batch(), nn.functional.mse_loss, step=4)  # a retry: not back
+    said = [(e.step, e.problem) for e in recorder.of_type(UsageWarning)]
+    assert said == [(0, "step_went_back")]  # on the bus too: the log file, the report
     assert caplog.text.count("step_went_back") == 1
-    assert "step=0 previous=4" in caplog.text and "epoch * len(loader) + i" in caplog.text
+    assert "step 0 came after step 4" in caplog.text and "epoch * len(loader) + i" in caplog.text
 
 
 def test_a_check_before_backward_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
     """check_step before loss.backward() (after zero_grad) sees no gradient: the gradient
     checks would see nothing for the whole run, so the log says where the call belongs."""
     model, opt = setup()
-    with SyncSession(model, opt, log_dir=None, report=False, alerts=False) as session:
+    recorder = RecordingSink()
+    opts = quiet(sinks=[recorder])
+    with SyncSession(model, opt, **opts) as session:
         for step in range(3):
             x, y = batch()
             opt.zero_grad(set_to_none=True)
@@ -182,6 +189,8 @@ def test_a_check_before_backward_is_said_once(caplog: pytest.LogCaptureFixture) 
             torch.autograd.backward(loss)
             opt.step()
             session.step_completed(step)
+    said = [(e.step, e.problem) for e in recorder.of_type(UsageWarning)]
+    assert said == [(0, "no_gradients_at_check")]
     assert caplog.text.count("no_gradients_at_check") == 1
     assert "after loss.backward()" in caplog.text
 
@@ -201,7 +210,9 @@ def test_a_check_after_the_optimizer_step_is_said_once(caplog: pytest.LogCapture
     """backward, optimizer.step(), then check_step: every skip or clip would come after the
     step it was for; the first check says so, once, and the optimizer keeps no hook."""
     model, opt = setup()
-    with SyncSession(model, opt, log_dir=None, report=False, alerts=False) as session:
+    recorder = RecordingSink()
+    opts = quiet(sinks=[recorder])
+    with SyncSession(model, opt, **opts) as session:
         for step in range(3):
             x, y = batch()
             opt.zero_grad(set_to_none=True)
@@ -210,6 +221,8 @@ def test_a_check_after_the_optimizer_step_is_said_once(caplog: pytest.LogCapture
             opt.step()
             session.check_step(step, loss=loss)  # the wrong place
             session.step_completed(step)
+    said = [(e.step, e.problem) for e in recorder.of_type(UsageWarning)]
+    assert said == [(0, "check_after_optimizer_step")]
     assert caplog.text.count("check_after_optimizer_step") == 1
     assert not opt._optimizer_step_post_hooks
 

@@ -33,6 +33,7 @@ from ...events import (
     NonFiniteDetected,
     StepChecked,
     TensorRole,
+    UsageWarning,
 )
 from ..levels import Thresholds
 from ._dead_layers import DeadLayers
@@ -132,6 +133,7 @@ class Judge:
         self._param_base: tuple[int, tuple[int, ...], Sequence[float]] = (-1, (), ())
         self._ratios_warned: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         self._scaler_hinted = False
+        self._no_gradients_said = False
         self._spikes: LossSpikeDetector
         self._explosions: ExplosionDetector
         self.thresholds = thresholds
@@ -286,6 +288,8 @@ class Judge:
             for slot, v in zip(lay.activations, values[pos:], strict=False):
                 (dead if slot.kind == "dead" else saturated)[slot.name] = slot.fraction(v)
         fired = tuple(e.kind for e in incidents) if incidents else ()
+        if lay.no_gradients and not self._no_gradients_said:
+            incidents.append(self._no_gradients(step))
         incidents.append(
             StepChecked(
                 step=step,
@@ -356,6 +360,19 @@ class Judge:
         return self._partial.widen_at(step)
 
     # -- parts ----------------------------------------------------------------------------------
+
+    def _no_gradients(self, step: int) -> UsageWarning:
+        """A due gradient check found no gradient: said once (log and event), since the checks
+        then see nothing for the whole run."""
+        self._no_gradients_said = True
+        message = (
+            "check_step found no gradient to check: call it after loss.backward() and before "
+            "optimizer.step() (before backward, or after zero_grad, the checks see nothing)"
+        )
+        _log.warning("no_gradients_at_check", step=step, hint=message)
+        return UsageWarning(
+            step=step, source=self.source, problem="no_gradients_at_check", message=message
+        )
 
     def _param_norm(self, slots: tuple[int, ...], p2: list[float]) -> tuple[float, list[int]]:
         """The parameters' total norm (buffers left out) and the non-finite slots."""

@@ -90,6 +90,7 @@ class Layout:
     update_base: int  # the step whose parameter norms are the ‖w‖ of the update ratios
     activations: tuple[ActivationSlot, ...]
     samples: int | None = None  # the step's samples, when the caller said
+    no_gradients: bool = False  # gradients were due and no trainable parameter had one
 
 
 def global_norms(norms: torch.Tensor) -> torch.Tensor:
@@ -280,7 +281,6 @@ class Launcher:
     __slots__ = (
         "_activations",
         "_grad_plans",
-        "_no_grads_said",
         "_params",
         "_pool",
         "_snapshot",
@@ -319,7 +319,6 @@ class Launcher:
         self._update_said = False  # the rotation was logged
         self._update_sizes: tuple[tuple[int, ...], list[int]] | None = None
         self._pool = _PinnedPool()
-        self._no_grads_said = False  # no_gradients_at_check was logged
 
     @property
     def measuring_updates(self) -> bool:
@@ -382,19 +381,6 @@ class Launcher:
             used += sizes[j]
         return tuple(sorted(window))
 
-    def _no_gradients(self, step: int) -> None:
-        """A gradient check found no gradient on any trainable parameter: said once, since the
-        checks then see nothing (a check called before ``loss.backward()``, after
-        ``zero_grad()``); a model with nothing to train says nothing."""
-        if any(map(_requires_grad, self._params)):
-            self._no_grads_said = True
-            _log.warning(
-                "no_gradients_at_check",
-                step=step,
-                hint="call check_step after loss.backward() and before optimizer.step(): "
-                "before backward (or after zero_grad) the gradient checks see nothing",
-            )
-
     def _grad_plan(self, grads: list[torch.Tensor | None]) -> _GradPlan | None:
         key = tuple([None if g is None else g.layout for g in grads])
         cached = self._grad_plans.get(key)
@@ -435,6 +421,7 @@ class Launcher:
         param_slots: tuple[int, ...] = ()
         home: torch.device | None = None
         with_l1 = False
+        no_gradients = False
         # The update ratios divide by the parameter norms of the snapshot step: measure them then.
         with_state = (checks.params or checks.updates) and bool(self._state)
         host_loss: float | None = None
@@ -458,8 +445,9 @@ class Launcher:
                     g if p.requires_grad else None for p, g in zip(self._params, grads, strict=True)
                 ]
             planned = self._grad_plan(grads)
-            if planned is None and not self._no_grads_said:
-                self._no_gradients(step)
+            if planned is None:
+                # due, and no trainable parameter has one: a check before loss.backward()
+                no_gradients = any(map(_requires_grad, self._params))
             if planned is not None:
                 plan = planned.plan
                 grad_slots = planned.ordered
@@ -514,6 +502,7 @@ class Launcher:
             update_base=update_base,
             activations=activations,
             samples=samples,
+            no_gradients=no_gradients,
         )
         flat = all_scalars and not with_state and updates_flat
         pending = Pending(layout, pieces, grads, self._pool, flat=flat)
