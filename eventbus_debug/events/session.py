@@ -119,9 +119,10 @@ class UsageWarning(Event):
     Attributes:
         problem: which, as the library's log names it: ``"check_after_optimizer_step"`` (the
             first check came after an optimizer step: its skips and clips come too late),
-            ``"no_gradients_at_check"`` (a gradient check found no gradient: called before
-            ``loss.backward()``), ``"step_went_back"`` (a step lower than the one before: a
-            per-epoch batch index passed as the step).
+            ``"checked_after_scaler_step"`` (the same under AMP: after
+            ``scaler.step(optimizer)``), ``"no_gradients_at_check"`` (a gradient check found
+            no gradient: called before ``loss.backward()``), ``"step_went_back"`` (a step lower
+            than the one before: a per-epoch batch index passed as the step).
         message: what to do about it.
     """
 

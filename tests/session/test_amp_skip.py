@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from eventbus_debug import Session
-from eventbus_debug.events import StepSkipped
+from eventbus_debug.events import StepSkipped, UsageWarning
 from eventbus_debug.testing import RecordingSink
 
 
@@ -60,9 +60,10 @@ async def test_a_check_after_scaler_step_reads_the_true_norm_and_says_the_order_
     vanished gradients). The norm is the true one, and the log says the order once."""
     model, opt, scaler, x, y = _setup()
     norms: list[tuple[float, float]] = []
+    recorder = RecordingSink()
     with caplog.at_level(logging.WARNING, logger="eventbus_debug"):
         async with Session(
-            model, opt, scaler=scaler, log_dir=None, report=False, alerts=False
+            model, opt, scaler=scaler, log_dir=None, report=False, alerts=False, sinks=[recorder]
         ) as s:
             for step in range(5):
                 opt.zero_grad(set_to_none=True)
@@ -79,3 +80,6 @@ async def test_a_check_after_scaler_step_reads_the_true_norm_and_says_the_order_
     assert all(got == pytest.approx(true, rel=1e-5) for got, true in norms)
     said = [r for r in caplog.records if "checked_after_scaler_step" in r.getMessage()]
     assert len(said) == 1 and "before scaler.step(optimizer)" in said[0].getMessage()
+    # on the bus too (the log file, the report); scaler.step() stepped the optimizer as well
+    problems = sorted(e.problem for e in recorder.of_type(UsageWarning))
+    assert problems == ["check_after_optimizer_step", "checked_after_scaler_step"]

@@ -134,6 +134,7 @@ class Judge:
         self._ratios_warned: tuple[tuple[str, ...], tuple[str, ...]] | None = None
         self._scaler_hinted = False
         self._no_gradients_said = False
+        self._said: list[UsageWarning] = []  # published with the next judged step's events
         self._spikes: LossSpikeDetector
         self._explosions: ExplosionDetector
         self.thresholds = thresholds
@@ -289,7 +290,10 @@ class Judge:
                 (dead if slot.kind == "dead" else saturated)[slot.name] = slot.fraction(v)
         fired = tuple(e.kind for e in incidents) if incidents else ()
         if lay.no_gradients and not self._no_gradients_said:
-            incidents.append(self._no_gradients(step))
+            self._no_gradients(step)
+        if self._said:  # after `fired`: what the loop got wrong, not what the step did
+            incidents += self._said
+            self._said.clear()
         incidents.append(
             StepChecked(
                 step=step,
@@ -353,6 +357,15 @@ class Judge:
             streak=verdict.streak,
         )
 
+    def say(self, step: int, problem: str, message: str) -> None:
+        """A usage *problem* found at *step*: logged now, and published as a
+        :class:`~eventbus_debug.events.UsageWarning` with the next judged step's events (so
+        from the loop's thread, whichever thread judged)."""
+        _log.warning(problem, step=step, hint=message)
+        self._said.append(
+            UsageWarning(step=step, source=self.source, problem=problem, message=message)
+        )
+
     def widen_at(self, step: int) -> float:
         """How much more leniently *step*'s loss is judged: the last judged step's partial-batch
         widening when it is *step*, else 1.0 (a ranks' mean loss of a partial batch, judged
@@ -361,17 +374,15 @@ class Judge:
 
     # -- parts ----------------------------------------------------------------------------------
 
-    def _no_gradients(self, step: int) -> UsageWarning:
-        """A due gradient check found no gradient: said once (log and event), since the checks
-        then see nothing for the whole run."""
+    def _no_gradients(self, step: int) -> None:
+        """A due gradient check found no gradient: said once, since the checks then see
+        nothing for the whole run."""
         self._no_gradients_said = True
-        message = (
+        self.say(
+            step,
+            "no_gradients_at_check",
             "check_step found no gradient to check: call it after loss.backward() and before "
-            "optimizer.step() (before backward, or after zero_grad, the checks see nothing)"
-        )
-        _log.warning("no_gradients_at_check", step=step, hint=message)
-        return UsageWarning(
-            step=step, source=self.source, problem="no_gradients_at_check", message=message
+            "optimizer.step() (before backward, or after zero_grad, the checks see nothing)",
         )
 
     def _param_norm(self, slots: tuple[int, ...], p2: list[float]) -> tuple[float, list[int]]:
@@ -474,8 +485,8 @@ class Judge:
                     # a StepSkipped with the scales once scaler.update() ran).
                     return total, False
                 if self._scaler is None and loss_finite and not self._scaler_hinted:
-                    self._scaler_hinted = True  # said once a run
-                    _log.warning(
+                    self._scaler_hinted = True  # said once a run; a hint, not a sure misuse
+                    _log.warning(  # (a NaN gradient of a real fault reads the same): log only
                         "non_finite_gradients_with_finite_loss",
                         step=step,
                         hint="if this run uses torch.amp.GradScaler, pass scaler= (Session(..., "

@@ -540,7 +540,7 @@ class StepProbe:
                     loss,
                     checks,
                     l1=vanishing,
-                    inverse_scale=self._inverse_scale(),
+                    inverse_scale=self._inverse_scale(step),
                     samples=samples,
                 )
             finally:
@@ -576,8 +576,9 @@ class StepProbe:
         values: list[float] = norms.tolist()
         return values, slots
 
-    def _inverse_scale(self) -> torch.Tensor | None:
-        """``1 / scale`` of the AMP scaler while the gradients are still scaled (on device)."""
+    def _inverse_scale(self, step: int) -> torch.Tensor | None:
+        """``1 / scale`` of the AMP scaler while *step*'s gradients are still scaled (on
+        device)."""
         scaler = self._scaler
         if scaler is None or not scaler.is_enabled():
             return None
@@ -592,11 +593,12 @@ class StepProbe:
             if stage == "STEPPED":  # scaler.step() ran: unscaled, and stepped already
                 if not self._said_late:
                     self._said_late = True
-                    _log.warning(
+                    self._judge.say(
+                        step,
                         "checked_after_scaler_step",
-                        source=self.source,
-                        fix="call check_step after backward and before scaler.step(optimizer): "
-                        "a skip decided now comes after the step was taken",
+                        "check_step ran after scaler.step(optimizer): call it after backward "
+                        "and before scaler.step(optimizer); a skip decided now comes after the "
+                        "step was taken",
                     )
                 return None
         # The scale is a float32 power of two (growth and backoff factors 2 and 0.5 by
