@@ -200,8 +200,8 @@ class StepBoundary:
         self.step: int | None = None
         """The step being checked or last completed (None before the first)."""
         self._went_back = False  # step_went_back was logged
-        self._first = True  # the first check is still to come
         self._order = _StepsBeforeCheck(optimizer) if optimizer is not None else None
+        """Watches the optimizer's steps until the first check (then None)."""
         self._told: tuple[int, int] = (-1, 0)  # the step whose check was told its samples
         self.steps_completed = 0
         self._last_step_t: float | None = None
@@ -354,7 +354,7 @@ class StepBoundary:
         """The start of a step's checks: the time they started (*step* checked)."""
         if step.__class__ is not int or not 0 <= step <= INT64_MAX:
             StepProbe._validate(step, None)  # a refused step never becomes the session's step
-        if self._first:
+        if self._order is not None:
             self._first_check(step)
         if self.lone is not None:
             if self._lone_in:
@@ -367,7 +367,6 @@ class StepBoundary:
     def _first_check(self, step: int) -> None:
         """The first check: say once when the optimizer stepped before it (a check placed
         after ``optimizer.step()`` decides on a step already taken)."""
-        self._first = False
         order, self._order = self._order, None
         if order is not None and order.close():
             self._usage(

@@ -174,22 +174,32 @@ def test_a_step_going_back_is_said_once(caplog: pytest.LogCaptureFixture) -> Non
     assert "step 0 came after step 4" in caplog.text and "epoch * len(loader) + i" in caplog.text
 
 
-def test_a_check_before_backward_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
-    """check_step before loss.backward() (after zero_grad) sees no gradient: the gradient
-    checks would see nothing for the whole run, so the log says where the call belongs."""
-    model, opt = setup()
+def _check_out_of_place(
+    opt: torch.optim.Optimizer, model: nn.Module, *, where: str
+) -> list[tuple[int | None, str]]:
+    """Three steps whose check_step is out of place, *where* ``"before_backward"`` or
+    ``"after_step"`` (the optimizer's); the usage warnings the session published."""
     recorder = RecordingSink()
-    opts = quiet(sinks=[recorder])
-    with SyncSession(model, opt, **opts) as session:
+    with SyncSession(model, opt, **quiet(sinks=[recorder])) as session:
         for step in range(3):
             x, y = batch()
             opt.zero_grad(set_to_none=True)
             loss = nn.functional.mse_loss(model(x), y)
-            session.check_step(step, loss=loss)  # the wrong place
+            if where == "before_backward":
+                session.check_step(step, loss=loss)  # the wrong place
             torch.autograd.backward(loss)
             opt.step()
+            if where == "after_step":
+                session.check_step(step, loss=loss)  # the wrong place
             session.step_completed(step)
-    said = [(e.step, e.problem) for e in recorder.of_type(UsageWarning)]
+    return [(e.step, e.problem) for e in recorder.of_type(UsageWarning)]
+
+
+def test_a_check_before_backward_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """check_step before loss.backward() (after zero_grad) sees no gradient: the gradient
+    checks would see nothing for the whole run, so the log says where the call belongs."""
+    model, opt = setup()
+    said = _check_out_of_place(opt, model, where="before_backward")
     assert said == [(0, "no_gradients_at_check")]
     assert caplog.text.count("no_gradients_at_check") == 1
     assert "after loss.backward()" in caplog.text
@@ -210,18 +220,7 @@ def test_a_check_after_the_optimizer_step_is_said_once(caplog: pytest.LogCapture
     """backward, optimizer.step(), then check_step: every skip or clip would come after the
     step it was for; the first check says so, once, and the optimizer keeps no hook."""
     model, opt = setup()
-    recorder = RecordingSink()
-    opts = quiet(sinks=[recorder])
-    with SyncSession(model, opt, **opts) as session:
-        for step in range(3):
-            x, y = batch()
-            opt.zero_grad(set_to_none=True)
-            loss = nn.functional.mse_loss(model(x), y)
-            torch.autograd.backward(loss)
-            opt.step()
-            session.check_step(step, loss=loss)  # the wrong place
-            session.step_completed(step)
-    said = [(e.step, e.problem) for e in recorder.of_type(UsageWarning)]
+    said = _check_out_of_place(opt, model, where="after_step")
     assert said == [(0, "check_after_optimizer_step")]
     assert caplog.text.count("check_after_optimizer_step") == 1
     assert not opt._optimizer_step_post_hooks

@@ -251,11 +251,7 @@ class ExplosionDetector:
             # harder data, still has the norms of early training: 10x that tiny median is the
             # data, not an explosion, as long as it stays within what the run has already
             # accepted, or within reach of a baseline the run has had recently.
-            threshold = max(
-                self.factor * baseline,
-                self.floor * self._largest,
-                self.reach * peaks.largest,
-            )
+            threshold = self._bar(baseline)
             if norm > threshold and lr_range.raised:
                 # the LR rose: the scale the run had at this LR, however long ago, is its own
                 threshold = max(threshold, self._scale())
@@ -300,14 +296,20 @@ class ExplosionDetector:
                 return ExplosionVerdict(self.cap, math.nan, self._largest, "cap")
             return None
         baseline = window.median()
-        bar = max(
-            self.factor * baseline, self.floor * self._largest, self.reach * self._peaks.largest
-        )
+        bar = self._bar(baseline)
         if norm > widen * bar and self._lr_range.raised:
             bar = max(bar, self._scale())
         if norm > widen * bar:
             return ExplosionVerdict(bar, baseline, self._largest, "growth")
         return None
+
+    def _bar(self, baseline: float) -> float:
+        """The growth bar over a window whose median is *baseline*: *factor* times it, above
+        the largest norm accepted (*floor* times it), and *reach* times the largest recent
+        median (before an LR rise widens it, see :meth:`_scale`)."""
+        return max(
+            self.factor * baseline, self.floor * self._largest, self.reach * self._peaks.largest
+        )
 
     def _settled(self) -> bool:
         """Whether the current streak has held one level (within 2x) for its last *settle*
